@@ -154,7 +154,8 @@ class RedisLock:
         if owner is not None and (not isinstance(owner, str) or not owner):
             raise InvalidLockConfig(f"owner must be a non-empty string, got {owner!r}",
                                     lock_name=name)
-        if blocking_timeout is not None and blocking_timeout < 0:
+        # NaN compares false with everything: refuse it rather than wait forever.
+        if blocking_timeout is not None and not blocking_timeout >= 0:
             raise InvalidLockConfig("blocking_timeout must be >= 0 or None",
                                     lock_name=name)
         if client is None:
@@ -234,7 +235,7 @@ class RedisLock:
         if timeout is not None and timeout != -1:
             if not blocking:
                 raise ValueError("can't specify a timeout for a non-blocking call")
-            if timeout < 0:
+            if not timeout >= 0:  # negative, or NaN (which would wait forever)
                 raise ValueError("timeout must be >= 0, -1 or None")
         else:
             timeout = None

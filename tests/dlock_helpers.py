@@ -1,0 +1,95 @@
+"""Helpers shared by the lock-core tests.
+
+This module is imported by ``spawn``-ed child processes too, so it imports nothing of
+pytest and nothing heavy: only redis and the package itself.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import redis.backoff
+import redis.retry
+
+from celery_dlock import RedisLock
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0,
+               interval: float = 0.01) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` passes; its last verdict."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return bool(predicate())
+        time.sleep(interval)
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fast_failing_client(port: int, timeout: float = 0.5) -> redis.Redis:
+    """A client that gives up at once: no retries, short socket timeouts."""
+    return redis.Redis(
+        host="127.0.0.1",
+        port=port,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+    )
+
+
+def queue_members(client: redis.Redis, lock: RedisLock) -> list[str]:
+    """Owners in the lock's FIFO line, first in line first."""
+    return [m.decode() for m in client.zrange(lock.keys.queue, 0, -1)]
+
+
+# -- child-process targets (must be importable by a spawned interpreter) ---------------
+
+
+def _read_modify_write(client: redis.Redis, counter: str, inside: str,
+                       overlaps: str, pause: float) -> None:
+    if client.incr(inside) > 1:
+        client.incr(overlaps)
+    value = int(client.get(counter) or 0)
+    time.sleep(pause)
+    client.set(counter, value + 1)
+    client.decr(inside)
+
+
+def counter_worker(redis_url: str, prefix: str, name: str, counter: str, n: int,
+                   barrier: Any, use_lock: bool, pause: float) -> None:
+    """``n`` read-modify-write increments of ``counter``, under the lock or not.
+
+    ``inside`` counts the processes inside the critical section; any moment with more
+    than one is recorded in ``overlaps``.
+    """
+    client = redis.Redis.from_url(redis_url, socket_timeout=30)
+    inside, overlaps = counter + ":inside", counter + ":overlaps"
+    barrier.wait(timeout=60)
+    for _ in range(n):
+        if use_lock:
+            with RedisLock(client, name, ttl=10, prefix=prefix, blocking_timeout=60):
+                _read_modify_write(client, counter, inside, overlaps, pause)
+        else:
+            _read_modify_write(client, counter, inside, overlaps, pause)
+    client.close()
+
+
+def hold_until_killed(redis_url: str, prefix: str, name: str, ttl: float,
+                      ready: Any) -> None:
+    """Take the lock (renewed by this process's heartbeat) and never release it."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=30)
+    lock = RedisLock(client, name, ttl=ttl, prefix=prefix)
+    lock.acquire()
+    ready.set()
+    time.sleep(120)
