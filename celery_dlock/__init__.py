@@ -1,5 +1,10 @@
 """celery-dlock: reentrant, renewed, owner-checked Redis locks for Celery tasks.
 
+On a task::
+
+    @app.task(base=LockedTask, bind=True, lock_key="stock:{product_id}")
+    def reduce_stock(self, product_id, qty=1): ...
+
 The lock core (:class:`RedisLock`) works without Celery::
 
     from celery_dlock import RedisLock
@@ -10,6 +15,8 @@ The lock core (:class:`RedisLock`) works without Celery::
 
 from __future__ import annotations
 
+from . import signals
+from .contention import ACQUIRED, Contention, is_skipped
 from .errors import (
     BackendUnavailable,
     DLockError,
@@ -22,19 +29,26 @@ from .errors import (
 )
 from .lock import RedisLock
 from .owner import owner_context
+from .task import LockedTask, LockLostInterrupt
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ACQUIRED",
     "BackendUnavailable",
+    "Contention",
     "DLockError",
     "Holder",
     "InvalidLockConfig",
     "LockLost",
+    "LockLostInterrupt",
     "LockNotAcquired",
     "LockNotOwned",
+    "LockedTask",
     "RedisLock",
     "UnkeyableArgument",
     "__version__",
+    "is_skipped",
     "owner_context",
+    "signals",
 ]

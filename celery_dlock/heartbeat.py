@@ -133,6 +133,12 @@ class Heartbeat:
                 entry.next_due = now + entry.interval
                 self._cond.notify()
 
+    def held_locks(self) -> list[Any]:
+        """The live lock objects whose holds are registered."""
+        with self._cond:
+            refs = [e.ref() for e in self._entries.values()]
+        return [lock for lock in refs if lock is not None]
+
     def is_registered(self, lock: object) -> bool:
         with self._cond:
             return id(lock) in self._entries

@@ -337,6 +337,34 @@ class RedisLock:
         what = "is not held" if status == 0 else "is held by another owner"
         raise LockNotOwned(f"cannot release: lock {what}", lock_name=self.name)
 
+    def release_all(self) -> int:
+        """Release every acquire of this object's hold, whichever thread asks.
+
+        For shutdown paths that must not leave holds to expire; returns how many
+        acquires were undone.  Errors are logged, not raised.
+        """
+        with self._state:
+            self._sync_generation()
+            depth, owner = self._depth, self._hold_owner
+            if depth == 0 or owner is None:
+                return 0
+            self._depth = 0
+            self._hold_owner = None
+            self._fence = None
+            self._lost_reason = None
+            self._get_heartbeat().unregister(self)
+        keys = self.keys
+        for _ in range(depth):
+            try:
+                reply = self._run(RELEASE, (keys.lock, keys.queue, keys.leases),
+                                  (owner, keys.doorbell_prefix, DOORBELL_TTL_MS))
+            except DLockError as exc:
+                logger.warning("releasing %r at shutdown failed: %s", self.name, exc)
+                break
+            if int(reply[0]) != 2:
+                break
+        return depth
+
     # -- extend, inspect ------------------------------------------------------------
 
     def _owner_for_checks(self) -> tuple[str, bool]:

@@ -229,24 +229,28 @@ return out
 
 # KEYS[1] lock hash, KEYS[2] queue, KEYS[3] leases
 # ARGV[1] doorbell key prefix, ARGV[2] doorbell ttl (ms),
-# ARGV[3] the owner expected to hold it, or '' for whoever holds it
+# ARGV[3..] conditions as field/value pairs (for example 'task_id', T, 'pid', P); none
+#           means whoever holds it
 # Returns {1, field, value, ...} freed (the hash as it was), {0} nothing was held,
-#         {-1, field, value, ...} held by an owner other than ARGV[3] (left alone).
-# For operators (``celery dlock release --force``) and for a worker freeing the locks
-# of a child process that died.
+#         {-1, field, value, ...} a condition did not match (left alone).
+# For operators (``celery dlock release --force``) and for a worker freeing the lock of
+# a child process that died (conditions: that task id in that pid).
 FORCE_RELEASE = LuaScript(
     "force_release",
     _COMMON
     + """
 local fields = redis.call('HGETALL', KEYS[1])
 if #fields == 0 then return {0} end
-local reply
-if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[3] then
-  reply = {-1}
-else
+local reply = {1}
+for i = 3, #ARGV - 1, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then
+    reply = {-1}
+    break
+  end
+end
+if reply[1] == 1 then
   redis.call('DEL', KEYS[1])
   wake_head(KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now_ms())
-  reply = {1}
 end
 for i = 1, #fields do reply[i + 1] = fields[i] end
 return reply

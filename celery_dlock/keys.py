@@ -1,0 +1,253 @@
+"""Lock names derived from a task and the arguments of one call.
+
+The call is first bound to the task's signature with defaults applied, so ``f(1)``,
+``f(a=1)`` and ``f(1, b=2)`` (``b=2`` being the default) all give one name.  Then:
+
+* a **template** (``"stock:{product_id}"``) is formatted with the bound arguments; its
+  fields are checked against the signature when the task is declared;
+* a **callable** gets the bound arguments (``*args, **kwargs``) and returns the name;
+* **None** keys on the task name plus the bound arguments (all of them, or those named
+  in ``lock_args``), canonically serialised and hashed with sha256.
+
+A value that cannot be keyed reliably (an object whose text holds a memory address, a
+type with no stable serialisation) is refused with :class:`UnkeyableArgument` rather
+than producing a name that two equal calls would never share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import decimal
+import enum
+import hashlib
+import inspect
+import json
+import math
+import re
+import string
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from .errors import InvalidLockConfig, UnkeyableArgument
+
+__all__ = ["KeyFunction", "canonical", "make_key_function"]
+
+KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
+
+_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}>")
+
+
+class _Unkeyable(Exception):
+    def __init__(self, path: str, value: Any, why: str) -> None:
+        super().__init__(path)
+        self.path = path
+        self.value = value
+        self.why = why
+
+
+def _has_address(text: str) -> bool:
+    return _ADDRESS.search(text) is not None
+
+
+def _normalise(value: Any, path: str) -> Any:
+    """A JSON-able, type-tagged form of ``value`` that equal values share."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value if not isinstance(value, enum.Enum) else _normalise_enum(value, path)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return {"__float__": repr(value)}
+        return value
+    if isinstance(value, enum.Enum):
+        return _normalise_enum(value, path)
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": bytes(value).hex()}
+    if isinstance(value, decimal.Decimal):
+        return {"__decimal__": str(value)}
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return {f"__{type(value).__name__}__": value.isoformat()}
+    if isinstance(value, _dt.timedelta):
+        return {"__timedelta__": value.total_seconds()}
+    if isinstance(value, uuid.UUID):
+        return {"__uuid__": str(value)}
+    if isinstance(value, Mapping):
+        items = []
+        for k, v in value.items():
+            items.append((_sort_token(_normalise(k, f"{path} key")),
+                          _normalise(v, f"{path}[{k!r}]")))
+        items.sort(key=lambda kv: kv[0])
+        return {"__map__": [[k, v] for k, v in items]}
+    if isinstance(value, (set, frozenset)):
+        members = [_normalise(v, f"{path} member") for v in value]
+        return {"__set__": sorted(members, key=_sort_token)}
+    if isinstance(value, (list, tuple)):
+        return [_normalise(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {"__dataclass__": type(value).__qualname__,
+                "fields": _normalise(fields, path)}
+    dlock_key = getattr(value, "__dlock_key__", None)
+    if callable(dlock_key):
+        return {"__custom__": type(value).__qualname__,
+                "key": _normalise(dlock_key(), path)}
+    text = repr(value)
+    if _has_address(text):
+        raise _Unkeyable(path, value, "its text holds a memory address, so no two calls "
+                         "would ever share a key")
+    # A type with a stable repr (namedtuple-like, value objects): key on that.
+    return {"__repr__": f"{type(value).__module__}.{type(value).__qualname__}",
+            "text": text}
+
+
+def _normalise_enum(value: enum.Enum, path: str) -> Any:
+    return {"__enum__": f"{type(value).__qualname__}.{value.name}"}
+
+
+def _sort_token(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def canonical(value: Any, *, where: str = "argument") -> str:
+    """Canonical JSON text of ``value`` (raises :class:`UnkeyableArgument`)."""
+    try:
+        normalised = _normalise(value, where)
+    except _Unkeyable as exc:
+        raise UnkeyableArgument(
+            f"cannot key {exc.path}={exc.value!r}: {exc.why}; pass a plain value "
+            f"(id, string, number), give the type a __dlock_key__() method, or set "
+            f"lock_key / lock_args on the task") from None
+    return json.dumps(normalised, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False)
+
+
+def _parameters(fun: Callable[..., Any], drop_first: bool) -> inspect.Signature:
+    sig = inspect.signature(fun)
+    if drop_first:
+        params = list(sig.parameters.values())
+        if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                         inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            sig = sig.replace(parameters=params[1:])
+    return sig
+
+
+def _template_fields(template: str) -> list[str]:
+    fields = []
+    for _, field_name, _, _ in string.Formatter().parse(template):
+        if field_name is None:
+            continue
+        if field_name == "" or field_name.isdigit():
+            raise ValueError("positional fields ({} or {0}) are not allowed: name the "
+                             "argument, as in {product_id}")
+        fields.append(re.split(r"[.\[]", field_name, maxsplit=1)[0])
+    return fields
+
+
+def make_key_function(
+    task_name: str,
+    fun: Callable[..., Any],
+    lock_key: str | Callable[..., Any] | None,
+    lock_args: Iterable[str] | None = None,
+    *,
+    drop_first: bool = False,
+) -> KeyFunction:
+    """Validate a task's key settings now and return ``key(args, kwargs) -> name``.
+
+    ``fun`` is the task's ``run``; ``drop_first`` drops its first parameter (``self``
+    of a bound task).  Raises :class:`InvalidLockConfig` naming the task and the
+    offending field or argument.
+    """
+    sig = _parameters(fun, drop_first)
+    params = sig.parameters
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def bind(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> inspect.BoundArguments:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise UnkeyableArgument(f"cannot bind the call to {task_name}"
+                                    f"{sig}: {exc}") from None
+        bound.apply_defaults()
+        return bound
+
+    if lock_args is not None:
+        if isinstance(lock_args, str):
+            lock_args = (lock_args,)
+        lock_args = tuple(lock_args)
+        unknown = [a for a in lock_args if a not in params]
+        if unknown:
+            raise InvalidLockConfig(
+                f"task {task_name}: lock_args names {', '.join(map(repr, unknown))}, "
+                f"which {task_name}{sig} does not have")
+        if lock_key is not None:
+            raise InvalidLockConfig(f"task {task_name}: lock_args goes with the default "
+                                    "key (lock_key=None), not with lock_key")
+
+    if isinstance(lock_key, str):
+        template = lock_key
+        if not template:
+            raise InvalidLockConfig(f"task {task_name}: lock_key is an empty string")
+        try:
+            fields = _template_fields(template)
+        except ValueError as exc:
+            raise InvalidLockConfig(f"task {task_name}: lock_key {template!r}: {exc}") \
+                from None
+        for field in fields:
+            if field not in params and not has_var_kw:
+                raise InvalidLockConfig(
+                    f"task {task_name}: lock_key {template!r} names {{{field}}}, but "
+                    f"{task_name}{sig} has no argument {field!r}")
+
+        def template_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+            values = dict(bind(args, kwargs).arguments)
+            for p in params.values():
+                if p.kind is inspect.Parameter.VAR_KEYWORD:
+                    values.update(values.pop(p.name, {}))
+            try:
+                name = template.format_map(values)
+            except (KeyError, AttributeError, IndexError, TypeError) as exc:
+                raise UnkeyableArgument(f"task {task_name}: lock_key {template!r} "
+                                        f"cannot be filled from the call: {exc!r}") \
+                    from None
+            if _has_address(name):
+                raise UnkeyableArgument(
+                    f"task {task_name}: lock_key {template!r} gave {name!r}, whose text "
+                    "holds a memory address, so no two calls would ever share it; key "
+                    "on an id or a plain value instead")
+            return name
+
+        return template_key
+
+    if callable(lock_key):
+        key_callable = lock_key
+
+        def callable_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+            bound = bind(args, kwargs)
+            name = key_callable(*bound.args, **bound.kwargs)
+            if not isinstance(name, str) or not name:
+                raise UnkeyableArgument(f"task {task_name}: lock_key callable returned "
+                                        f"{name!r}; it must return a non-empty string")
+            if _has_address(name):
+                raise UnkeyableArgument(f"task {task_name}: lock_key callable returned "
+                                        f"{name!r}, whose text holds a memory address")
+            return name
+
+        return callable_key
+
+    if lock_key is not None:
+        raise InvalidLockConfig(f"task {task_name}: lock_key must be a template string, "
+                                f"a callable or None, got {lock_key!r}")
+
+    selected = lock_args
+
+    def hashed_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        arguments = bind(args, kwargs).arguments
+        if selected is not None:
+            arguments = {k: arguments[k] for k in selected}
+        text = canonical(dict(arguments), where=f"{task_name} argument")
+        digest = hashlib.sha256(f"{task_name}\n{text}".encode()).hexdigest()
+        return f"{task_name}:{digest}"
+
+    return hashed_key
