@@ -93,3 +93,9 @@ def hold_until_killed(redis_url: str, prefix: str, name: str, ttl: float,
     lock.acquire()
     ready.set()
     time.sleep(120)
+
+
+def wait_in_line(redis_url: str, prefix: str, name: str, owner: str) -> None:
+    """Block in ``acquire`` (joining the line) until killed."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=30)
+    RedisLock(client, name, owner=owner, prefix=prefix).acquire(timeout=120)

@@ -1,0 +1,131 @@
+"""After fork() the child is a different owner: it neither owns, renews nor releases
+its parent's hold, and its own acquire of the same name contends."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import traceback
+
+import pytest
+import redis
+
+from celery_dlock import LockLost, LockNotOwned, RedisLock
+from celery_dlock.heartbeat import get_heartbeat
+
+# Python 3.12+ warns when forking a process that runs threads (the heartbeat does).
+pytestmark = pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+
+
+def _child_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) -> dict:
+    report: dict[str, object] = {"pid": os.getpid()}
+    report["owned"] = lock.owned()
+    report["fence"] = lock.fence
+    report["depth"] = lock.depth
+    try:
+        lock.ensure_held()
+        report["ensure_held"] = "passed"
+    except LockLost:
+        report["ensure_held"] = "LockLost"
+    hb = get_heartbeat()
+    report["heartbeat_entries"] = len(hb)
+    report["registered"] = hb.is_registered(lock)
+    try:
+        lock.release()
+        report["release"] = "passed"
+    except LockNotOwned:
+        report["release"] = "LockNotOwned"
+    try:
+        lock.extend()
+        report["extend"] = "passed"
+    except LockNotOwned:
+        report["extend"] = "LockNotOwned"
+    report["same_object_acquire"] = lock.acquire(blocking=False)
+    own = RedisLock(r, name, prefix=prefix)
+    report["own_acquire"] = own.acquire(blocking=False)
+    report["own_acquire_timeout"] = own.acquire(timeout=0.2)
+    report["count_seen"] = r.hget(lock.keys.lock, "count").decode()
+    return report
+
+
+def _fork_and_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) -> dict:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 1
+        try:
+            os.close(read_fd)
+            try:
+                payload = _child_report(r, lock, prefix, name)
+                code = 0
+            except BaseException:
+                payload = {"error": traceback.format_exc()}
+            with os.fdopen(write_fd, "w") as f:
+                json.dump(payload, f)
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    report = json.loads(data)
+    assert "error" not in report, report.get("error")
+    assert os.waitstatus_to_exitcode(status) == 0
+    return report
+
+
+def test_forked_child_neither_owns_renews_nor_releases(r, prefix, name):
+    lock = RedisLock(r, name, ttl=30, prefix=prefix)
+    lock.acquire()
+    lock.acquire()
+    parent_owner = r.hget(lock.keys.lock, "owner")
+    fence = lock.fence
+    assert get_heartbeat().is_registered(lock)
+
+    report = _fork_and_report(r, lock, prefix, name)
+
+    assert report["pid"] != os.getpid()
+    assert report["owned"] is False
+    assert report["fence"] is None
+    assert report["depth"] == 0
+    assert report["ensure_held"] == "LockLost"
+    assert report["heartbeat_entries"] == 0
+    assert report["registered"] is False
+    assert report["release"] == "LockNotOwned"
+    assert report["extend"] == "LockNotOwned"
+    assert report["same_object_acquire"] is False
+    assert report["own_acquire"] is False
+    assert report["own_acquire_timeout"] is False
+    assert report["count_seen"] == "2"
+
+    # the parent's hold is intact
+    assert r.hget(lock.keys.lock, "owner") == parent_owner
+    assert r.hget(lock.keys.lock, "count") == b"2"
+    assert r.pttl(lock.keys.lock) > 20_000
+    assert lock.owned() and lock.fence == fence and lock.depth == 2
+    assert get_heartbeat().is_registered(lock)
+    assert not r.exists(lock.keys.queue)  # the child left the line
+    lock.release()
+    lock.release()
+    assert not r.exists(lock.keys.lock)
+
+
+def _mp_child(lock: RedisLock, queue) -> None:
+    queue.put((lock.owned(), lock.fence, len(get_heartbeat()),
+               lock.acquire(blocking=False)))
+
+
+def test_multiprocessing_fork_child_contends(r, prefix, name):
+    ctx = multiprocessing.get_context("fork")
+    with RedisLock(r, name, prefix=prefix) as lock:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_mp_child, args=(lock, queue))
+        proc.start()
+        result = queue.get(timeout=30)
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert result == (False, None, 0, False)
+        assert lock.owned()
+        assert r.hget(lock.keys.lock, "count") == b"1"
+    assert not r.exists(lock.keys.lock)
