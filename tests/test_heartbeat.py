@@ -1,0 +1,355 @@
+"""Renewal: the per-process heartbeat thread, and the Heartbeat registry driven by an
+injected clock (``start_thread=False`` plus ``renew_due(now)``)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import redis
+from dlock_helpers import wait_until
+
+from celery_dlock import LockLost, RedisLock
+from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.heartbeat import ERROR_RETRY_INTERVAL, Heartbeat, get_heartbeat
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def hb(clock: FakeClock) -> Heartbeat:
+    return Heartbeat(clock=clock, start_thread=False)
+
+
+@pytest.fixture
+def own_server() -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test's own, to stop or freeze at will."""
+    server = EmbeddedRedis().start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+
+
+def _commandstat(r: redis.Redis, command: str) -> int:
+    stats = r.info("commandstats").get(f"cmdstat_{command}")
+    return int(stats["calls"]) if stats else 0
+
+
+# -- the real heartbeat thread ----------------------------------------------------------
+
+
+def test_renewal_keeps_a_short_lock_alive_then_stops_after_release(r, prefix, name):
+    lock = RedisLock(r, name, ttl=1.0, prefix=prefix)
+    lock.acquire()
+    owner = r.hget(lock.keys.lock, "owner")
+    assert get_heartbeat().is_registered(lock)
+    until = time.monotonic() + 3.5
+    while time.monotonic() < until:  # 3.5 ttls: only renewal keeps it
+        assert r.hget(lock.keys.lock, "owner") == owner
+        time.sleep(0.1)
+    assert lock.owned()
+    lock.ensure_held()
+    lock.release()
+    assert not r.exists(lock.keys.lock)
+    assert not get_heartbeat().is_registered(lock)
+    time.sleep(0.5)  # more than one renewal interval: nothing brings it back
+    assert not r.exists(lock.keys.lock)
+
+
+def test_without_auto_renew_the_hold_expires(r, prefix, name):
+    lock = RedisLock(r, name, ttl=0.5, auto_renew=False, prefix=prefix)
+    started = time.monotonic()
+    lock.acquire()
+    assert not get_heartbeat().is_registered(lock)
+    assert wait_until(lambda: not r.exists(lock.keys.lock), timeout=5)
+    assert time.monotonic() - started >= 0.4  # it was the ttl, not something else
+    assert not lock.owned()
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    with pytest.raises(LockLost):
+        lock.release()
+
+
+def test_lost_lock_is_reported_once_and_never_recreated(r, prefix, name):
+    calls: list[RedisLock] = []
+    lock = RedisLock(r, name, ttl=0.6, prefix=prefix, on_lost=calls.append)
+    lock.acquire()
+    r.delete(lock.keys.lock)
+    other = RedisLock(r, name, ttl=30, owner="other", prefix=prefix, auto_renew=False)
+    assert other.acquire(blocking=False)
+
+    assert wait_until(lambda: calls, timeout=5)
+    time.sleep(0.5)  # a few more renewal intervals
+    assert calls == [lock]
+    assert lock.lost
+    assert not lock.owned()
+    assert not get_heartbeat().is_registered(lock)
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    # the other owner's hold is untouched by the loser
+    assert r.hget(lock.keys.lock, "owner") == b"other"
+    assert r.pttl(lock.keys.lock) > 20_000
+    with pytest.raises(LockLost):
+        lock.release()
+    assert r.hget(lock.keys.lock, "owner") == b"other"
+    other.release()
+    time.sleep(0.5)
+    assert not r.exists(lock.keys.lock)  # nobody holds it: not re-created either
+    assert calls == [lock]
+
+
+def test_lock_dropped_while_held_stops_being_renewed(r, prefix, name):
+    lock = RedisLock(r, name, ttl=0.6, prefix=prefix)
+    lock.acquire()
+    key = lock.keys.lock
+    ref = weakref.ref(lock)
+    del lock
+    gc.collect()
+    assert ref() is None
+    assert wait_until(lambda: not r.exists(key), timeout=5)
+
+
+def test_on_lost_errors_do_not_kill_the_heartbeat(r, prefix, name):
+    def explode(lock: RedisLock) -> None:
+        raise RuntimeError("callback bug")
+
+    bad = RedisLock(r, name + "-bad", ttl=0.6, prefix=prefix, on_lost=explode)
+    bad.acquire()
+    r.delete(bad.keys.lock)
+    assert wait_until(lambda: bad.lost, timeout=5)
+    good = RedisLock(r, name, ttl=0.6, prefix=prefix)
+    good.acquire()
+    time.sleep(1.5)  # well past its ttl: only a live heartbeat keeps it
+    assert good.owned()
+    good.release()
+
+
+# -- the registry, driven by an injected clock ------------------------------------------
+
+
+def test_due_and_next_due(r, prefix, name, hb, clock):
+    assert hb.renew_due() is None  # nothing registered
+    a = RedisLock(r, name + "-a", ttl=3, prefix=prefix, heartbeat=hb)  # every 1 s
+    a.acquire()
+    assert hb.is_registered(a)
+    assert not get_heartbeat().is_registered(a)
+    r.pexpire(a.keys.lock, 2000)
+
+    assert hb.renew_due(1000.2) == pytest.approx(1001.0)  # not yet due
+    assert hb.renewal_calls == 0
+    assert r.pttl(a.keys.lock) <= 2000
+
+    clock.now = 1000.4
+    b = RedisLock(r, name + "-b", ttl=3, prefix=prefix, heartbeat=hb)
+    b.acquire()  # next due at 1001.4
+    r.pexpire(b.keys.lock, 2000)
+
+    # a is due; b is due within half an interval, so it is renewed in the same call
+    assert hb.renew_due(1001.0) == pytest.approx(1002.0)
+    assert hb.renewal_calls == 1
+    assert r.pttl(a.keys.lock) > 2500
+    assert r.pttl(b.keys.lock) > 2500
+
+    assert hb.renew_due(1001.4) == pytest.approx(1002.0)
+    assert hb.renewal_calls == 1
+
+    a.release()
+    b.release()
+    assert len(hb) == 0
+    assert hb.renew_due(1003.0) is None
+    assert hb.renewal_calls == 1
+
+
+def test_extend_moves_the_renewal_schedule(r, prefix, name, hb, clock):
+    lock = RedisLock(r, name, ttl=3, prefix=prefix, heartbeat=hb)
+    lock.acquire()
+    clock.now = 1000.5
+    lock.extend(30)  # now every 10 s, from 1000.5
+    assert hb.renew_due(1001.0) == pytest.approx(1010.5)
+    assert hb.renewal_calls == 0
+    r.pexpire(lock.keys.lock, 2000)
+    hb.renew_due(1010.5)
+    assert hb.renewal_calls == 1
+    assert r.pttl(lock.keys.lock) > 25_000  # renewed with the extended ttl
+    lock.release()
+
+
+def test_two_hundred_holds_cost_one_call_per_pass(r, prefix, hb, clock):
+    locks = [RedisLock(r, f"bulk-{i}", ttl=30, prefix=prefix, heartbeat=hb)
+             for i in range(200)]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    assert len(hb) == 200
+    hb.renew_due(1010.0)  # first pass (may load the script: EVALSHA miss + EVAL)
+    assert hb.renewal_calls == 1
+
+    process_hb = get_heartbeat()
+    for n, now in enumerate((1020.0, 1030.0, 1040.0), start=2):
+        for lock in locks:
+            r.pexpire(lock.keys.lock, 5000)
+        before_thread = process_hb.renewal_calls
+        before = _commandstat(r, "evalsha"), _commandstat(r, "eval")
+        hb.renew_due(now)
+        after = _commandstat(r, "evalsha"), _commandstat(r, "eval")
+        others = process_hb.renewal_calls - before_thread  # this process's own thread
+        assert hb.renewal_calls == n
+        assert 1 <= after[0] - before[0] <= 1 + others
+        assert after[1] - before[1] <= others
+        pipe = r.pipeline(transaction=False)
+        for lock in locks:
+            pipe.pttl(lock.keys.lock)
+        assert min(pipe.execute()) > 25_000  # every one of them was renewed
+    for lock in locks:
+        lock.release()
+    assert len(hb) == 0
+
+
+def test_reentry_by_two_objects_renews_the_key_once(r, prefix, name, hb):
+    a = RedisLock(r, name, ttl=3, owner="o", prefix=prefix, heartbeat=hb)
+    b = RedisLock(r, name, ttl=3, owner="o", prefix=prefix, heartbeat=hb)
+    a.acquire()
+    b.acquire()
+    assert len(hb) == 2
+    r.pexpire(a.keys.lock, 1000)
+    hb.renew_due(1001.0)
+    assert hb.renewal_calls == 1
+    assert r.pttl(a.keys.lock) > 2500
+    assert not a.lost and not b.lost
+    a.release()
+    assert not hb.is_registered(a) and hb.is_registered(b)
+    b.release()
+    assert not r.exists(a.keys.lock)
+
+
+def test_expired_hold_is_lost_and_not_recreated(r, prefix, name, hb, clock):
+    calls: list[RedisLock] = []
+    lock = RedisLock(r, name, ttl=0.3, prefix=prefix, heartbeat=hb,
+                     on_lost=calls.append)
+    lock.acquire()
+    assert wait_until(lambda: not r.exists(lock.keys.lock))  # no pass ran: it expired
+    assert hb.renew_due(1000.1) is None
+    assert calls == [lock]
+    assert lock.lost and not lock.owned()
+    assert not hb.is_registered(lock)
+    assert not r.exists(lock.keys.lock)
+    hb.renew_due(1000.2)
+    assert calls == [lock]
+    assert hb.renewal_calls == 1
+    assert not r.exists(lock.keys.lock)
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    with pytest.raises(LockLost):
+        lock.release()
+
+
+def test_taken_hold_is_lost_and_left_to_the_new_owner(r, prefix, name, hb, clock):
+    calls: list[RedisLock] = []
+    lock = RedisLock(r, name, ttl=3, prefix=prefix, heartbeat=hb, on_lost=calls.append)
+    lock.acquire()
+    r.delete(lock.keys.lock)
+    thief = RedisLock(r, name, ttl=3, owner="thief", prefix=prefix, auto_renew=False)
+    thief.acquire()
+    r.pexpire(thief.keys.lock, 1500)
+    hb.renew_due(1001.0)
+    assert calls == [lock]
+    assert r.hget(lock.keys.lock, "owner") == b"thief"
+    assert r.pttl(lock.keys.lock) <= 1500  # the loser did not renew the thief's hold
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    thief.release()
+
+
+def test_dead_weakrefs_are_dropped(r, prefix, name, hb):
+    lock = RedisLock(r, name, ttl=3, prefix=prefix, heartbeat=hb)
+    lock.acquire()
+    key = lock.keys.lock
+    r.pexpire(key, 2000)
+    ref = weakref.ref(lock)
+    del lock
+    gc.collect()
+    assert ref() is None
+    assert hb.renew_due(1001.0) is None
+    assert len(hb) == 0
+    assert hb.renewal_calls == 0
+    assert r.pttl(key) <= 2000  # not renewed
+
+
+def test_transient_errors_are_retried_until_the_deadline_then_lost(own_server, prefix,
+                                                                   name, hb, clock):
+    client = redis.Redis(host=own_server.host, port=own_server.port, socket_timeout=0.5,
+                         socket_connect_timeout=0.5,
+                         retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+    calls: list[RedisLock] = []
+    lock = RedisLock(client, name, ttl=3, prefix=prefix, heartbeat=hb,
+                     on_lost=calls.append)
+    lock.acquire()  # deadline 1003
+    own_server.stop()  # the port is closed now
+
+    assert hb.renew_due(1001.0) == pytest.approx(1001.0 + ERROR_RETRY_INTERVAL)
+    assert hb.renewal_calls == 1
+    assert hb.is_registered(lock) and not lock.lost and calls == []
+
+    hb.renew_due(1002.9)  # still before the deadline: retried, not lost
+    assert hb.renewal_calls == 2
+    assert hb.is_registered(lock) and not lock.lost and calls == []
+
+    assert hb.renew_due(1003.0) is None  # the ttl has run out
+    assert calls == [lock]
+    assert lock.lost
+    assert not hb.is_registered(lock)
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    assert not lock.owned()
+    hb.renew_due(1010.0)
+    assert hb.renewal_calls == 3
+    assert calls == [lock]
+
+
+def test_transient_error_then_recovery_keeps_the_hold(own_server, prefix, name, hb,
+                                                      clock):
+    client = redis.Redis(host=own_server.host, port=own_server.port, socket_timeout=0.3,
+                         socket_connect_timeout=0.3,
+                         retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+    watcher = redis.Redis.from_url(own_server.url, socket_timeout=10)
+    calls: list[RedisLock] = []
+    lock = RedisLock(client, name, ttl=3, prefix=prefix, heartbeat=hb,
+                     on_lost=calls.append)
+    lock.acquire()
+    assert own_server.process is not None
+    os.kill(own_server.process.pid, signal.SIGSTOP)  # frozen: calls time out
+    try:
+        hb.renew_due(1001.0)
+    finally:
+        os.kill(own_server.process.pid, signal.SIGCONT)
+    assert hb.renewal_calls == 1
+    assert hb.is_registered(lock) and calls == []
+
+    watcher.pexpire(lock.keys.lock, 1000)
+    assert hb.renew_due(1001.0 + ERROR_RETRY_INTERVAL) == pytest.approx(
+        1001.0 + ERROR_RETRY_INTERVAL + 1.0)  # back on the normal schedule
+    assert hb.renewal_calls == 2
+    assert watcher.pttl(lock.keys.lock) > 2500
+    assert calls == [] and not lock.lost
+    lock.release()
+    assert not watcher.exists(lock.keys.lock)
+    watcher.close()
+
