@@ -1,0 +1,213 @@
+"""Shared plumbing for the lock-core benchmarks.
+
+Every benchmark script starts one throwaway ``redis-server`` (see
+:class:`celery_dlock.embedded.EmbeddedRedis`) for all of its variants, or uses
+``--redis-url``.  Results go to stdout as Markdown tables and, with ``--json`` (the
+default in full mode), to a JSON file that ``plot.py`` turns into the PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from celery_dlock.embedded import EmbeddedRedis
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+#: The packages whose versions a result file records.
+PACKAGES = ("celery-dlock", "redis", "python-redis-lock", "hiredis", "celery")
+
+
+def base_parser(description: str, name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny counts: checks that the benchmark runs, "
+                             "numbers mean nothing")
+    parser.add_argument("--redis-url", default=None,
+                        help="use this Redis instead of starting a throwaway "
+                             "redis-server (its database is not flushed; keys are "
+                             "prefixed per run)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help=f"write results here (default in full mode: "
+                             f"benchmarks/results/{name}.json; none with --smoke)")
+    return parser
+
+
+def json_path(args: argparse.Namespace, name: str) -> Path | None:
+    if args.json:
+        return Path(args.json)
+    if args.smoke:
+        return None
+    return RESULTS / f"{name}.json"
+
+
+@contextlib.contextmanager
+def redis_server(url: str | None) -> Iterator[tuple[str, EmbeddedRedis | None]]:
+    """Yield ``(url, server)``; ``server`` is None when ``url`` was given."""
+    if url:
+        yield url, None
+        return
+    with EmbeddedRedis() as server:
+        yield server.url, server
+
+
+def run_id() -> str:
+    return f"bench{os.getpid()}x{int(time.time()) % 100000}"
+
+
+# -- machine -------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def source_revision() -> str | None:
+    """The checkout's commit, ``+modified`` when ``celery_dlock/`` has local edits."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "celery_dlock"],
+                               cwd=HERE.parent, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+modified" if dirty else "")
+
+
+def machine_info(client: redis.Redis) -> dict[str, Any]:
+    server = client.info("server")
+    return {
+        "source": source_revision(),
+        "nproc": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "redis_server": server.get("redis_version"),
+        "packages": package_versions(),
+    }
+
+
+def print_machine(info: dict[str, Any]) -> None:
+    pkgs = ", ".join(f"{k} {v}" for k, v in info["packages"].items() if v)
+    print(f"machine: {info['nproc']} CPUs ({info['cpu_model']}), Python "
+          f"{info['python']}, redis-server {info['redis_server']}; {pkgs}; "
+          f"source {info.get('source')}")
+
+
+# -- server statistics ---------------------------------------------------------------
+
+
+def command_calls(client: redis.Redis) -> dict[str, dict[str, int]]:
+    """``INFO commandstats`` as ``{command: {"calls": n, "usec": n}}``.
+
+    The ``INFO`` calls themselves are left out, so that a delta between two snapshots
+    counts only what the benchmark did.  Commands run inside Lua scripts are counted
+    by Redis too (``HGET`` inside ``EVALSHA``...).
+    """
+    out: dict[str, dict[str, int]] = {}
+    for key, value in client.info("commandstats").items():
+        name = key.removeprefix("cmdstat_")
+        if name == "info" or not isinstance(value, dict):
+            continue
+        out[name] = {"calls": int(value.get("calls", 0)),
+                     "usec": int(value.get("usec", 0))}
+    return out
+
+
+def calls_delta(before: dict[str, dict[str, int]],
+                after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for name, stats in after.items():
+        prev = before.get(name, {"calls": 0, "usec": 0})
+        calls = stats["calls"] - prev["calls"]
+        if calls:
+            out[name] = {"calls": calls, "usec": stats["usec"] - prev["usec"]}
+    return out
+
+
+def total_calls(delta: dict[str, dict[str, int]]) -> int:
+    return sum(v["calls"] for v in delta.values())
+
+
+def total_usec(delta: dict[str, dict[str, int]]) -> int:
+    return sum(v["usec"] for v in delta.values())
+
+
+class CountingRedis(redis.Redis):
+    """A ``redis.Redis`` that counts the commands it sends (round trips, no pipelines)."""
+
+    sent = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.sent += 1
+        return super().execute_command(*args, **options)
+
+
+# -- statistics and output -------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100) of an already sorted sequence."""
+    if not sorted_values:
+        return None
+    rank = max(1, min(len(sorted_values), round(q / 100.0 * len(sorted_values) + 0.5)))
+    return float(sorted_values[rank - 1])
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and spec:
+        return format(value, spec)
+    return str(value)
+
+
+def markdown_table(columns: Sequence[tuple[str, str, str]],
+                   rows: Sequence[dict[str, Any]]) -> str:
+    """``columns`` is ``(title, key, format spec)``; returns a Markdown table."""
+    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |",
+             "|" + "|".join("---" if i == 0 else "---:"
+                            for i in range(len(columns))) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(key), spec)
+                                       for _, key, spec in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path | None, payload: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    print(f"\nresults written to {path}")
