@@ -1,0 +1,269 @@
+"""P processes contending for one lock: the machinery behind (c) and (e).
+
+Each process loops ``acquire -> hold -> release`` on one key from a common start time
+until a common end time.  Timestamps are ``time.monotonic()`` (``CLOCK_MONOTONIC``,
+shared by every process of one Linux machine): ``t_acq`` right after ``acquire()``
+returns, ``t_rel`` right before ``release()`` is called.  Sorting every hold of every
+process by ``t_acq`` gives the lock's history:
+
+* a *hand-off* is two consecutive holds by different processes; its delay is
+  ``t_acq(next) - t_rel(previous)``;
+* an *overlap* is a next hold that starts before the previous one released: a broken
+  lock.  It must be 0;
+* *fairness* is min/max of the acquisitions per process inside the window.
+
+The parent takes ``INFO commandstats`` at the start and at the end of the window (Redis
+commands, including those run inside Lua scripts); each child counts the commands its
+client sends inside the window (round trips).
+
+Processes are forked (Linux): the parent holds no lock and runs no heartbeat thread,
+and every child makes its own client and lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import _common as c
+import redis
+import redis_lock
+
+from celery_dlock import RedisLock
+
+#: Every variant that (c) and (e) compare.
+VARIANTS = (
+    "celery_dlock",
+    "redis-py sleep=0.1",
+    "redis-py sleep=0.001",
+    "python-redis-lock",
+)
+#: How long one acquire() may block before the worker tries again (seconds).
+ACQUIRE_LIMIT = 30
+QUANTILES = [*range(101), 99.9]
+
+
+class WindowCountingRedis(redis.Redis):
+    """Counts the commands it sends between ``start_at`` and ``end_at`` (monotonic)."""
+
+    start_at = 0.0
+    end_at = 0.0
+    sent = 0
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        now = time.monotonic()
+        if self.start_at <= now < self.end_at:
+            self.sent += 1
+        return super().execute_command(*args, **options)
+
+
+def make_lock(variant: str, client: redis.Redis,
+              key: str) -> tuple[Callable[[], bool], Callable[[], Any]]:
+    """``(acquire, release)`` for one process's lock object of ``variant``."""
+    if variant == "celery_dlock":
+        lock = RedisLock(client, key, ttl=30)
+        return (lambda: lock.acquire(timeout=ACQUIRE_LIMIT)), lock.release
+    if variant.startswith("redis-py sleep="):
+        sleep = float(variant.split("=", 1)[1])
+        rlock = client.lock(f"{key}:redispy", timeout=30, sleep=sleep)
+        return (lambda: bool(rlock.acquire(blocking_timeout=ACQUIRE_LIMIT))), \
+            rlock.release
+    if variant == "python-redis-lock":
+        plock = redis_lock.Lock(client, f"{key}:prl", expire=30)
+        return (lambda: bool(plock.acquire(timeout=ACQUIRE_LIMIT))), plock.release
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def warm_up(url: str, variant: str, key: str) -> None:
+    """Load the variant's scripts into the server, from the parent, without threads."""
+    client = redis.Redis.from_url(url)
+    if variant == "celery_dlock":
+        lock = RedisLock(client, key, ttl=30, auto_renew=False)
+        lock.acquire(blocking=False)
+        lock.release()
+    else:
+        acquire, release = make_lock(variant, client, key)
+        acquire()
+        release()
+    client.close()
+
+
+def _worker(index: int, variant: str, url: str, key: str, start_at: float,
+            end_at: float, hold: float, queue: Any) -> None:
+    client = WindowCountingRedis.from_url(url, socket_timeout=ACQUIRE_LIMIT + 30)
+    client.start_at, client.end_at = start_at, end_at
+    acquire, release = make_lock(variant, client, key)
+    client.ping()
+    events: list[tuple[float, float]] = []
+    timeouts = 0
+    wait = start_at - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
+    while True:
+        if not acquire():
+            timeouts += 1
+            if time.monotonic() >= end_at:
+                break
+            continue
+        t_acq = time.monotonic()
+        if t_acq < end_at:
+            time.sleep(hold)
+        t_rel = time.monotonic()
+        release()
+        events.append((t_acq, t_rel))
+        if t_acq >= end_at:
+            break
+    queue.put((index, events, timeouts, client.sent))
+    client.close()
+
+
+def analyse(per_proc: Sequence[Sequence[tuple[float, float]]], start: float,
+            end: float) -> dict[str, Any]:
+    merged = sorted((t_acq, t_rel, proc) for proc, events in enumerate(per_proc)
+                    for t_acq, t_rel in events if t_acq >= start)
+    delays: list[float] = []
+    overlaps = same = 0
+    for prev, nxt in itertools.pairwise(merged):
+        if nxt[0] >= end:
+            break
+        if nxt[0] < prev[1]:
+            overlaps += 1
+        if nxt[2] == prev[2]:
+            same += 1
+        else:
+            delays.append(nxt[0] - prev[1])
+    counts = [sum(1 for t_acq, _ in events if start <= t_acq < end)
+              for events in per_proc]
+    duration = end - start
+    acquisitions = sum(counts)
+    return {
+        "acquisitions": acquisitions,
+        "handoffs": len(delays),
+        "same_process_reacquires": same,
+        "overlaps": overlaps,
+        "per_process": counts,
+        "fairness": (min(counts) / max(counts)) if max(counts) else 0.0,
+        "acq_per_s": acquisitions / duration,
+        "handoffs_per_s": len(delays) / duration,
+        "delays": delays,
+    }
+
+
+def run_once(url: str, variant: str, procs: int, duration: float, hold: float,
+             key: str, info_client: redis.Redis) -> dict[str, Any]:
+    """One window of ``procs`` processes on ``variant``; returns the analysis."""
+    warm_up(url, variant, key + ":warm")
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    start_at = time.monotonic() + 0.4 + 0.03 * procs
+    end_at = start_at + duration
+    workers = [ctx.Process(target=_worker, daemon=True,
+                           args=(i, variant, url, key, start_at, end_at, hold, queue))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    before = c.command_calls(info_client)
+    time.sleep(max(0.0, end_at - time.monotonic()))
+    after = c.command_calls(info_client)
+    results: dict[int, tuple[list[tuple[float, float]], int, int]] = {}
+    deadline = time.monotonic() + ACQUIRE_LIMIT + 20
+    while len(results) < procs and time.monotonic() < deadline:
+        try:
+            index, events, timeouts, sent = queue.get(timeout=1.0)
+        except Exception:  # queue.Empty: check that the workers are alive
+            if not any(w.is_alive() for w in workers) and queue.empty():
+                break
+            continue
+        results[index] = (events, timeouts, sent)
+    for w in workers:
+        w.join(timeout=5)
+        if w.is_alive():
+            w.kill()
+            w.join()
+    if len(results) < procs:
+        raise RuntimeError(f"{variant}: only {len(results)} of {procs} workers reported")
+    per_proc = [results[i][0] for i in range(procs)]
+    out = analyse(per_proc, start_at, end_at)
+    delta = c.calls_delta(before, after)
+    out["redis_cmds"] = c.total_calls(delta)
+    out["commands"] = {k: v["calls"] for k, v in delta.items()}
+    out["round_trips"] = sum(results[i][2] for i in range(procs))
+    out["timeouts"] = sum(results[i][1] for i in range(procs))
+    return out
+
+
+def summarise(variant: str, procs: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pool the delays of several rounds; median of the per-round rates."""
+    delays = sorted(d for r in rounds for d in r["delays"])
+
+    def med(key: str) -> float:
+        return float(statistics.median(r[key] for r in rounds))
+
+    handoffs = sum(r["handoffs"] for r in rounds)
+    acquisitions = sum(r["acquisitions"] for r in rounds)
+    cmds = sum(r["redis_cmds"] for r in rounds)
+    trips = sum(r["round_trips"] for r in rounds)
+    commands: dict[str, int] = {}
+    for r in rounds:
+        for k, v in r["commands"].items():
+            commands[k] = commands.get(k, 0) + v
+    ms = [d * 1000.0 for d in delays]
+    return {
+        "variant": variant,
+        "procs": procs,
+        "rounds": len(rounds),
+        "handoffs_per_s": med("handoffs_per_s"),
+        "acq_per_s": med("acq_per_s"),
+        "fairness": med("fairness"),
+        "fairness_min": min(r["fairness"] for r in rounds),
+        "handoffs": handoffs,
+        "acquisitions": acquisitions,
+        "handoff_share": handoffs / acquisitions if acquisitions else 0.0,
+        "overlaps": sum(r["overlaps"] for r in rounds),
+        "timeouts": sum(r["timeouts"] for r in rounds),
+        "p50_ms": c.percentile(ms, 50),
+        "p90_ms": c.percentile(ms, 90),
+        "p99_ms": c.percentile(ms, 99),
+        "max_ms": ms[-1] if ms else None,
+        "delay_quantiles_ms": {str(q): c.percentile(ms, q) for q in QUANTILES}
+        if ms else {},
+        "redis_cmds_per_handoff": cmds / handoffs if handoffs else None,
+        "redis_cmds_per_acq": cmds / acquisitions if acquisitions else None,
+        "round_trips_per_handoff": trips / handoffs if handoffs else None,
+        "round_trips_per_acq": trips / acquisitions if acquisitions else None,
+        "commands_per_handoff": {k: v / handoffs for k, v in sorted(commands.items())}
+        if handoffs else {},
+        "per_process_rounds": [r["per_process"] for r in rounds],
+    }
+
+
+def run_matrix(url: str, variants: Sequence[str], proc_counts: Sequence[int],
+               rounds: int, duration: float, hold: float,
+               progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every (process count, variant) for ``rounds`` rounds, variants interleaved."""
+    info_client = redis.Redis.from_url(url)
+    prefix = c.run_id()
+    rows = []
+    try:
+        for procs in proc_counts:
+            collected: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+            for r in range(rounds):
+                order = list(variants[r % len(variants):]) + \
+                    list(variants[:r % len(variants)])
+                for variant in order:
+                    key = f"{prefix}:p{procs}:r{r}:{VARIANTS.index(variant)}"
+                    result = run_once(url, variant, procs, duration, hold, key,
+                                      info_client)
+                    collected[variant].append(result)
+                    progress(f"  P={procs} round {r + 1}/{rounds} {variant}: "
+                             f"{result['handoffs']} hand-offs, "
+                             f"{result['acquisitions']} acquisitions")
+            rows += [summarise(v, procs, collected[v]) for v in variants]
+    finally:
+        info_client.close()
+    return rows
