@@ -1,0 +1,194 @@
+"""Draw the benchmark PNGs from the JSON results (needs matplotlib).
+
+    python benchmarks/plot.py                       # results/*.json -> benchmarks/*.png
+    python benchmarks/plot.py --results DIR --out DIR
+
+``handoff.png``: (c) delay from a release to the next acquire in another process
+(distribution), hand-offs/s and fairness.  ``core.png``: (b) cost of one uncontended
+acquire+release, (d) renewal round trips and CPU per pass, (e) Redis commands per
+hand-off.  A missing result file leaves its panels empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
+
+HERE = Path(__file__).resolve().parent
+COLORS = {
+    "celery_dlock": "tab:blue",
+    "redis-py sleep=0.1": "tab:orange",
+    "redis-py sleep=0.001": "tab:red",
+    "python-redis-lock": "tab:green",
+}
+
+
+def load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / f"{name}.json"
+    if not path.exists():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def _empty(ax: Any, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} results", ha="center", va="center",
+            transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def _subtitle(data: dict[str, Any]) -> str:
+    m = data.get("machine", {})
+    return (f"{m.get('nproc')} CPUs {m.get('cpu_model')}, Python {m.get('python')}, "
+            f"redis-server {m.get('redis_server')}")
+
+
+def plot_handoff(data: dict[str, Any] | None, out: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    if data is None:
+        for ax in axes:
+            _empty(ax, "bench_handoff")
+    else:
+        rows = data["rows"]
+        procs = sorted({r["procs"] for r in rows})
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        styles = ["-", "--", ":", "-."]
+        ax = axes[0]
+        for row in rows:
+            quant = row["delay_quantiles_ms"]
+            if not quant:
+                continue
+            qs = sorted(quant, key=float)
+            xs = [max(quant[q], 1e-3) for q in qs]
+            ys = [float(q) / 100 for q in qs]
+            ax.plot(xs, ys, styles[procs.index(row["procs"]) % len(styles)],
+                    color=COLORS.get(row["variant"]),
+                    label=f"{row['variant']}, P={row['procs']} "
+                          f"({row['handoffs']} hand-offs)")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("release -> next acquire in another process (ms, log)")
+        ax.set_ylabel("fraction of hand-offs")
+        ax.set_title("(c) hand-off delay distribution")
+        ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+        width = 0.8 / max(1, len(variants))
+        for ax, key, title in ((axes[1], "handoffs_per_s", "(c) hand-offs per second"),
+                               (axes[2], "fairness",
+                                "(c) fairness: min/max acquisitions per process")):
+            for i, variant in enumerate(variants):
+                vals = [next((r[key] for r in rows if r["variant"] == variant
+                              and r["procs"] == p), 0.0) for p in procs]
+                xs = [j + (i - (len(variants) - 1) / 2) * width
+                      for j in range(len(procs))]
+                ax.bar(xs, vals, width, color=COLORS.get(variant), label=variant)
+            ax.set_xticks(range(len(procs)), [f"P={p}" for p in procs])
+            ax.set_title(title)
+            ax.grid(True, axis="y", alpha=0.3)
+        axes[2].set_ylim(0, 1.05)
+        axes[1].legend(fontsize=7)
+        fig.suptitle(f"Hand-off under contention, hold {data['hold'] * 1000:g} ms "
+                     f"({_subtitle(data)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_core(core: dict[str, Any] | None, renewal: dict[str, Any] | None,
+              waiters: dict[str, Any] | None, out: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
+    if core is None or not core.get("modes"):
+        _empty(ax, "bench_core")
+    else:
+        modes = list(core["modes"])
+        variants = [r["variant"] for r in core["modes"][modes[0]]]
+        width = 0.8 / len(modes)
+        for i, mode in enumerate(modes):
+            rows = {r["variant"]: r for r in core["modes"][mode]}
+            xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(variants))]
+            bars = ax.bar(xs, [rows[v]["us_per_cycle"] for v in variants], width,
+                          label=f"pin {mode}")
+            for bar, v in zip(bars, variants, strict=True):
+                ax.annotate(f"{rows[v]['ratio']:.2f}x", (bar.get_x() + bar.get_width()
+                                                        / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(range(len(variants)),
+                      [v.replace(" ", "\n", 1) for v in variants], fontsize=7)
+        ax.set_ylabel("us per acquire+release (labels: x floor)")
+        ax.set_title("(b) uncontended cycle")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[1]
+    if renewal is None:
+        _empty(ax, "bench_renewal")
+    else:
+        for variant, color in (("celery_dlock Heartbeat", "tab:blue"),
+                               ("per-lock extend (redis-py)", "tab:orange")):
+            rows = sorted((r for r in renewal["rows"] if r["variant"] == variant),
+                          key=lambda r: r["holds"])
+            holds = [r["holds"] for r in rows]
+            ax.plot(holds, [r["round_trips"] for r in rows], "o-", color=color,
+                    label=f"{variant}: round trips/pass")
+            ax.plot(holds, [r["cpu_ms"] for r in rows], "s--", color=color,
+                    label=f"{variant}: client CPU ms/pass")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("locks held by the process")
+        ax.set_title("(d) renewal pass cost")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[2]
+    if waiters is None:
+        _empty(ax, "bench_waiters")
+    else:
+        variants = list(dict.fromkeys(r["variant"] for r in waiters["rows"]))
+        for variant in variants:
+            rows = sorted((r for r in waiters["rows"] if r["variant"] == variant
+                           and r["redis_cmds_per_handoff"] is not None),
+                          key=lambda r: r["waiters"])
+            ax.plot([r["waiters"] for r in rows],
+                    [r["redis_cmds_per_handoff"] for r in rows], "o-",
+                    color=COLORS.get(variant), label=variant)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("waiters")
+        ax.set_ylabel("Redis commands per hand-off (incl. in-script)")
+        ax.set_title("(e) commands per hand-off")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    source = core or renewal or waiters
+    if source is not None:
+        fig.suptitle(f"Lock core ({_subtitle(source)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default=str(HERE / "results"),
+                        help="folder with the bench_*.json files")
+    parser.add_argument("--out", default=str(HERE), help="folder for the PNGs")
+    args = parser.parse_args(argv)
+    results, out = Path(args.results), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_handoff(load(results, "bench_handoff"), out / "handoff.png")
+    plot_core(load(results, "bench_core"), load(results, "bench_renewal"),
+              load(results, "bench_waiters"), out / "core.png")
+    print(f"wrote {out / 'handoff.png'} and {out / 'core.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The benchmarks in ``benchmarks/`` still run: each one's ``--smoke`` mode, as a
+subprocess, exits 0 and prints its results table.  No timing is asserted here; the
+numbers are recorded in benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+#: script -> the header row of the table it prints
+SCRIPTS = {
+    "bench_core.py": "| variant | cycles/s | us/cycle | x floor |",
+    "bench_handoff.py": "| variant | P | hand-offs/s | acquisitions/s | p50 ms |",
+    "bench_renewal.py": "| variant | holds | round trips/pass | EVALSHA/pass |",
+    "bench_waiters.py": "| variant | waiters | hand-offs | acquisitions |",
+}
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    extra = []
+    url = os.environ.get("DLOCK_TEST_REDIS_URL")
+    if url and args[0].startswith("bench_"):
+        extra = ["--redis-url", url]
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / args[0]), *args[1:], *extra],
+        capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench-results")
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_smoke_mode_runs_and_prints_its_table(script: str, results_dir: Path) -> None:
+    out = results_dir / script.replace(".py", ".json")
+    proc = _run([script, "--smoke", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert SCRIPTS[script] in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["smoke"] is True
+    assert data["machine"]["redis_server"]
+
+
+def test_plot_draws_the_smoke_results(results_dir: Path) -> None:
+    pytest.importorskip("matplotlib")
+    if not list(results_dir.glob("bench_*.json")):
+        pytest.skip("no smoke results (run the whole module)")
+    proc = _run(["plot.py", "--results", str(results_dir), "--out", str(results_dir)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (results_dir / "handoff.png").stat().st_size > 0
+    assert (results_dir / "core.png").stat().st_size > 0
