@@ -119,8 +119,8 @@ class RedisLock:
     :param auto_renew: renew the hold from this process's heartbeat every ``ttl/3``.
     :param owner: a fixed owner token (processes that share it share the hold); by
         default the current context's owner, else a per-thread token.
-    :param on_lost: called with this lock (from the heartbeat thread) when the hold is
-        found lost.
+    :param on_lost: called once with this lock when the hold is found lost, from the
+        thread that found out (the heartbeat, or a caller of ensure_held or extend).
     :param prefix: the key prefix (``dlock``).
     :param info: metadata stored with each fresh hold (shown by ``celery dlock ls`` and
         in :class:`LockNotAcquired`); ``host`` and ``pid`` are always added.
@@ -469,16 +469,21 @@ class RedisLock:
     # -- lost ---------------------------------------------------------------------
 
     def _mark_lost(self, reason: str) -> bool:
+        """Record that the hold is lost, whoever found out; ``on_lost`` runs once."""
         with self._state:
             if self._depth == 0 or self._lost_reason is not None:
                 return False
             self._lost_reason = reason
         self._get_heartbeat().unregister(self)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                logger.exception("on_lost callback for %r failed", self.name)
         return True
 
     def _heartbeat_lost(self, reason: str) -> None:
-        if self._mark_lost(reason) and self.on_lost is not None:
-            self.on_lost(self)
+        self._mark_lost(reason)
 
     # -- context manager ------------------------------------------------------------
 

@@ -1,0 +1,216 @@
+"""Lock names from a task and its call arguments (pure functions, no Redis)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import decimal
+import enum
+import uuid
+from collections import namedtuple
+
+import pytest
+
+from celery_dlock.errors import InvalidLockConfig, UnkeyableArgument
+from celery_dlock.keys import canonical, make_key_function
+
+
+def buy(product_id, qty=1, *, note=None):
+    return None
+
+
+def bound_buy(self, product_id, qty=1):
+    return None
+
+
+def with_kwargs(a, **extra):
+    return None
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+class Opaque:
+    pass
+
+
+class WithKey:
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+
+    def __dlock_key__(self) -> int:
+        return self.ident
+
+
+# -- binding -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lock_key", [None, "stock:{product_id}:{qty}"])
+def test_positional_keyword_and_default_give_one_key(lock_key):
+    key = make_key_function("shop.buy", buy, lock_key)
+    names = {key((1,), {}), key((), {"product_id": 1}), key((1, 1), {}),
+             key((1,), {"qty": 1}), key((), {"qty": 1, "product_id": 1})}
+    assert len(names) == 1
+
+
+@pytest.mark.parametrize("lock_key", [None, "stock:{product_id}:{qty}"])
+def test_different_arguments_give_different_keys(lock_key):
+    key = make_key_function("shop.buy", buy, lock_key)
+    assert key((1,), {}) != key((2,), {})
+    assert key((1,), {}) != key((1, 2), {})
+
+
+def test_bound_task_drops_self():
+    key = make_key_function("shop.buy", bound_buy, "stock:{product_id}", drop_first=True)
+    assert key((7,), {}) == "stock:7"
+    with pytest.raises(InvalidLockConfig, match="self"):
+        make_key_function("shop.buy", bound_buy, "stock:{self}", drop_first=True)
+
+
+def test_template_formats_values():
+    key = make_key_function("shop.buy", buy, "stock:{product_id}")
+    assert key(("abc",), {}) == "stock:abc"
+    assert key((), {"product_id": 42, "qty": 3}) == "stock:42"
+
+
+def test_template_supports_attribute_and_index_access():
+    key = make_key_function("shop.buy", buy, "p:{product_id[0]}:{qty.real}")
+    assert key((["x", "y"], 5), {}) == "p:x:5"
+
+
+def test_template_over_var_keyword_arguments():
+    key = make_key_function("t", with_kwargs, "k:{a}:{tenant}")
+    assert key((1,), {"tenant": "acme"}) == "k:1:acme"
+    with pytest.raises(UnkeyableArgument, match="tenant"):
+        key((1,), {})
+
+
+def test_hashed_key_names_the_task_and_is_stable():
+    key = make_key_function("shop.buy", buy, None)
+    name = key((1,), {"note": "x"})
+    assert name.startswith("shop.buy:")
+    assert len(name.split(":", 1)[1]) == 64
+    assert name == make_key_function("shop.buy", buy, None)((1,), {"note": "x"})
+    # another task with the same arguments gets another key
+    assert make_key_function("shop.sell", buy, None)((1,), {"note": "x"}) != name
+
+
+def test_lock_args_keys_on_a_subset():
+    key = make_key_function("shop.buy", buy, None, ("product_id",))
+    assert key((1, 5), {}) == key((1, 9), {"note": "other"})
+    assert key((1,), {}) != key((2,), {})
+    single = make_key_function("shop.buy", buy, None, "product_id")
+    assert single((1,), {}) == key((1,), {})
+
+
+def test_callable_key_gets_bound_arguments():
+    seen = []
+
+    def key_of(product_id, qty=1, *, note=None):
+        seen.append((product_id, qty, note))
+        return f"p{product_id}"
+
+    key = make_key_function("shop.buy", buy, key_of)
+    assert key((), {"product_id": 3}) == "p3"
+    assert seen == [(3, 1, None)]
+
+
+# -- declaration errors ----------------------------------------------------------------
+
+def test_unknown_template_field_is_an_error_naming_task_and_field():
+    with pytest.raises(InvalidLockConfig) as info:
+        make_key_function("shop.buy", buy, "stock:{product}")
+    assert "shop.buy" in str(info.value)
+    assert "product" in str(info.value)
+
+
+@pytest.mark.parametrize("template", ["stock:{}", "stock:{0}", ""])
+def test_positional_or_empty_templates_are_errors(template):
+    with pytest.raises(InvalidLockConfig):
+        make_key_function("shop.buy", buy, template)
+
+
+def test_unknown_lock_args_is_an_error():
+    with pytest.raises(InvalidLockConfig, match="'nope'"):
+        make_key_function("shop.buy", buy, None, ("product_id", "nope"))
+
+
+def test_lock_args_with_a_template_is_an_error():
+    with pytest.raises(InvalidLockConfig, match="lock_args"):
+        make_key_function("shop.buy", buy, "stock:{product_id}", ("product_id",))
+
+
+def test_lock_key_of_wrong_type_is_an_error():
+    with pytest.raises(InvalidLockConfig, match="template"):
+        make_key_function("shop.buy", buy, 42)  # type: ignore[arg-type]
+
+
+# -- call-time errors ------------------------------------------------------------------
+
+def test_object_with_memory_address_is_refused_by_hashed_key():
+    key = make_key_function("shop.buy", buy, None)
+    with pytest.raises(UnkeyableArgument, match="memory address"):
+        key((Opaque(),), {})
+
+
+def test_object_with_memory_address_is_refused_by_template():
+    key = make_key_function("shop.buy", buy, "stock:{product_id}")
+    with pytest.raises(UnkeyableArgument, match="memory address"):
+        key((Opaque(),), {})
+
+
+def test_nested_unkeyable_value_is_refused():
+    key = make_key_function("shop.buy", buy, None)
+    with pytest.raises(UnkeyableArgument, match="memory address"):
+        key(({"a": [1, Opaque()]},), {})
+
+
+def test_call_that_does_not_bind_is_an_error():
+    key = make_key_function("shop.buy", buy, None)
+    with pytest.raises(UnkeyableArgument, match="bind"):
+        key((1, 2, 3), {})
+
+
+@pytest.mark.parametrize("bad", [None, "", 5])
+def test_callable_must_return_a_non_empty_string(bad):
+    key = make_key_function("shop.buy", buy, lambda *a, **k: bad)
+    with pytest.raises(UnkeyableArgument, match="non-empty string"):
+        key((1,), {})
+
+
+# -- canonical serialisation ------------------------------------------------------------
+
+def test_canonical_is_order_independent_for_dicts_and_sets():
+    assert canonical({"a": 1, "b": 2}) == canonical({"b": 2, "a": 1})
+    assert canonical({3, 1, 2}) == canonical({2, 3, 1})
+
+
+def test_canonical_tells_types_apart():
+    assert canonical(1) != canonical("1")
+    assert canonical(1) != canonical(True)
+    assert canonical(b"ab") != canonical("ab")
+    assert canonical([1, 2]) != canonical({1, 2})
+    assert canonical(decimal.Decimal("1.0")) != canonical(1.0)
+
+
+def test_canonical_handles_common_value_types():
+    values = [
+        dt.datetime(2026, 1, 2, 3, 4, 5), dt.date(2026, 1, 2), dt.timedelta(seconds=3),
+        uuid.UUID(int=5), Color.RED, Point(1, 2), Pair(1, 2), decimal.Decimal("2.50"),
+        float("nan"), WithKey(9), frozenset({1}), (1, "a"),
+    ]
+    texts = [canonical(v) for v in values]
+    assert len(set(texts)) == len(texts)
+    # equal values give equal text
+    assert canonical(Point(1, 2)) == canonical(Point(1, 2))
+    assert canonical(WithKey(9)) == canonical(WithKey(9))
+    assert canonical(WithKey(9)) != canonical(WithKey(8))
