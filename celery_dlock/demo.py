@@ -1,0 +1,256 @@
+"""The inventory demo: 200 in stock, 400 concurrent buyers, with and without the lock.
+
+``celery-dlock demo`` starts a throwaway redis-server (unless ``--redis-url`` is given),
+starts real ``celery worker`` processes (prefork) on this module's app, and sells the
+same stock twice: once with a plain task, once with a :class:`LockedTask`.  Each buyer
+reads the stock, thinks for 2 ms, and writes it back one lower: without a lock, buyers
+that read the same stock each sell the same unit.
+
+The Celery app below is configured from ``DLOCK_DEMO_*`` environment variables that the
+demo command sets for the workers it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import redis
+from celery import Celery
+
+from .embedded import EmbeddedRedis
+from .task import LockedTask
+
+__all__ = ["app", "main", "run_demo"]
+
+_URL = os.environ.get("DLOCK_DEMO_REDIS_URL", "redis://127.0.0.1:6379/0")
+_PREFIX = os.environ.get("DLOCK_DEMO_PREFIX", "dlock-demo")
+_QUEUE = os.environ.get("DLOCK_DEMO_QUEUE", "dlock-demo")
+
+app = Celery("celery_dlock.demo", broker=_URL, backend=_URL, set_as_current=False)
+app.conf.update(
+    task_default_queue=_QUEUE,
+    broker_transport_options={"polling_interval": 0.1},
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    dlock_key_prefix=_PREFIX,
+    result_expires=600,
+)
+
+_redis: redis.Redis | None = None
+
+
+def _client() -> redis.Redis:
+    global _redis
+    if _redis is None:
+        _redis = redis.Redis.from_url(_URL)
+    return _redis
+
+
+def _buy(product_id: int, phase: str) -> bool:
+    """Read the stock, think 2 ms, write it back one lower: the racy part."""
+    r = _client()
+    stock_key = f"{_PREFIX}:{phase}:stock:{product_id}"
+    stock = int(r.get(stock_key) or 0)
+    sold = False
+    if stock > 0:
+        time.sleep(0.002)
+        r.set(stock_key, stock - 1)
+        r.incr(f"{_PREFIX}:{phase}:sold")
+        sold = True
+    r.incr(f"{_PREFIX}:{phase}:done")
+    return sold
+
+
+@app.task(name="demo.buy_plain")
+def buy_plain(product_id: int) -> bool:
+    return _buy(product_id, "plain")
+
+
+@app.task(name="demo.buy_locked", base=LockedTask, lock_key="stock:{product_id}",
+          on_contention="wait", lock_wait=60, lock_ttl=10)
+def buy_locked(product_id: int) -> bool:
+    return _buy(product_id, "locked")
+
+
+# -- the command -----------------------------------------------------------------------
+
+
+@dataclass
+class PhaseResult:
+    label: str
+    stock: int
+    buyers: int
+    sold: int
+    left: int
+    seconds: float
+
+    @property
+    def oversold(self) -> int:
+        return max(0, self.sold - self.stock)
+
+
+def _progress(out: TextIO, label: str, done: int, total: int, width: int = 36) -> None:
+    filled = int(width * done / total) if total else width
+    bar = "#" * filled + "-" * (width - filled)
+    out.write(f"\r  {label:<11} [{bar}] {done:>4}/{total}")
+    out.flush()
+
+
+@contextmanager
+def _workers(url: str, prefix: str, queue: str, count: int, concurrency: int,
+             out: TextIO) -> Iterator[list[str]]:
+    env = dict(os.environ, DLOCK_DEMO_REDIS_URL=url, DLOCK_DEMO_PREFIX=prefix,
+               DLOCK_DEMO_QUEUE=queue)
+    procs: list[subprocess.Popen[bytes]] = []
+    names = [f"demo{i + 1}-{queue}@localhost" for i in range(count)]
+    try:
+        for name in names:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "celery_dlock.demo", "worker",
+                 "--pool=prefork", f"--concurrency={concurrency}", "-Q", queue,
+                 "-n", name, "--without-gossip", "--without-mingle",
+                 "--without-heartbeat", "--loglevel=WARNING"],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True))
+        yield names
+    finally:
+        out.write("  stopping workers...\n")
+        for proc in procs:
+            with suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_ready(demo_app: Celery, names: Sequence[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = set(names)
+    while waiting:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers did not start in {timeout:.0f}s: "
+                               f"{', '.join(sorted(waiting))}")
+        replies = demo_app.control.ping(destination=list(waiting), timeout=0.5) or []
+        for reply in replies:
+            waiting -= set(reply)
+
+
+def _run_phase(demo_app: Celery, r: redis.Redis, prefix: str, phase: str, label: str,
+               stock: int, buyers: int, out: TextIO, timeout: float) -> PhaseResult:
+    product_id = 1
+    r.set(f"{prefix}:{phase}:stock:{product_id}", stock)
+    r.set(f"{prefix}:{phase}:sold", 0)
+    r.set(f"{prefix}:{phase}:done", 0)
+    name = "demo.buy_locked" if phase == "locked" else "demo.buy_plain"
+    started = time.monotonic()
+    results = [demo_app.send_task(name, args=(product_id,)) for _ in range(buyers)]
+    deadline = started + timeout
+    done = 0
+    while done < buyers:
+        done = int(r.get(f"{prefix}:{phase}:done") or 0)
+        _progress(out, label, done, buyers)
+        if time.monotonic() > deadline:
+            out.write("\n")
+            raise RuntimeError(f"{label}: only {done} of {buyers} buyers done after "
+                               f"{timeout:.0f}s")
+        time.sleep(0.05)
+    elapsed = time.monotonic() - started
+    out.write(f"  {elapsed:.1f}s\n")
+    for result in results:
+        result.forget()
+    return PhaseResult(label=label, stock=stock, buyers=buyers,
+                       sold=int(r.get(f"{prefix}:{phase}:sold") or 0),
+                       left=int(r.get(f"{prefix}:{phase}:stock:{product_id}") or 0),
+                       seconds=elapsed)
+
+
+def _table(plain: PhaseResult, locked: PhaseResult) -> str:
+    rows: list[tuple[str, Any, Any]] = [
+        ("buyers", plain.buyers, locked.buyers),
+        ("in stock at start", plain.stock, locked.stock),
+        ("units sold", plain.sold, locked.sold),
+        ("left in stock", plain.left, locked.left),
+        ("over-sold by", plain.oversold, locked.oversold),
+        ("time", f"{plain.seconds:.1f}s", f"{locked.seconds:.1f}s"),
+    ]
+    lines = [f"  {'':<20}{'plain task':>14}{'LockedTask':>14}",
+             f"  {'-' * 20}{'-' * 14}{'-' * 14}"]
+    lines += [f"  {name:<20}{a!s:>14}{b!s:>14}" for name, a, b in rows]
+    return "\n".join(lines)
+
+
+def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int = 4,
+             stock: int = 200, buyers: int = 400, out: TextIO = sys.stdout,
+             timeout: float = 180.0) -> tuple[PhaseResult, PhaseResult]:
+    """Run both phases and print the comparison; returns (plain, locked)."""
+    server: EmbeddedRedis | None = None
+    if redis_url is None:
+        out.write("Starting an embedded redis-server... ")
+        out.flush()
+        server = EmbeddedRedis().start()
+        redis_url = server.url
+        out.write(f"{redis_url}\n")
+    tag = uuid.uuid4().hex[:8]
+    prefix, queue = f"dlock-demo-{tag}", f"dlock-demo-{tag}"
+    demo_app = Celery("celery_dlock.demo.client", broker=redis_url, backend=redis_url,
+                      set_as_current=False)
+    demo_app.conf.update(task_default_queue=queue,
+                         broker_transport_options={"polling_interval": 0.1})
+    r = redis.Redis.from_url(redis_url)
+    try:
+        out.write(f"Starting {workers} workers x {concurrency} processes (prefork)...\n")
+        with _workers(redis_url, prefix, queue, workers, concurrency, out) as names:
+            _wait_ready(demo_app, names, timeout=60)
+            out.write(f"Selling {stock} units to {buyers} concurrent buyers, twice:\n")
+            plain = _run_phase(demo_app, r, prefix, "plain", "plain task", stock,
+                               buyers, out, timeout)
+            locked = _run_phase(demo_app, r, prefix, "locked", "LockedTask", stock,
+                                buyers, out, timeout)
+        out.write("\n" + _table(plain, locked) + "\n\n")
+        if plain.oversold:
+            out.write(f"Without a lock {plain.oversold} units were sold that did not "
+                      f"exist.\n")
+        else:
+            out.write("This time the plain task got lucky and did not over-sell; run "
+                      "again, or add buyers.\n")
+        verdict = ("exactly" if locked.sold == stock and locked.left == 0
+                   else "NOT exactly")
+        out.write(f"With LockedTask {verdict} {stock} units were sold, "
+                  f"{locked.left} left.\n")
+        return plain, locked
+    finally:
+        r.close()
+        demo_app.close()
+        if server is not None:
+            server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="celery-dlock demo",
+        description="Sell 200 units to 400 concurrent buyers on real Celery workers, "
+                    "with and without LockedTask.")
+    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--stock", type=int, default=200)
+    parser.add_argument("--buyers", type=int, default=400)
+    args = parser.parse_args(argv)
+    _, locked = run_demo(args.redis_url, workers=args.workers,
+                         concurrency=args.concurrency, stock=args.stock,
+                         buyers=args.buyers)
+    return 0 if locked.sold == min(args.stock, args.buyers) else 1
