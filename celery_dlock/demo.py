@@ -71,13 +71,14 @@ def _buy(product_id: int, phase: str) -> bool:
     return sold
 
 
-@app.task(name="demo.buy_plain")
+@app.task(name="demo.buy_plain")  # type: ignore[untyped-decorator]
 def buy_plain(product_id: int) -> bool:
     return _buy(product_id, "plain")
 
 
-@app.task(name="demo.buy_locked", base=LockedTask, lock_key="stock:{product_id}",
-          on_contention="wait", lock_wait=60, lock_ttl=10)
+@app.task(  # type: ignore[untyped-decorator]
+    name="demo.buy_locked", base=LockedTask, lock_key="stock:{product_id}",
+    on_contention="wait", lock_wait=60, lock_ttl=10)
 def buy_locked(product_id: int) -> bool:
     return _buy(product_id, "locked")
 
