@@ -172,8 +172,17 @@ class LockedTask(Task):  # type: ignore[misc]
                 self.name, self.run, self.lock_key, self.lock_args)
         return key_fn(tuple(args), kwargs or {})
 
-    def dlock_settings(self) -> dict[str, Any]:
-        return {option: read_setting(self, option) for option in SETTINGS}
+    def dlock_settings(self) -> Mapping[str, Any]:
+        """This task's resolved settings, read once per task instance and process.
+
+        ``app.conf.dlock_*`` changes made after a task first ran are not seen by it.
+        """
+        cached: Mapping[str, Any] | None = self.__dict__.get("_dlock_settings")
+        if cached is None:
+            cached = MappingProxyType({option: read_setting(self, option)
+                                       for option in SETTINGS})
+            self._dlock_settings = cached
+        return cached
 
     @property
     def lock(self) -> RedisLock | None:
@@ -312,7 +321,8 @@ class LockedTask(Task):  # type: ignore[misc]
                        task_id, lock.name, reason)
         signals.lock_lost.send(sender=self, key=lock.name, fence=attempt.fence,
                                task_id=task_id, reason=reason)
-        if attempt.running and read_setting(self, "lock_lost_action") == "interrupt":
+        if attempt.running and \
+                self.dlock_settings()["lock_lost_action"] == "interrupt":
             _interrupt_thread(attempt.thread_id)
 
 

@@ -19,7 +19,8 @@ def _app(**conf: object) -> Celery:
 
 
 def _task(app: Celery, **options: object) -> LockedTask:
-    @app.task(base=LockedTask, lock_key="k:{x}", name=f"t{len(app.tasks)}", **options)
+    @app.task(base=LockedTask, lock_key="k:{x}", shared=False, name=f"t{len(app.tasks)}",
+              **options)
     def t(x):
         return x
 

@@ -75,7 +75,7 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
     def lock_count(key: str) -> int:
         return int(r.hget(f"{prefix}:{{{key}}}", "count") or 0)
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}")
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}")
     def interval(self, x, seconds=0.5, tag=""):
         start = time.time()
         log(kind="interval", x=x, tag=tag, start=start, fence=self.lock.fence,
@@ -85,31 +85,36 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
         log(kind="end", x=x, tag=tag, start=start, end=time.time())
         return tag
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", on_contention="skip")
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              on_contention="skip")
     def skipper(self, x):
         log(kind="skipper-ran", x=x)
         return "ran"
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", on_contention="raise")
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              on_contention="raise")
     def raiser(self, x):
         log(kind="raiser-ran", x=x)
         return "ran"
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", on_contention="wait",
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              on_contention="wait",
               lock_wait=20)
     def waiter(self, x):
         return {"fence": self.lock.fence, "at": time.time()}
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", max_retries=0)
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              max_retries=0)
     def patient(self, x):
         return {"retries": self.request.retries,
                 "contention": getattr(self.request, "dlock_contention_retries", 0)}
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", lock_retry_max=2)
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              lock_retry_max=2)
     def bounded(self, x):
         return "ran"
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}")
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}")
     def nested(self, x, depth=2):
         log(kind="nested", depth=depth, count=lock_count(f"k:{x}"),
             fence=self.lock.fence if self.lock else None)
@@ -121,14 +126,15 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
                 log(kind="plain", count=lock_count(f"k:{x}"))
         return depth
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", default_retry_delay=0.1)
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              default_retry_delay=0.1)
     def retrier(self, x):
         log(kind="retrier", retries=self.request.retries, count=lock_count(f"k:{x}"))
         if self.request.retries < 2:
             raise self.retry(countdown=0)
         return self.request.retries
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}",
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
               autoretry_for=(ValueError,), retry_kwargs={"max_retries": 2,
                                                          "countdown": 0})
     def autoretrier(self, x):
@@ -137,7 +143,7 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
             raise ValueError("flaky")
         return "done"
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}")
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}")
     def ender(self, x, how):
         log(kind="ender", how=how)
         if how == "ignore":
@@ -146,7 +152,8 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
             raise Reject("no", requeue=False)
         raise RuntimeError("boom")
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", lock_ttl=0.6)
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              lock_ttl=0.6)
     def loses(self, x):
         # Someone deletes our lock and takes it: renewal must notice.
         r.delete(f"{prefix}:{{k:{x}}}")
@@ -163,7 +170,8 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
             time.sleep(0.05)
         return "never noticed"
 
-    @app.task(base=LockedTask, bind=True, lock_key="k:{x}", lock_ttl=0.6,
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}",
+              lock_ttl=0.6,
               lock_lost_action="interrupt")
     def interrupted(self, x):
         r.delete(f"{prefix}:{{k:{x}}}")
@@ -438,7 +446,7 @@ def _declare(**options: Any) -> Any:
     def f(self, product_id, qty=1):
         return None
 
-    task = app.task(base=LockedTask, bind=True, **options)(f)
+    task = app.task(base=LockedTask, shared=False, bind=True, **options)(f)
     app.finalize()
     return task.name  # evaluates the task
 
@@ -470,7 +478,7 @@ def down_app(redis_url: str) -> Celery:
 def test_redis_down_fails_closed(down_app):
     ran: list[int] = []
 
-    @down_app.task(base=LockedTask, lock_key="k:{x}", on_contention="raise")
+    @down_app.task(base=LockedTask, shared=False, lock_key="k:{x}", on_contention="raise")
     def guarded(x):
         ran.append(x)
 
@@ -482,7 +490,7 @@ def test_redis_down_fails_closed(down_app):
 
 
 def test_redis_down_with_skip_policy_skips(down_app):
-    @down_app.task(base=LockedTask, lock_key="k:{x}", on_contention="skip")
+    @down_app.task(base=LockedTask, shared=False, lock_key="k:{x}", on_contention="skip")
     def guarded(x):
         return "ran"
 
@@ -493,7 +501,7 @@ def test_redis_down_with_skip_policy_skips(down_app):
 def test_redis_down_fail_open_runs_unlocked(down_app):
     down_app.conf.dlock_fail_open = True
 
-    @down_app.task(base=LockedTask, bind=True, lock_key="k:{x}")
+    @down_app.task(base=LockedTask, shared=False, bind=True, lock_key="k:{x}")
     def guarded(self, x):
         return ("ran", self.lock)
 
