@@ -11,7 +11,7 @@ import traceback
 import pytest
 import redis
 
-from celery_dlock import LockLost, LockNotOwned, RedisLock
+from celery_dlock import LockLost, LockNotOwned, RedisLock, owner_context
 from celery_dlock.heartbeat import get_heartbeat
 
 # Python 3.12+ warns when forking a process that runs threads (the heartbeat does).
@@ -128,4 +128,28 @@ def test_multiprocessing_fork_child_contends(r, prefix, name):
         assert result == (False, None, 0, False)
         assert lock.owned()
         assert r.hget(lock.keys.lock, "count") == b"1"
+    assert not r.exists(lock.keys.lock)
+
+
+def _mp_child_in_context(r: redis.Redis, prefix: str, name: str, queue) -> None:
+    # The contextvar holding the parent's owner token is inherited by fork(), but the
+    # child is a different owner all the same.
+    queue.put(RedisLock(r, name, prefix=prefix).acquire(blocking=False))
+
+
+def test_context_owner_does_not_cross_fork(r, prefix, name):
+    ctx = multiprocessing.get_context("fork")
+    with owner_context("attempt-token"):
+        lock = RedisLock(r, name, prefix=prefix)
+        lock.acquire()
+        assert r.hget(lock.keys.lock, "owner") == b"attempt-token"
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_mp_child_in_context, args=(r, prefix, name, queue))
+        proc.start()
+        result = queue.get(timeout=30)
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert result is False
+        assert r.hget(lock.keys.lock, "count") == b"1"
+        lock.release()
     assert not r.exists(lock.keys.lock)

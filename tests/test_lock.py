@@ -401,10 +401,13 @@ def test_acquire_bad_timeout_combinations_raise_value_error(r, prefix, name,
 
 def test_exit_never_hides_the_body_exception(r, prefix, name):
     lock = RedisLock(r, name, prefix=prefix)
-    with pytest.raises(ValueError, match="from the body"), lock:
+    with pytest.raises(ValueError, match="from the body") as info, lock:
         r.delete(lock.keys.lock)
         raise ValueError("from the body")
     assert lock.depth == 0
+    # the failed release is not lost either: it is noted on the body's exception
+    notes = getattr(info.value, "__notes__", [])
+    assert any(name in note and "also failed" in note for note in notes)
 
 
 def test_exit_body_exception_wins_over_a_lost_lock_taken_by_another(r, prefix, name):
