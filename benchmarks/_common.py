@@ -43,7 +43,30 @@ def base_parser(description: str, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None, metavar="PATH",
                         help=f"write results here (default in full mode: "
                              f"benchmarks/results/{name}.json; none with --smoke)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="first wait up to this long for the machine to be idle "
+                             "(other work keeps < 0.15 CPUs busy for 3 s in a row)")
     return parser
+
+
+def wait_quiet(limit: float, threshold: float = 0.15, calm_for: int = 3) -> bool:
+    """Wait up to ``limit`` seconds until the machine is idle; True when it is."""
+    if limit <= 0:
+        return True
+    deadline = time.monotonic() + limit
+    calm = 0
+    prev = _busy_jiffies()
+    while prev is not None and time.monotonic() < deadline:
+        time.sleep(1.0)
+        cur = _busy_jiffies()
+        if cur is None:
+            break
+        calm = calm + 1 if cur[0] - prev[0] < threshold else 0
+        prev = cur
+        if calm >= calm_for:
+            return True
+    print(f"WARNING: the machine did not become idle within {limit:g} s")
+    return False
 
 
 def json_path(args: argparse.Namespace, name: str) -> Path | None:
@@ -123,6 +146,68 @@ def print_machine(info: dict[str, Any]) -> None:
     print(f"machine: {info['nproc']} CPUs ({info['cpu_model']}), Python "
           f"{info['python']}, redis-server {info['redis_server']}; {pkgs}; "
           f"source {info.get('source')}")
+
+
+# -- other load on the machine -------------------------------------------------------
+
+
+def _busy_jiffies() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    total = sum(fields[:8])
+    return (total - idle) / hz, total / hz
+
+
+def _server_cpu(client: redis.Redis) -> float:
+    cpu = client.info("cpu")
+    return float(cpu.get("used_cpu_sys", 0.0)) + float(cpu.get("used_cpu_user", 0.0))
+
+
+class LoadMonitor:
+    """How busy the machine was with *other* work while a benchmark ran.
+
+    Busy CPU time of the whole machine (``/proc/stat``) minus this process, its
+    waited-for children and the Redis server, divided by the wall time: the average
+    number of CPUs that something else kept busy.  Benchmarks on a shared machine
+    are only comparable when this is near 0.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.loadavg_start = os.getloadavg()[0]
+        self._t0 = time.monotonic()
+        self._busy0 = _busy_jiffies()
+        t = os.times()
+        self._own0 = t.user + t.system + t.children_user + t.children_system
+        self._srv0 = _server_cpu(client)
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.monotonic() - self._t0
+        busy1 = _busy_jiffies()
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system - self._own0
+        srv = _server_cpu(self.client) - self._srv0
+        other = None
+        if self._busy0 is not None and busy1 is not None and wall > 0:
+            other = max(0.0, (busy1[0] - self._busy0[0] - own - srv) / wall)
+        return {"wall_s": round(wall, 2), "loadavg_1m_start": self.loadavg_start,
+                "loadavg_1m_end": os.getloadavg()[0],
+                "other_cpus_busy": None if other is None else round(other, 3)}
+
+
+def print_load(load: dict[str, Any]) -> None:
+    other = load["other_cpus_busy"]
+    print(f"\nother load during the run: {fmt(other, '.2f')} CPUs busy with other "
+          f"work on average (load average {load['loadavg_1m_start']:.2f} -> "
+          f"{load['loadavg_1m_end']:.2f}), {load['wall_s']:.0f} s")
+    if other is not None and other > 0.2:
+        print("WARNING: the machine was busy with other work; numbers are disturbed")
 
 
 # -- server statistics ---------------------------------------------------------------

@@ -185,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "rounds": rounds,
                                "cycles": cycles, "modes": {}}
+    c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, server):
         client = c.CountingRedis.from_url(url)
         results["machine"] = c.machine_info(client)
         c.print_machine(results["machine"])
+        monitor = c.LoadMonitor(client)
         variants = make_variants(client, f"{c.run_id()}:core")
         for fn in variants.values():  # load scripts, start the heartbeat thread
             fn()
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                 print()
         finally:
             pin("none", server_pid)
+        results["load"] = monitor.stop()
+        c.print_load(results["load"])
         client.close()
     c.write_json(c.json_path(args, NAME), results)
     return 0

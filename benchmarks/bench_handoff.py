@@ -62,18 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke,
                                "duration": duration, "rounds": rounds,
                                "hold": args.hold}
+    c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, _server):
         info_client = c.CountingRedis.from_url(url)
         results["machine"] = c.machine_info(info_client)
-        info_client.close()
         c.print_machine(results["machine"])
+        monitor = c.LoadMonitor(info_client)
         rows = h.run_matrix(url, variants, procs, rounds, duration, args.hold)
+        results["load"] = monitor.stop()
+        info_client.close()
     results["rows"] = rows
     print(f"\n{TITLE}\n")
     print(f"hold {args.hold * 1000:g} ms, {rounds} round(s) x {duration:g} s per "
           "variant and P, variants interleaved; delays pooled over rounds, rates and "
           "fairness: median over rounds.\n")
     print(c.markdown_table(COLUMNS, rows))
+    c.print_load(results["load"])
     c.write_json(c.json_path(args, NAME), results)
     broken = [r for r in rows if r["overlaps"]]
     if broken:

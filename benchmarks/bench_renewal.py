@@ -163,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke,
                                "passes": passes}
     rows: list[dict[str, Any]] = []
+    c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, _server):
         client = c.CountingRedis.from_url(url)
         results["machine"] = c.machine_info(client)
         c.print_machine(results["machine"])
+        monitor = c.LoadMonitor(client)
         prefix = f"{c.run_id()}:renew"
         # Load the scripts first, so that no pass pays for an EVAL fallback.
         bench_dlock(client, prefix + ":warm", 1, 1)
@@ -180,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
                     row["staggered_per_interval"] = staggered_round_trips(
                         client, prefix, holds, intervals=3 if args.smoke else 20)
                 rows.append(row)
+        results["load"] = monitor.stop()
         client.close()
     rows.sort(key=lambda r: (r["variant"] != "celery_dlock Heartbeat", r["holds"]))
     results["rows"] = rows
     print(f"\n{TITLE}\n")
     print(f"median of {passes} passes per count; every hold is due in every pass.\n")
     print(c.markdown_table(COLUMNS, rows))
+    c.print_load(results["load"])
     c.write_json(c.json_path(args, NAME), results)
     return 0
 

@@ -68,13 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke,
                                "duration": duration, "rounds": rounds,
                                "hold": args.hold}
+    c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, _server):
         info_client = c.CountingRedis.from_url(url)
         results["machine"] = c.machine_info(info_client)
-        info_client.close()
         c.print_machine(results["machine"])
+        monitor = c.LoadMonitor(info_client)
         rows = h.run_matrix(url, variants, [n + 1 for n in waiters], rounds, duration,
                             args.hold)
+        results["load"] = monitor.stop()
+        info_client.close()
     for row in rows:
         row["waiters"] = row["procs"] - 1
         row["top_commands"] = top_commands(row["commands_per_handoff"])
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hold {args.hold * 1000:g} ms, {rounds} round(s) x {duration:g} s per "
           "variant and N, variants interleaved; totals over the rounds.\n")
     print(c.markdown_table(COLUMNS, rows))
+    c.print_load(results["load"])
     c.write_json(c.json_path(args, NAME), results)
     return 1 if any(r["overlaps"] for r in rows) else 0
 
