@@ -27,6 +27,7 @@ TITLE = "### c. Hand-off under contention: acquire -> hold -> release on one key
 COLUMNS = [
     ("variant", "variant", ""),
     ("P", "procs", ""),
+    ("hand-offs", "handoffs", ""),
     ("hand-offs/s", "handoffs_per_s", ".1f"),
     ("acquisitions/s", "acq_per_s", ".1f"),
     ("p50 ms", "p50_ms", ".3f"),
