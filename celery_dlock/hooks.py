@@ -23,6 +23,7 @@ from typing import Any
 
 from celery import signals as celery_signals
 
+from . import events
 from .config import get_client, read_setting
 from .heartbeat import get_heartbeat
 from .lock import LockKeys
@@ -49,6 +50,7 @@ def install() -> None:
             _on_shutdown, weak=False, dispatch_uid="celery_dlock.process_shutdown")
         celery_signals.worker_shutdown.connect(
             _on_shutdown, weak=False, dispatch_uid="celery_dlock.worker_shutdown")
+        events.install()  # contention history, when an app sets dlock_record_events
         _installed = True
 
 

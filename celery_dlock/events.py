@@ -1,0 +1,174 @@
+"""A short history of lock contention, for ``celery dlock top``.
+
+Off by default.  When an app sets ``app.conf.dlock_record_events = True``, every worker
+that runs its locked tasks appends one small JSON record to a capped Redis list,
+``<prefix>:events`` (newest first, at most :data:`EVENTS_MAX` records, expiring a day
+after the last one), each time a task
+
+* finds its lock held elsewhere (``signals.lock_contended``: which task, which policy,
+  who held the lock), or
+* loses its lock while running (``signals.lock_lost``).
+
+The cost is one pipelined round trip (``LPUSH``, ``LTRIM``, ``EXPIRE``) per event, on
+the contended path only: acquiring and releasing an uncontended lock records nothing.
+A contention caused by Redis being unreachable is not recorded (there is nowhere to
+write it).  Failures to record are logged at debug level and never affect the task.
+
+Why a list rather than the waiters' lines (``<prefix>:{name}:q``): only the ``wait``
+policy joins a line, and only while it blocks; contention handled by ``retry``, ``skip``
+or ``raise`` leaves no trace there.  ``top`` shows the live lines too (its ``WAITING``
+column).
+
+Timestamps are the recording worker's wall clock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from . import signals
+from .config import get_client, read_setting
+from .errors import BackendUnavailable, DLockError
+
+__all__ = ["EVENTS_MAX", "EVENTS_TTL", "Event", "events_key", "install",
+           "recent_events", "recording_enabled"]
+
+logger = logging.getLogger("celery_dlock.events")
+
+#: Records kept per prefix.
+EVENTS_MAX = 200
+#: The list expires this many seconds after its last record.
+EVENTS_TTL = 24 * 3600
+
+_FIELDS = ("at", "kind", "key", "task_name", "task_id", "worker", "policy",
+           "holder_task_name", "holder_task_id", "holder_worker", "detail")
+
+
+def events_key(prefix: str) -> str:
+    """The list holding the history of ``prefix``'s locks."""
+    return f"{prefix}:events"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One recorded contention (``kind="contended"``) or lost lock (``"lost"``)."""
+
+    at: float
+    kind: str
+    key: str
+    task_name: str | None = None
+    task_id: str | None = None
+    worker: str | None = None
+    policy: str | None = None
+    holder_task_name: str | None = None
+    holder_task_id: str | None = None
+    holder_worker: str | None = None
+    detail: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Event:
+        def text(name: str) -> str | None:
+            value = data.get(name)
+            return None if value is None else str(value)
+
+        return cls(at=float(data.get("at") or 0.0), kind=str(data.get("kind") or "?"),
+                   key=str(data.get("key") or "?"),
+                   **{name: text(name) for name in _FIELDS[3:]})
+
+
+def recent_events(client: Any, prefix: str, limit: int = 20) -> list[Event]:
+    """The newest ``limit`` records under ``prefix``, newest first.
+
+    Unreadable records are skipped.  Redis errors propagate (the caller reports them).
+    """
+    if limit <= 0:
+        return []
+    out = []
+    for raw in client.lrange(events_key(prefix), 0, limit - 1):
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            out.append(Event.from_dict(data))
+    return out
+
+
+def recording_enabled(app: Any) -> bool:
+    """Whether ``app`` asked for contention history (``dlock_record_events``)."""
+    conf = getattr(app, "conf", None)
+    return bool(conf is not None and conf.get("dlock_record_events"))
+
+
+def _record(task: Any, event: Event) -> None:
+    try:
+        prefix = read_setting(task, "lock_prefix")
+        key = events_key(prefix)
+        pipe = get_client(task.app).pipeline(transaction=False)
+        pipe.lpush(key, json.dumps(event.as_dict(), separators=(",", ":")))
+        pipe.ltrim(key, 0, EVENTS_MAX - 1)
+        pipe.expire(key, EVENTS_TTL)
+        pipe.execute()
+    except (RedisError, DLockError) as exc:
+        logger.debug("could not record a %s event for %r: %s", event.kind, event.key,
+                     exc)
+
+
+def _on_contended(sender: Any = None, key: str = "?", policy: str | None = None,
+                  holder: Any = None, task_id: str | None = None, error: Any = None,
+                  **_: Any) -> None:
+    if not recording_enabled(getattr(sender, "app", None)):
+        return
+    if isinstance(error, BackendUnavailable):
+        return
+    info = getattr(holder, "info", None) or {}
+    request = getattr(sender, "request", None)
+    _record(sender, Event(
+        at=time.time(), kind="contended", key=key,
+        task_name=getattr(sender, "name", None), task_id=task_id,
+        worker=getattr(request, "hostname", None), policy=policy,
+        holder_task_name=info.get("task_name"), holder_task_id=info.get("task_id"),
+        holder_worker=info.get("worker") or info.get("host"),
+        detail=holder.describe() if holder is not None else None))
+
+
+def _on_lost(sender: Any = None, key: str = "?", task_id: str | None = None,
+             reason: str | None = None, **_: Any) -> None:
+    if not recording_enabled(getattr(sender, "app", None)):
+        return
+    # Sent from the heartbeat thread: the task's request context is not ours to read.
+    _record(sender, Event(at=time.time(), kind="lost", key=key,
+                          task_name=getattr(sender, "name", None), task_id=task_id,
+                          detail=reason))
+
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Connect the recorders to the package's signals (once; idempotent).
+
+    Done when a :class:`~celery_dlock.LockedTask` is bound to an app; the recorders do
+    nothing unless the task's app sets ``dlock_record_events``.
+    """
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        signals.lock_contended.connect(_on_contended, weak=False,
+                                       dispatch_uid="celery_dlock.events.contended")
+        signals.lock_lost.connect(_on_lost, weak=False,
+                                  dispatch_uid="celery_dlock.events.lost")
+        _installed = True
