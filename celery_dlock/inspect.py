@@ -1,0 +1,317 @@
+"""Reading the locks held in Redis, for ``celery dlock`` and for metrics.
+
+Everything here reads (or, for :func:`force_release`, frees) the keys laid out in
+:mod:`celery_dlock.scripts`; nothing depends on a running worker::
+
+    from celery_dlock.inspect import force_release, get_lock, iter_locks
+
+    for info in iter_locks(client, "dlock"):
+        print(info.key, info.task_name, info.held_for)
+
+Listing uses ``SCAN`` (never ``KEYS``) with ``MATCH P:{*}`` and ``TYPE hash``, so the
+helper keys of a lock (fence counter, waiters' line, doorbells) are skipped by the
+server, and reads each page of keys with one non-transactional pipeline (``HGETALL`` and
+``PTTL`` per key, one ``TIME``): listing 10,000 locks costs a few dozen round trips, not
+20,000.  ``SCAN`` may return a key more than once; :func:`iter_locks` yields it once.
+A lock that expires between ``SCAN`` and the read is left out.
+
+Ages come from the server's clock (``TIME`` minus the hold's ``acquired_at``), so they
+are right whatever the clock of the machine that asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .errors import BackendUnavailable, DLockError
+from .lock import LockKeys, decode
+from .scripts import FORCE_RELEASE
+from .waiters import DOORBELL_TTL_MS
+
+__all__ = [
+    "SUMMARY_FIELDS",
+    "HoldChanged",
+    "LockInfo",
+    "force_release",
+    "get_lock",
+    "iter_locks",
+    "lock_name_of",
+    "scan_pattern",
+    "waiting_counts",
+]
+
+#: The fields of ``celery dlock ls`` (table columns and ``--json`` keys), in order.
+SUMMARY_FIELDS = ("key", "task_name", "task_id", "worker", "pid", "owner", "count",
+                  "fence", "ttl", "held_for")
+
+# Hash fields that LockInfo shows under their own name (or turns into ttl/held_for);
+# every other field of the hash goes to LockInfo.extra.
+_KNOWN = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "task_id",
+                    "task_name", "worker", "pid", "host"})
+
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One held lock, as Redis shows it at the moment it was read.
+
+    ``ttl`` is the seconds left before the hold expires unless renewed (None if the key
+    has no expiry, which the scripts never leave); ``held_for`` the seconds since this
+    hold was taken (re-entries and renewals do not reset it), by the server's clock.
+    ``task_name``, ``task_id`` and ``worker`` are set for holds taken by a
+    :class:`~celery_dlock.LockedTask`; ``host`` and ``pid`` for every hold.  ``extra``
+    holds any other metadata stored with the hold (``RedisLock(info=...)``).
+    """
+
+    key: str
+    task_name: str | None
+    task_id: str | None
+    worker: str | None
+    pid: int | None
+    owner: str
+    count: int
+    fence: int | None
+    ttl: float | None
+    held_for: float | None
+    host: str | None = None
+    extra: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field by name (``extra`` as a plain dict), ready for JSON."""
+        return {
+            "key": self.key,
+            "task_name": self.task_name,
+            "task_id": self.task_id,
+            "worker": self.worker,
+            "pid": self.pid,
+            "owner": self.owner,
+            "count": self.count,
+            "fence": self.fence,
+            "ttl": self.ttl,
+            "held_for": self.held_for,
+            "host": self.host,
+            "extra": dict(self.extra),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The :data:`SUMMARY_FIELDS` only (one row of ``celery dlock ls``)."""
+        full = self.as_dict()
+        return {name: full[name] for name in SUMMARY_FIELDS}
+
+    def describe(self) -> str:
+        """A short human phrase: which task (or owner) holds it, where."""
+        if self.task_name or self.task_id:
+            who = f"task {self.task_name or '?'}[{self.task_id or '?'}]"
+        else:
+            who = f"owner {self.owner}"
+        where = self.worker or self.host
+        if where:
+            who += f" on {where}"
+            if self.pid is not None:
+                who += f" pid {self.pid}"
+        return who
+
+
+class HoldChanged(DLockError):
+    """:func:`force_release` was told which hold to free (its fence), and the lock is
+    now held by another hold; nothing was freed.  ``current`` is the hold found."""
+
+    def __init__(self, message: str, *, lock_name: str | None = None,
+                 current: LockInfo | None = None) -> None:
+        self.current = current
+        super().__init__(message, lock_name=lock_name)
+
+
+def _int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _as_fields(raw: Mapping[Any, Any] | Iterable[Any]) -> dict[str, str]:
+    """A hash as ``{str: str}``, from an ``HGETALL`` mapping or a flat script reply."""
+    if isinstance(raw, Mapping):
+        return {decode(k): decode(v) for k, v in raw.items()}
+    flat = list(raw)
+    return {decode(flat[i]): decode(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+
+
+def _lock_info(name: str, fields: Mapping[str, str], pttl_ms: int | None,
+               now_ms: int | None) -> LockInfo | None:
+    owner = fields.get("owner")
+    if owner is None:
+        return None  # not one of our holds (or a half-written one): not a lock
+    acquired_at = _int(fields.get("acquired_at"))
+    held_for = None
+    if acquired_at is not None and now_ms is not None:
+        held_for = max(0, now_ms - acquired_at) / 1000.0
+    ttl = pttl_ms / 1000.0 if pttl_ms is not None and pttl_ms >= 0 else None
+    return LockInfo(
+        key=name,
+        task_name=fields.get("task_name"),
+        task_id=fields.get("task_id"),
+        worker=fields.get("worker"),
+        pid=_int(fields.get("pid")),
+        owner=owner,
+        count=_int(fields.get("count")) or 0,
+        fence=_int(fields.get("fence")),
+        ttl=ttl,
+        held_for=held_for,
+        host=fields.get("host"),
+        extra={k: v for k, v in sorted(fields.items()) if k not in _KNOWN},
+    )
+
+
+def _server_ms(reply: Any) -> int:
+    secs, usecs = reply
+    return int(secs) * 1000 + int(usecs) // 1000
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def scan_pattern(prefix: str) -> str:
+    """The ``SCAN MATCH`` pattern of every lock hash under ``prefix``."""
+    return f"{_glob_escape(prefix)}:{{*}}"
+
+
+def lock_name_of(prefix: str, key: str) -> str | None:
+    """The lock name in a lock hash's key ``prefix:{name}`` (None for other keys)."""
+    head = f"{prefix}:{{"
+    if key.startswith(head) and key.endswith("}") and len(key) > len(head) + 1:
+        return key[len(head):-1]
+    return None
+
+
+def _unavailable(exc: Exception, name: str | None = None) -> BackendUnavailable:
+    return BackendUnavailable(f"Redis unavailable: {exc}", lock_name=name)
+
+
+def _read_page(client: Any, page: list[tuple[str, str]]) -> list[LockInfo]:
+    pipe = client.pipeline(transaction=False)
+    for key, _ in page:
+        pipe.hgetall(key)
+        pipe.pttl(key)
+    pipe.time()
+    replies = pipe.execute()
+    now_ms = _server_ms(replies[-1])
+    out = []
+    for i, (_, name) in enumerate(page):
+        raw, pttl = replies[2 * i], replies[2 * i + 1]
+        if not raw or int(pttl) == -2:
+            continue  # expired or released since SCAN saw it
+        info = _lock_info(name, _as_fields(raw), int(pttl), now_ms)
+        if info is not None:
+            out.append(info)
+    return out
+
+
+def iter_locks(client: Any, prefix: str = "dlock", *,
+               page_size: int = 500) -> Iterator[LockInfo]:
+    """Every lock held under ``prefix``, a page of ``page_size`` keys at a time.
+
+    Needs Redis 6.0 or later (``SCAN ... TYPE``).  Raises :class:`BackendUnavailable`
+    when Redis cannot be reached.  The order is Redis's (unsorted).
+    """
+    seen: set[str] = set()
+    page: list[tuple[str, str]] = []
+    try:
+        for raw_key in client.scan_iter(match=scan_pattern(prefix), count=page_size,
+                                        _type="hash"):
+            key = decode(raw_key)
+            name = lock_name_of(prefix, key)
+            if name is None or key in seen:
+                continue
+            seen.add(key)
+            page.append((key, name))
+            if len(page) >= page_size:
+                yield from _read_page(client, page)
+                page = []
+        if page:
+            yield from _read_page(client, page)
+    except _UNAVAILABLE as exc:
+        raise _unavailable(exc) from exc
+
+
+def get_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
+    """The lock ``name`` under ``prefix`` (None when nobody holds it)."""
+    key = LockKeys.for_name(prefix, name).lock
+    try:
+        pipe = client.pipeline(transaction=False)
+        pipe.hgetall(key)
+        pipe.pttl(key)
+        pipe.time()
+        raw, pttl, now = pipe.execute()
+    except _UNAVAILABLE as exc:
+        raise _unavailable(exc, name) from exc
+    if not raw:
+        return None
+    return _lock_info(name, _as_fields(raw), int(pttl), _server_ms(now))
+
+
+def waiting_counts(client: Any, prefix: str, names: Iterable[str]) -> dict[str, int]:
+    """How many live waiters (blocked acquirers, e.g. the ``wait`` policy) each lock
+    has: members of its line whose lease has not run out.  One pipeline."""
+    names = list(names)
+    if not names:
+        return {}
+    try:
+        now_ms = _server_ms(client.time())
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.zcount(LockKeys.for_name(prefix, name).leases, now_ms, "+inf")
+        counts = pipe.execute()
+    except _UNAVAILABLE as exc:
+        raise _unavailable(exc) from exc
+    return {name: int(n) for name, n in zip(names, counts, strict=True)}
+
+
+def force_release(client: Any, prefix: str, name: str, *,
+                  fence: int | None = None) -> LockInfo | None:
+    """Free the lock ``name`` whoever holds it, and wake the first waiter in line.
+
+    Returns the hold that was freed (None when nothing was held).  With ``fence``, frees
+    only the hold with that fencing token and raises :class:`HoldChanged` when another
+    hold has the lock (for a confirmed release: what was shown is what is freed).
+
+    The holder is not told: a task still running loses its lock, which its heartbeat
+    reports as lost (``signals.lock_lost``; ``ensure_held()`` raises).
+    """
+    keys = LockKeys.for_name(prefix, name)
+    conditions: tuple[str, ...] = () if fence is None else ("fence", str(fence))
+    try:
+        # The remaining ttl and the server's clock, read just before: the script's
+        # reply has the freed hash, not its ttl.
+        pipe = client.pipeline(transaction=False)
+        pipe.hget(keys.lock, "fence")
+        pipe.pttl(keys.lock)
+        pipe.time()
+        before_fence, pttl, now = pipe.execute()
+        reply = FORCE_RELEASE(client, (keys.lock, keys.queue, keys.leases),
+                              (keys.doorbell_prefix, DOORBELL_TTL_MS, *conditions))
+    except _UNAVAILABLE as exc:
+        raise _unavailable(exc, name) from exc
+    status = int(reply[0])
+    if status == 0:
+        return None
+    fields = _as_fields(reply[1:])
+    same_hold = before_fence is not None and decode(before_fence) == fields.get("fence")
+    info = _lock_info(name, fields, int(pttl) if same_hold else None, _server_ms(now))
+    if status == -1:
+        raise HoldChanged(
+            f"the lock is now held by another hold (fence {fields.get('fence')}, "
+            f"not {fence}); nothing was released", lock_name=name, current=info)
+    if info is None:  # a hash without an owner: freed all the same
+        info = LockInfo(key=name, task_name=None, task_id=None, worker=None, pid=None,
+                        owner="", count=0, fence=None, ttl=None, held_for=None)
+    return info
