@@ -1,0 +1,394 @@
+"""``celery dlock``: see and free the locks that tasks hold.
+
+Installed as a Celery sub-command (the ``celery.commands`` entry point), so it uses the
+app given with ``-A``::
+
+    celery -A proj dlock ls                 # a table of held locks
+    celery -A proj dlock ls --json          # the same, as a JSON list
+    celery -A proj dlock show stock:42      # one lock, every field
+    celery -A proj dlock release stock:42   # free it (asks first; --force does not)
+    celery -A proj dlock top                # a live view, with recent contention
+
+Redis is the app's (``dlock_url``, else a Redis broker URL, or ``dlock_client``) and the
+key prefix ``dlock_key_prefix`` (``dlock``); ``--url`` and ``--prefix`` before the
+sub-command override them: ``celery -A proj dlock --url redis://other:6379/1 ls``.
+
+Exit codes: 0 done, 1 nothing to do (an unknown lock, a release that was declined or
+found the lock changed hands), 2 Redis unreachable or not configured.
+
+``top`` shows recent contention only when the workers record it: set
+``app.conf.dlock_record_events = True`` (see :mod:`celery_dlock.events`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import click
+import redis
+from celery import current_app
+from kombu.utils.url import maybe_sanitize_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .config import _default_client_options, get_client, resolve_url
+from .errors import BackendUnavailable, InvalidLockConfig
+from .events import Event, recent_events, recording_enabled
+from .inspect import (
+    SUMMARY_FIELDS,
+    HoldChanged,
+    LockInfo,
+    force_release,
+    get_lock,
+    iter_locks,
+    waiting_counts,
+)
+
+__all__ = ["dlock"]
+
+DEFAULT_PREFIX = "dlock"
+EXIT_NOT_FOUND = 1
+EXIT_UNAVAILABLE = 2
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Target:
+    """Which Redis and prefix the sub-commands read; the client is made on first use."""
+
+    def __init__(self, app: Any, url: str | None, prefix: str | None) -> None:
+        self.app = app
+        self.url = url
+        conf = getattr(app, "conf", None)
+        configured = conf.get("dlock_key_prefix") if conf is not None else None
+        self.prefix: str = prefix or configured or DEFAULT_PREFIX
+        self._client: Any = None
+
+    def client(self) -> Any:
+        if self._client is None:
+            if self.url:
+                self._client = redis.Redis.from_url(self.url,
+                                                    **_default_client_options())
+            else:
+                self._client = get_client(self.app)
+        return self._client
+
+    def where(self) -> str:
+        """The Redis being read, for messages (passwords masked)."""
+        if self.url:
+            return str(maybe_sanitize_url(self.url))
+        conf = getattr(self.app, "conf", None)
+        if conf is not None and conf.get("dlock_client"):
+            kwargs = getattr(getattr(self._client, "connection_pool", None),
+                             "connection_kwargs", None) or {}
+            if "path" in kwargs:
+                return f"unix://{kwargs['path']}"
+            if "host" in kwargs:
+                return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
+            return "the client of app.conf.dlock_client"
+        try:
+            return str(maybe_sanitize_url(resolve_url(conf)))
+        except InvalidLockConfig:
+            return "?"
+
+    def close(self) -> None:
+        if self.url and self._client is not None:
+            self._client.close()
+
+
+def _target(ctx: click.Context) -> _Target:
+    target = ctx.meta["celery_dlock.target"]
+    assert isinstance(target, _Target)
+    return target
+
+
+def _fail(ctx: click.Context, message: str, code: int) -> None:
+    click.echo(message, err=True)
+    ctx.exit(code)
+
+
+def _reports_redis_errors(fun: F) -> F:
+    """Turn an unreachable or unconfigured Redis into one line and exit code 2."""
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context()
+        target = _target(ctx)
+        try:
+            return fun(*args, **kwargs)
+        except InvalidLockConfig as exc:
+            _fail(ctx, f"celery dlock: {exc}", EXIT_UNAVAILABLE)
+        except (BackendUnavailable, RedisConnectionError, RedisTimeoutError) as exc:
+            cause = exc.__cause__ if isinstance(exc, BackendUnavailable) else exc
+            _fail(ctx, f"cannot reach Redis at {target.where()}: {cause or exc}",
+                  EXIT_UNAVAILABLE)
+        except RedisError as exc:
+            _fail(ctx, f"Redis at {target.where()} answered with an error: {exc}",
+                  EXIT_UNAVAILABLE)
+        return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+# -- formatting -----------------------------------------------------------------------
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 60:
+        return f"{value:.1f}s"
+    whole = int(value)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+_NUMERIC = {"pid", "count", "fence", "ttl", "held_for", "waiting"}
+
+
+def _table(columns: Sequence[str], rows: Iterable[Sequence[str]],
+           widths: dict[str, int] | None = None) -> list[str]:
+    """Aligned text columns; numbers right-aligned; ``widths`` caps (and cuts) some."""
+    cut = [list(row) for row in rows]
+    if widths:
+        for row in cut:
+            for i, name in enumerate(columns):
+                cap = widths.get(name)
+                if cap and len(row[i]) > cap:
+                    row[i] = row[i][:cap - 1] + "~"
+    sizes = [len(name) for name in columns]
+    for row in cut:
+        sizes = [max(size, len(cell)) for size, cell in zip(sizes, row, strict=True)]
+    lines = []
+    for row in [[name.upper() for name in columns], *cut]:
+        cells = [cell.rjust(size) if name in _NUMERIC else cell.ljust(size)
+                 for name, cell, size in zip(columns, row, sizes, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _row(info: LockInfo, columns: Sequence[str], extra: dict[str, Any] | None = None
+         ) -> list[str]:
+    values = {**info.as_dict(), **(extra or {})}
+    out = []
+    for name in columns:
+        value = values.get(name)
+        out.append(_seconds(value) if name in ("ttl", "held_for") else _cell(value))
+    return out
+
+
+def _holder_text(info: LockInfo) -> str:
+    if info.task_name or info.task_id:
+        return (f"task {info.task_name or '?'}[{info.task_id or '?'}], "
+                f"owner {info.owner}, fence {_cell(info.fence)}")
+    return f"owner {info.owner}, fence {_cell(info.fence)}"
+
+
+# -- the group ------------------------------------------------------------------------
+
+@click.group(name="dlock")
+@click.option("--url", metavar="URL",
+              help="Redis to read (default: app.conf.dlock_url, else the broker URL).")
+@click.option("--prefix", metavar="PREFIX",
+              help="Key prefix (default: app.conf.dlock_key_prefix, else 'dlock').")
+@click.pass_context
+def dlock(ctx: click.Context, /, url: str | None, prefix: str | None,
+          **_preload: Any) -> None:
+    """Inspect and free the Redis locks of celery-dlock tasks."""
+    app = getattr(ctx.obj, "app", None)
+    if app is None:  # invoked outside `celery` (no CLIContext): the current app
+        app = current_app
+    target = _Target(app, url, prefix)
+    ctx.meta["celery_dlock.target"] = target
+    ctx.call_on_close(target.close)
+
+
+@dlock.command(name="ls")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a JSON list (fields: " + ", ".join(SUMMARY_FIELDS) + ").")
+@click.pass_context
+@_reports_redis_errors
+def ls(ctx: click.Context, as_json: bool) -> None:
+    """List held locks, sorted by key.
+
+    TTL is the time left before the hold expires unless renewed, HELD_FOR the time
+    since it was taken (by the Redis server's clock).
+    """
+    target = _target(ctx)
+    infos = sorted(iter_locks(target.client(), target.prefix), key=lambda i: i.key)
+    if as_json:
+        click.echo(json.dumps([info.summary() for info in infos], indent=2))
+        return
+    if not infos:
+        click.echo(f"No locks held under prefix {target.prefix!r}.")
+        return
+    for line in _table(SUMMARY_FIELDS, (_row(info, SUMMARY_FIELDS) for info in infos)):
+        click.echo(line)
+
+
+@dlock.command()
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+@click.pass_context
+@_reports_redis_errors
+def show(ctx: click.Context, key: str, as_json: bool) -> None:
+    """Show one lock (KEY is the lock name, as ls shows it) with every field."""
+    target = _target(ctx)
+    client = target.client()
+    info = get_lock(client, target.prefix, key)
+    if info is None:
+        _fail(ctx, f"No lock named {key!r} is held under prefix {target.prefix!r}.",
+              EXIT_NOT_FOUND)
+        return
+    if as_json:
+        click.echo(json.dumps(info.as_dict(), indent=2))
+        return
+    waiting = waiting_counts(client, target.prefix, [key]).get(key, 0)
+    fields: list[tuple[str, str]] = []
+    for name, value in info.as_dict().items():
+        if name == "extra":
+            fields += [(f"extra.{k}", v) for k, v in value.items()]
+        elif name in ("ttl", "held_for"):
+            fields.append((name, "-" if value is None else f"{value:.3f}s"))
+        else:
+            fields.append((name, _cell(value)))
+    fields.append(("waiting", str(waiting)))
+    fields.append(("redis_key", f"{target.prefix}:{{{key}}}"))
+    size = max(len(name) for name, _ in fields) + 1
+    for name, text in fields:
+        click.echo(f"{name + ':':<{size}} {text}")
+
+
+@dlock.command()
+@click.argument("key")
+@click.option("-f", "--force", is_flag=True, help="Don't ask for confirmation.")
+@click.pass_context
+@_reports_redis_errors
+def release(ctx: click.Context, key: str, force: bool) -> None:
+    """Free the lock KEY whoever holds it, and wake the next waiter.
+
+    The holder is not stopped: a task still running goes on without its lock (its
+    heartbeat reports the lock lost).  Without --force, asks first, and frees only the
+    hold it showed.
+    """
+    target = _target(ctx)
+    client = target.client()
+    expected: int | None = None
+    if not force:
+        info = get_lock(client, target.prefix, key)
+        if info is None:
+            _fail(ctx, f"No lock named {key!r} is held under prefix "
+                       f"{target.prefix!r}.", EXIT_NOT_FOUND)
+            return
+        click.confirm(
+            f"Lock {key!r} is held by {info.describe()} for {_seconds(info.held_for)} "
+            f"(owner {info.owner}, fence {_cell(info.fence)}).\n"
+            "Releasing it lets another run take it while this one may still be "
+            "running.\n(to skip this prompt use --force)\nRelease it?", abort=True)
+        expected = info.fence
+    try:
+        freed = force_release(client, target.prefix, key, fence=expected)
+    except HoldChanged as exc:
+        now = f": now {_holder_text(exc.current)}" if exc.current else ""
+        _fail(ctx, f"Lock {key!r} changed hands since it was shown{now}. "
+                   "Nothing was released.", EXIT_NOT_FOUND)
+        return
+    if freed is None:
+        _fail(ctx, f"No lock named {key!r} is held under prefix {target.prefix!r}.",
+              EXIT_NOT_FOUND)
+        return
+    click.echo(f"Released lock {key!r}: {_holder_text(freed)}.")
+
+
+# -- top ------------------------------------------------------------------------------
+
+_TOP_COLUMNS = ("key", "task_name", "task_id", "worker", "pid", "count", "fence",
+                "ttl", "held_for", "waiting")
+_TOP_WIDTHS = {"key": 40, "task_name": 40, "task_id": 36, "worker": 30}
+
+
+def _event_line(event: Event) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.at))
+    who = f"{event.task_name or '?'}[{event.task_id or '?'}]"
+    if event.kind == "lost":
+        return f"{stamp}  lost       {event.key}  {who}: {event.detail or 'lost'}"
+    held = ""
+    if event.holder_task_name or event.holder_task_id:
+        held = f"{event.holder_task_name or '?'}[{event.holder_task_id or '?'}]"
+    elif event.detail:
+        held = event.detail
+    if event.holder_worker and event.holder_worker not in held:
+        held += f" on {event.holder_worker}"
+    line = f"{stamp}  contended  {event.key}  {who}"
+    if event.policy:
+        line += f" -> {event.policy}"
+    return line + (f"  (held by {held})" if held else "")
+
+
+def _top_screen(target: _Target, max_events: int) -> list[str]:
+    client = target.client()
+    infos = list(iter_locks(client, target.prefix))
+    infos.sort(key=lambda i: -1.0 if i.held_for is None else i.held_for, reverse=True)
+    events = recent_events(client, target.prefix, max_events)
+    size = shutil.get_terminal_size()
+    room = max(3, size.lines - 7 - (len(events) or 1))
+    shown = infos[:room]
+    waiting = waiting_counts(client, target.prefix, [i.key for i in shown])
+    lines = [f"celery dlock top - {target.where()} - prefix {target.prefix!r} - "
+             f"{time.strftime('%H:%M:%S')} - {len(infos)} held", ""]
+    if shown:
+        rows = (_row(i, _TOP_COLUMNS, {"waiting": waiting.get(i.key, 0)})
+                for i in shown)
+        lines += _table(_TOP_COLUMNS, rows, _TOP_WIDTHS)
+        if len(infos) > len(shown):
+            lines.append(f"... and {len(infos) - len(shown)} more (celery dlock ls)")
+    else:
+        lines.append("No locks held.")
+    lines += ["", "Recent contention (newest first):"]
+    if events:
+        lines += ["  " + _event_line(e) for e in events]
+    elif recording_enabled(target.app):
+        lines.append("  none recorded")
+    else:
+        lines.append("  not recorded: set app.conf.dlock_record_events = True for "
+                     "the workers to keep a history")
+    if sys.stdout.isatty():
+        lines = [line[:size.columns] for line in lines]
+    return lines
+
+
+@dlock.command()
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0,
+              show_default=True, help="Seconds between refreshes.")
+@click.option("--iterations", type=click.IntRange(min=0), default=0,
+              help="Stop after this many refreshes (default: until Ctrl-C).")
+@click.option("--events", "max_events", type=click.IntRange(min=0), default=10,
+              show_default=True, help="Recent contention events to show.")
+@click.pass_context
+@_reports_redis_errors
+def top(ctx: click.Context, interval: float, iterations: int, max_events: int) -> None:
+    """A live view of held locks, longest held first, and recent contention."""
+    target = _target(ctx)
+    done = 0
+    try:
+        while True:
+            lines = _top_screen(target, max_events)
+            click.clear()
+            click.echo("\n".join(lines))
+            done += 1
+            if iterations and done >= iterations:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        click.echo("")
