@@ -1,0 +1,159 @@
+"""Prometheus metrics moved by real locked tasks on an in-process worker."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery_helpers import close_app
+from dlock_helpers import wait_until
+from prometheus_client import CollectorRegistry
+
+from celery_dlock import LockedTask, LockLost, RedisLock, is_skipped, metrics
+
+RESULT_TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def env(redis_url: str) -> Iterator[SimpleNamespace]:
+    tag = uuid.uuid4().hex[:8]
+    prefix = f"dlm{tag}"
+    registry = CollectorRegistry()
+    installed = metrics.install(registry=registry)
+    app = Celery(f"dlm{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update(
+        broker_transport_options={"polling_interval": 0.1},
+        result_backend_transport_options={"retry_policy": {
+            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
+        task_default_queue=f"q-{tag}",
+        dlock_key_prefix=prefix,
+    )
+    r = redis.Redis.from_url(redis_url, socket_timeout=30)
+    gates: list[str] = []
+
+    @app.task(base=LockedTask, bind=True, name=f"m{tag}.quick", lock_key="m:{x}")
+    def quick(self: Any, x: str) -> str:
+        time.sleep(0.05)
+        return "done"
+
+    @app.task(base=LockedTask, bind=True, name=f"m{tag}.gated", lock_key="m:{x}")
+    def gated(self: Any, x: str) -> str:
+        r.blpop([f"{prefix}-data:gate:{x}"], timeout=RESULT_TIMEOUT)
+        return "done"
+
+    @app.task(base=LockedTask, bind=True, name=f"m{tag}.skipper", lock_key="m:{x}",
+              on_contention="skip")
+    def skipper(self: Any, x: str) -> str:
+        return "ran"
+
+    @app.task(base=LockedTask, bind=True, name=f"m{tag}.loses", lock_key="m:{x}",
+              lock_ttl=0.6)
+    def loses(self: Any, x: str) -> str:
+        r.delete(f"{prefix}:{{m:{x}}}")  # someone frees our lock behind our back
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                self.lock.ensure_held()
+            except LockLost:
+                return "noticed"
+            time.sleep(0.02)
+        return "never noticed"
+
+    def open_gate(x: str) -> None:
+        r.rpush(f"{prefix}-data:gate:{x}", 1)
+
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False,
+                      shutdown_timeout=20):
+        yield SimpleNamespace(
+            registry=registry, metrics=installed, r=r, prefix=prefix, gates=gates,
+            open_gate=open_gate,
+            tasks=SimpleNamespace(quick=quick, gated=gated, skipper=skipper,
+                                  loses=loses))
+        for x in gates:
+            open_gate(x)
+    metrics.uninstall()
+    close_app(app)
+    r.close()
+
+
+def sample(env: SimpleNamespace, name: str, **labels: str) -> float:
+    value = env.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else float(value)
+
+
+def test_acquire_and_hold_histograms_and_the_held_gauge(env):
+    task = env.tasks.quick.name
+    before_acq = sample(env, "dlock_acquire_wait_seconds_count", task=task)
+    before_hold = sample(env, "dlock_hold_seconds_count", task=task)
+    before_sum = sample(env, "dlock_hold_seconds_sum", task=task)
+    for _ in range(3):
+        assert env.tasks.quick.delay(uuid.uuid4().hex).get(timeout=RESULT_TIMEOUT) == \
+            "done"
+    assert wait_until(lambda: sample(env, "dlock_hold_seconds_count", task=task)
+                      == before_hold + 3)
+    assert sample(env, "dlock_acquire_wait_seconds_count", task=task) == before_acq + 3
+    assert sample(env, "dlock_hold_seconds_sum", task=task) - before_sum >= 0.15
+    # acquiring a free lock is quick: every observation in the 1 s bucket
+    assert sample(env, "dlock_acquire_wait_seconds_bucket", task=task, le="1.0") == \
+        before_acq + 3
+    assert sample(env, "dlock_held_locks", task=task) == 0
+
+
+def test_held_gauge_counts_running_holders(env):
+    task = env.tasks.gated.name
+    xs = [uuid.uuid4().hex for _ in range(2)]
+    env.gates.extend(xs)
+    results = [env.tasks.gated.delay(x) for x in xs]
+    assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 2)
+    for x in xs:
+        env.open_gate(x)
+    for result in results:
+        assert result.get(timeout=RESULT_TIMEOUT) == "done"
+    assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 0)
+
+
+def test_contention_counter_by_task_and_policy(env):
+    task = env.tasks.skipper.name
+    x = uuid.uuid4().hex
+    before = sample(env, "dlock_contention_total", task=task, policy="skip")
+    holder = RedisLock(env.r, f"m:{x}", prefix=env.prefix, owner="test-holder")
+    assert holder.acquire(blocking=False)
+    try:
+        for _ in range(2):
+            assert is_skipped(env.tasks.skipper.delay(x).get(timeout=RESULT_TIMEOUT))
+    finally:
+        holder.release()
+    assert sample(env, "dlock_contention_total", task=task, policy="skip") == before + 2
+    assert env.tasks.skipper.delay(x).get(timeout=RESULT_TIMEOUT) == "ran"
+    assert sample(env, "dlock_contention_total", task=task, policy="skip") == before + 2
+
+
+def test_lost_counter(env):
+    task = env.tasks.loses.name
+    before = sample(env, "dlock_lost_total", task=task)
+    assert env.tasks.loses.delay(uuid.uuid4().hex).get(timeout=RESULT_TIMEOUT) == \
+        "noticed"
+    assert wait_until(lambda: sample(env, "dlock_lost_total", task=task) == before + 1)
+    assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 0)
+
+
+def test_install_is_idempotent_and_refuses_a_second_registry(env):
+    assert metrics.install(registry=env.registry) is env.metrics
+    with pytest.raises(ValueError, match="uninstall"):
+        metrics.install(registry=CollectorRegistry())
+    with pytest.raises(ValueError, match="uninstall"):
+        metrics.install(registry=env.registry, namespace="other")
+
+
+def test_missing_prometheus_client_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ImportError, match=r"celery-dlock\[prometheus\]"):
+        metrics.install(registry=object())
