@@ -252,7 +252,7 @@ class RedisLock:
                 reply = self._run(ACQUIRE, key_list, args)
                 if reply[0] == 1:
                     acquired = True
-                    self._acquired(owner, int(reply[1]))
+                    self._acquired(owner, int(reply[1]), int(reply[2]))
                     return True
                 pttl = int(reply[1])
                 self.last_holder = parse_holder(reply[3:], pttl, int(reply[2]))
@@ -283,9 +283,13 @@ class RedisLock:
         except RedisError as exc:  # our lease lapses by itself
             logger.debug("could not leave the line of %r: %s", self.name, exc)
 
-    def _acquired(self, owner: str, fence: int) -> None:
+    def _acquired(self, owner: str, fence: int, count: int) -> None:
         with self._state:
             self._sync_generation()
+            if count == 1 and self._depth > 0:
+                # A fresh hold in Redis while this object still counts an old one:
+                # the old hold was lost. Start over with the new one.
+                self._depth = 0
             if self._depth == 0:
                 self._hold_owner = owner
                 self._fence = fence

@@ -353,3 +353,20 @@ def test_transient_error_then_recovery_keeps_the_hold(own_server, prefix, name, 
     assert not watcher.exists(lock.keys.lock)
     watcher.close()
 
+
+
+def test_reacquiring_after_a_loss_starts_a_fresh_renewed_hold(r, prefix, name):
+    lock = RedisLock(r, name, ttl=1, prefix=prefix)
+    assert lock.acquire()
+    old_fence = lock.fence
+    r.delete(lock.keys.lock)
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    assert lock.acquire(blocking=False)
+    assert lock.depth == 1
+    assert lock.fence is not None and lock.fence > old_fence
+    assert lock.owned()
+    time.sleep(1.6)  # past the ttl: only renewal keeps it
+    assert lock.owned()
+    lock.release()
+    assert not r.exists(lock.keys.lock)
