@@ -79,15 +79,19 @@ local function purge(queue, leases, now)
   end
 end
 
+-- Ring a doorbell: it holds at most one element, which expires unanswered.
+local function ring(bell, wake_ttl)
+  redis.call('DEL', bell)
+  redis.call('RPUSH', bell, 1)
+  redis.call('PEXPIRE', bell, wake_ttl)
+end
+
 -- Ring the doorbell of the first waiter in line, if any. Returns its owner or false.
 local function wake_head(queue, leases, wake_prefix, wake_ttl, now)
   purge(queue, leases, now)
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if head then
-    local bell = wake_prefix .. head
-    redis.call('DEL', bell)
-    redis.call('RPUSH', bell, 1)
-    redis.call('PEXPIRE', bell, wake_ttl)
+    ring(wake_prefix .. head, wake_ttl)
   end
   return head
 end
@@ -145,10 +149,7 @@ if not holder then
     return {1, fence, 1}
   end
   -- Free, but promised to the first in line: make sure it has heard.
-  local bell = ARGV[4] .. head
-  redis.call('DEL', bell)
-  redis.call('RPUSH', bell, 1)
-  redis.call('PEXPIRE', bell, tonumber(ARGV[5]))
+  ring(ARGV[4] .. head, tonumber(ARGV[5]))
   pttl = -1
 else
   pttl = redis.call('PTTL', KEYS[1])
