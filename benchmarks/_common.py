@@ -28,7 +28,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 
 #: The packages whose versions a result file records.
-PACKAGES = ("celery-dlock", "redis", "python-redis-lock", "hiredis", "celery")
+PACKAGES = ("celery-dlock", "redis", "python-redis-lock", "hiredis", "celery", "kombu",
+            "billiard", "celery-once", "celery-singleton")
 
 
 def base_parser(description: str, name: str) -> argparse.ArgumentParser:

@@ -6,7 +6,8 @@
 ``handoff.png``: (c) delay from a release to the next acquire in another process
 (distribution), hand-offs/s and fairness.  ``core.png``: (b) cost of one uncontended
 acquire+release, (d) renewal round trips and CPU per pass, (e) Redis commands per
-hand-off.  A missing result file leaves its panels empty.
+hand-off.  ``e2e.png``: (a) tasks/s and CPU ms per task on a real prefork worker.  A
+missing result file leaves its panels empty.
 """
 
 from __future__ import annotations
@@ -175,6 +176,51 @@ def plot_core(core: dict[str, Any] | None, renewal: dict[str, Any] | None,
     plt.close(fig)
 
 
+def plot_e2e(data: dict[str, Any] | None, out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    if data is None:
+        for ax in axes:
+            _empty(ax, "bench_e2e")
+    else:
+        rows = data["rows"]
+        labels = [v.replace(" (", "\n(") if "(" in v else v.replace(" ", "\n", 1)
+                  for v in (r["variant"] for r in rows)]
+        xs = list(range(len(rows)))
+        ax = axes[0]
+        bars = ax.bar(xs, [r["tasks_per_s"] for r in rows], 0.6, color="tab:blue",
+                      alpha=0.8)
+        for x, row in zip(xs, rows, strict=True):
+            ax.plot([x] * len(row["rounds_tasks_per_s"]), row["rounds_tasks_per_s"],
+                    "k.", ms=4)
+        for bar, row in zip(bars, rows, strict=True):
+            ax.annotate(f"{row['ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2,
+                                                 bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(xs, labels, fontsize=7)
+        ax.set_ylabel("tasks/s (bars: median, dots: rounds; labels: x plain)")
+        ax.set_title("(a) throughput, first send -> last task done")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax = axes[1]
+        bottom = [0.0] * len(rows)
+        for key, label in (("producer_ms", "producer"), ("worker_main_ms", "worker main"),
+                           ("children_ms", "pool children"),
+                           ("redis_ms", "redis-server")):
+            values = [r[key] or 0.0 for r in rows]
+            ax.bar(xs, values, 0.6, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set_xticks(xs, labels, fontsize=7)
+        ax.set_ylabel("CPU ms per task (medians per process group)")
+        ax.set_title("(a) CPU per task, all processes involved")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.suptitle(f"End to end, prefork -c {data.get('concurrency')}, "
+                     f"{data['tasks']} tasks x {data['rounds']} rounds per variant "
+                     f"({_subtitle(data)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(HERE / "results"),
@@ -186,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     plot_handoff(load(results, "bench_handoff"), out / "handoff.png")
     plot_core(load(results, "bench_core"), load(results, "bench_renewal"),
               load(results, "bench_waiters"), out / "core.png")
-    print(f"wrote {out / 'handoff.png'} and {out / 'core.png'}")
+    plot_e2e(load(results, "bench_e2e"), out / "e2e.png")
+    print(f"wrote {out / 'handoff.png'}, {out / 'core.png'} and {out / 'e2e.png'}")
     return 0
 
 

@@ -21,13 +21,20 @@ SCRIPTS = {
     "bench_handoff.py": "| variant | P | hand-offs | hand-offs/s | acquisitions/s |",
     "bench_renewal.py": "| variant | holds | round trips/pass | EVALSHA/pass |",
     "bench_waiters.py": "| variant | waiters | hand-offs | acquisitions |",
+    "bench_e2e.py": "| variant | tasks/s | x plain | CPU ms/task | +CPU ms/task |",
+}
+
+#: script -> modules it needs beyond the test extra (the bench extra has them)
+NEEDS = {
+    "bench_e2e.py": ("celery_once", "celery_singleton"),
+    "profile_e2e.py": ("celery_once", "celery_singleton"),
 }
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     extra = []
     url = os.environ.get("DLOCK_TEST_REDIS_URL")
-    if url and args[0].startswith("bench_"):
+    if url and args[0] != "plot.py":
         extra = ["--redis-url", url]
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / args[0]), *args[1:], *extra],
@@ -43,6 +50,8 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_smoke_mode_runs_and_prints_its_table(script: str, results_dir: Path) -> None:
+    for module in NEEDS.get(script, ()):
+        pytest.importorskip(module)
     out = results_dir / script.replace(".py", ".json")
     proc = _run([script, "--smoke", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -60,3 +69,13 @@ def test_plot_draws_the_smoke_results(results_dir: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (results_dir / "handoff.png").stat().st_size > 0
     assert (results_dir / "core.png").stat().st_size > 0
+    assert (results_dir / "e2e.png").stat().st_size > 0
+
+
+def test_profile_parts_runs_and_prints_its_table() -> None:
+    for module in NEEDS["profile_e2e.py"]:
+        pytest.importorskip(module)
+    proc = _run(["profile_e2e.py", "--parts", "--rounds", "1", "--calls", "20"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| piece | CPU us/call | wall us/call | Redis round trips |" in proc.stdout
+    assert "| LockedTask call, hashed args (body included) |" in proc.stdout

@@ -1,0 +1,409 @@
+"""(a) End to end on a real prefork worker: tasks/s and CPU per task.
+
+One ``celery worker --pool=prefork -c 2`` subprocess (``e2e_app.py``, prefetch 64,
+results ignored) runs no-op tasks whose only work is one ``INCR`` of a counter, as
+
+* ``plain task``                  ``@app.task``
+* ``LockedTask (hashed args)``    ``base=LockedTask``, default settings (lock_key=None)
+* ``LockedTask (template key)``   ``base=LockedTask, lock_key="e2e:{n}"``
+* ``celery-once QueueOnce``       ``base=QueueOnce`` (locks at enqueue, unlocks after)
+* ``celery-singleton Singleton``  ``base=Singleton`` (locks at enqueue, unlocks after)
+
+every call with distinct arguments (no contention; no lock left behind by one batch can
+match a later call).  One round sends ``--tasks`` tasks per variant with
+``task.apply_async((n,))`` in a loop, variant after variant (the order rotates from
+round to round), and waits until the last one has run.  Per variant and round:
+
+* tasks/s = tasks / (first send -> last task done), so enqueueing is included;
+* CPU ms/task = CPU time (user + system) used meanwhile by this producer process, the
+  worker's main process, its pool children and the redis-server (``/proc`` via psutil;
+  the server's share is n/a with a ``--redis-url`` that is not a local process),
+  divided by the tasks;
+* Redis cmds/task from ``INFO commandstats`` (commands inside Lua scripts count too);
+* other CPUs busy: how many CPUs other work on the machine kept busy meanwhile, on
+  average (as ``_common.LoadMonitor``).  Well above 0, tasks/s is disturbed more than
+  CPU ms/task.
+
+The table gives medians over the rounds; ``x plain`` and ``+CPU ms/task`` are medians
+of the per-round ratio and difference against ``plain task`` in the same round.
+
+    python benchmarks/bench_e2e.py          # full run -> results/bench_e2e.json
+    python benchmarks/bench_e2e.py --smoke  # 3 rounds x 60 tasks, no JSON
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import _common as c
+import psutil
+import redis
+
+NAME = "bench_e2e"
+TITLE = "### a. End to end on a real prefork worker: no-op tasks, distinct arguments"
+COLUMNS = [
+    ("variant", "variant", ""),
+    ("tasks/s", "tasks_per_s", ",.0f"),
+    ("x plain", "ratio", ".3f"),
+    ("CPU ms/task", "cpu_ms", ".3f"),
+    ("+CPU ms/task", "added_cpu_ms", "+.3f"),
+    ("producer", "producer_ms", ".3f"),
+    ("worker main", "worker_main_ms", ".3f"),
+    ("pool children", "children_ms", ".3f"),
+    ("redis-server", "redis_ms", ".3f"),
+    ("Redis cmds/task", "redis_cmds", ".2f"),
+    ("other CPUs busy", "other_cpus_busy", ".2f"),
+]
+PARTS = ("producer", "worker_main", "children", "redis")
+BASELINE = "plain task"
+#: The variant the targets are about, and the ones it is compared with.
+LOCKED = "LockedTask (hashed args)"
+OTHERS = ("celery-once QueueOnce", "celery-singleton Singleton")
+
+
+# -- the worker ----------------------------------------------------------------------
+
+
+def worker_env(url: str, prefix: str) -> dict[str, str]:
+    """The environment of a worker on ``e2e_app`` (found on ``PYTHONPATH``)."""
+    env = dict(os.environ, DLOCK_E2E_REDIS_URL=url, DLOCK_E2E_PREFIX=prefix)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(c.HERE), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def worker_argv(name: str, *pool: str) -> list[str]:
+    """``celery worker`` arguments (after ``python -m celery``) for ``e2e_app``."""
+    return ["-A", "e2e_app", "worker", *pool, "-n", name, "--without-gossip",
+            "--without-mingle", "--without-heartbeat", "--loglevel=WARNING"]
+
+
+@contextmanager
+def worker(url: str, prefix: str, concurrency: int,
+           log_dir: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """A ``celery worker`` subprocess on ``e2e_app``; yields (process, name, log)."""
+    name = f"{prefix}@localhost"
+    log = Path(log_dir) / "worker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery",
+             *worker_argv(name, "--pool=prefork", f"--concurrency={concurrency}")],
+            env=worker_env(url, prefix), stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc, name, log
+    finally:
+        with suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def log_tail(log: Path, chars: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def wait_ready(app: Any, name: str, proc: subprocess.Popen[bytes], log: Path,
+               timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with {proc.returncode}:\n"
+                               f"{log_tail(log)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker did not answer a ping in {timeout:.0f}s:\n"
+                               f"{log_tail(log)}")
+        if app.control.ping(destination=[name], timeout=0.5):
+            return
+
+
+# -- CPU time ------------------------------------------------------------------------
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+class CpuMeter:
+    """CPU seconds used so far by the producer, the worker and the redis-server."""
+
+    def __init__(self, worker_pid: int, redis_pid: int | None) -> None:
+        self.worker = psutil.Process(worker_pid)
+        self.redis = psutil.Process(redis_pid) if redis_pid else None
+
+    def children(self) -> list[psutil.Process]:
+        return self.worker.children(recursive=True)
+
+    def snapshot(self) -> dict[str, Any]:
+        kids = self.children()
+        return {
+            "producer": time.process_time(),
+            "worker_main": cpu_seconds(self.worker),
+            "children": {p.pid: cpu_seconds(p) for p in kids},
+            "redis": cpu_seconds(self.redis) if self.redis else None,
+            "machine": c._busy_jiffies(),
+        }
+
+    @staticmethod
+    def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+        if set(before["children"]) != set(after["children"]):
+            raise RuntimeError("the worker's pool children changed during a batch "
+                               f"({sorted(before['children'])} -> "
+                               f"{sorted(after['children'])}): CPU time would be lost")
+        out: dict[str, Any] = {
+            "producer": after["producer"] - before["producer"],
+            "worker_main": after["worker_main"] - before["worker_main"],
+            "children": sum(after["children"][pid] - before["children"][pid]
+                            for pid in after["children"]),
+            "redis": None,
+        }
+        if before["redis"] is not None:
+            out["redis"] = after["redis"] - before["redis"]
+        out["other"] = None
+        if before["machine"] is not None and after["machine"] is not None:
+            ours = sum(v for v in out.values() if v is not None)
+            out["other"] = max(0.0, after["machine"][0] - before["machine"][0] - ours)
+        return out
+
+
+def local_redis_pid(client: redis.Redis, server: Any) -> int | None:
+    """The redis-server's pid, when it runs on this machine (else None)."""
+    if server is not None and server.process is not None:
+        return int(server.process.pid)
+    pid = client.info("server").get("process_id")
+    try:
+        if pid and "redis" in psutil.Process(int(pid)).name():
+            return int(pid)
+    except (psutil.Error, ValueError):
+        pass
+    return None
+
+
+# -- one batch -----------------------------------------------------------------------
+
+
+def wait_done(what: str, count: int, control: redis.Redis,
+              proc: subprocess.Popen[bytes], log: Path, counter: str, marker: str,
+              done_at: int) -> None:
+    """Block until the task that brings ``counter`` to ``done_at`` pushes ``marker``."""
+    deadline = time.monotonic() + max(60.0, count / 20)
+    while not control.blpop([marker], timeout=1):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with {proc.returncode}:\n"
+                               f"{log_tail(log)}")
+        if time.monotonic() > deadline:
+            left = done_at - int(control.get(counter) or 0)
+            raise RuntimeError(
+                f"{what}: {left} of {count} tasks not done in time; a lock left "
+                f"behind (celery-once/singleton drop duplicates) or a stuck "
+                f"worker:\n{log_tail(log)}")
+
+
+def run_batch(task: Any, count: int, numbers: Iterator[int], control: redis.Redis,
+              meter: CpuMeter, proc: subprocess.Popen[bytes], log: Path,
+              counter: str, marker: str, done_at: int) -> dict[str, Any]:
+    """Send ``count`` tasks with distinct arguments; wait for the last to finish."""
+    control.delete(marker)
+    control.set(counter, done_at - count)
+    calls0 = c.command_calls(control)
+    cpu0 = meter.snapshot()
+    t0 = time.perf_counter()
+    apply_async = task.apply_async
+    for n in itertools.islice(numbers, count):
+        apply_async((n,))
+    sent = time.perf_counter() - t0
+    wait_done(task.name, count, control, proc, log, counter, marker, done_at)
+    wall = time.perf_counter() - t0
+    cpu = CpuMeter.delta(cpu0, meter.snapshot())
+    calls = c.calls_delta(calls0, c.command_calls(control))
+    done = int(control.get(counter) or 0)
+    if done != done_at:
+        raise RuntimeError(f"{task.name}: {done - done_at:+d} tasks ran beyond the "
+                           f"{count} sent")
+    total = sum(cpu[part] for part in PARTS if cpu[part] is not None)
+    sample: dict[str, Any] = {
+        "wall_s": wall,
+        "send_s": sent,
+        "tasks_per_s": count / wall,
+        "cpu_ms": total / count * 1000,
+        "redis_cmds": c.total_calls(calls) / count,
+        "redis_cmds_by_name": {k: v["calls"] / count for k, v in calls.items()},
+        # CPUs kept busy by other work on the machine meanwhile (as LoadMonitor).
+        "other_cpus_busy": None if cpu["other"] is None else cpu["other"] / wall,
+    }
+    for part in PARTS:
+        value = cpu[part]
+        sample[f"{part}_ms"] = None if value is None else value / count * 1000
+    return sample
+
+
+# -- summary -------------------------------------------------------------------------
+
+
+def summarise(per_round: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    base = per_round[BASELINE]
+    rows = []
+    for name, samples in per_round.items():
+        ratios = [s["tasks_per_s"] / b["tasks_per_s"]
+                  for s, b in zip(samples, base, strict=True)]
+        added = [s["cpu_ms"] - b["cpu_ms"] for s, b in zip(samples, base, strict=True)]
+        row: dict[str, Any] = {
+            "variant": name,
+            "tasks_per_s": statistics.median(s["tasks_per_s"] for s in samples),
+            "ratio": statistics.median(ratios),
+            "cpu_ms": statistics.median(s["cpu_ms"] for s in samples),
+            "added_cpu_ms": statistics.median(added),
+            "redis_cmds": statistics.median(s["redis_cmds"] for s in samples),
+            "rounds_other_cpus_busy": [s["other_cpus_busy"] for s in samples],
+            "rounds_tasks_per_s": [s["tasks_per_s"] for s in samples],
+            "rounds_cpu_ms": [s["cpu_ms"] for s in samples],
+            "rounds_ratio": ratios,
+            "rounds_added_cpu_ms": added,
+            "rounds_send_s": [s["send_s"] for s in samples],
+            "redis_cmds_by_name": samples[-1]["redis_cmds_by_name"],
+        }
+        for key in (*(f"{part}_ms" for part in PARTS), "other_cpus_busy"):
+            values = [s[key] for s in samples]
+            row[key] = None if None in values else statistics.median(values)
+        rows.append(row)
+    return rows
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_name = {r["variant"]: r for r in rows}
+    locked = by_name.get(LOCKED)
+    if locked is None or BASELINE not in by_name:
+        return []
+    targets = [{
+        "target": f"{LOCKED} tasks/s >= 0.95 x plain",
+        "value": f"{locked['ratio']:.3f} x plain",
+        "met": locked["ratio"] >= 0.95,
+    }]
+    others = [by_name[o] for o in OTHERS if o in by_name]
+    if others:
+        targets.append({
+            "target": f"{LOCKED} adds fewer CPU ms/task than "
+                      + " and ".join(o["variant"] for o in others),
+            "value": f"{locked['added_cpu_ms']:+.3f} vs "
+                     + ", ".join(f"{o['added_cpu_ms']:+.3f}" for o in others),
+            "met": all(locked["added_cpu_ms"] < o["added_cpu_ms"] for o in others),
+        })
+    return targets
+
+
+# -- main ----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = c.base_parser(__doc__.split("\n\n")[0], NAME)
+    parser.add_argument("--tasks", type=int, default=None,
+                        help="tasks per variant per round (default 3000; smoke 60)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds (default 5; smoke 3)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="unmeasured tasks per variant before round 1 "
+                             "(default 300; smoke 20)")
+    parser.add_argument("--concurrency", type=int, default=2,
+                        help="prefork pool processes (default 2)")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated subset (plain task is always run)")
+    args = parser.parse_args(argv)
+    count = args.tasks or (60 if args.smoke else 3000)
+    rounds = args.rounds or (3 if args.smoke else 5)
+    warmup = args.warmup if args.warmup is not None else (20 if args.smoke else 300)
+
+    results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "rounds": rounds,
+                               "tasks": count, "warmup": warmup,
+                               "concurrency": args.concurrency}
+    prefix = f"{c.run_id()}-e2e"
+    c.wait_quiet(args.wait_quiet)
+    with c.redis_server(args.redis_url) as (url, server), \
+            tempfile.TemporaryDirectory(prefix="dlock-e2e-") as log_dir:
+        os.environ["DLOCK_E2E_REDIS_URL"] = url
+        os.environ["DLOCK_E2E_PREFIX"] = prefix
+        import e2e_app
+
+        variants = dict(e2e_app.VARIANTS)
+        if args.variants:
+            wanted = {BASELINE, *args.variants.split(",")}
+            unknown = wanted - set(variants)
+            if unknown:
+                parser.error(f"unknown variant(s) {sorted(unknown)}; "
+                             f"choose from {list(variants)}")
+            variants = {k: v for k, v in variants.items() if k in wanted}
+        control = redis.Redis.from_url(url)
+        results["machine"] = c.machine_info(control)
+        c.print_machine(results["machine"])
+        redis_pid = local_redis_pid(control, server)
+        monitor = c.LoadMonitor(control)
+        # Distinct arguments across variants, rounds and runs on a shared Redis.
+        numbers = itertools.count(secrets.randbelow(1 << 30) << 22)
+        with worker(url, prefix, args.concurrency, log_dir) as (proc, name, log):
+            wait_ready(e2e_app.app, name, proc, log)
+            meter = CpuMeter(proc.pid, redis_pid)
+            results["pool_children"] = len(meter.children())
+
+            def batch(task: Any, n: int) -> dict[str, Any]:
+                return run_batch(task, n, numbers, control, meter, proc, log,
+                                 e2e_app.COUNTER, e2e_app.MARKER, e2e_app.DONE_AT)
+
+            if warmup:  # imports, connections, script loading: not measured
+                for task in variants.values():
+                    batch(task, warmup)
+            names = list(variants)
+            per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+            orders = []
+            for r in range(rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                orders.append(order)
+                for variant in order:
+                    per_round[variant].append(batch(variants[variant], count))
+                    time.sleep(0.1)  # let the worker's bookkeeping settle, unmeasured
+                print(f"round {r + 1}/{rounds}: " + ", ".join(
+                    f"{v} {per_round[v][-1]['tasks_per_s']:,.0f}/s" for v in order),
+                    file=sys.stderr)
+        # After the worker has exited: its CPU time counts as this process's children.
+        results["load"] = monitor.stop()
+        control.close()
+    rows = summarise(per_round)
+    results["rows"] = rows
+    results["orders"] = orders
+    results["targets"] = targets = check_targets(rows)
+    print(f"\n{TITLE}\n")
+    print(f"{rounds} rounds x {count} tasks per variant, variants alternated (order "
+          f"rotates per round); `celery worker --pool=prefork -c {args.concurrency}`, "
+          "prefetch 64, results ignored; median over rounds. CPU columns: ms per "
+          "task.\n")
+    print(c.markdown_table(COLUMNS, rows))
+    if targets and not args.smoke:  # smoke numbers mean nothing
+        print()
+        for t in targets:
+            print(f"- {'met' if t['met'] else 'MISSED'}: {t['target']} "
+                  f"({t['value']})")
+    c.print_load(results["load"])
+    c.write_json(c.json_path(args, NAME), results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
