@@ -9,8 +9,12 @@ bound to an app.
   process still has, so nothing waits for a ttl to run out.
 * The main process frees the lock of a child that died while running a locked task
   (SIGKILL, OOM, ``revoke(terminate=True)``, hard time limit): see
-  :class:`celery_dlock.task.LockedRequest`, which calls :func:`free_lock_after_exit`.
-  Only the hold of that task id in that pid is freed, and only once the pid is gone.
+  :class:`celery_dlock.task.LockedRequest`, which calls :func:`free_lock_after_exit`
+  when Celery reports the death, and :func:`watch_child` when a child accepts a locked
+  request.  Celery's prefork pool may notice a SIGKILLed child only at its next pool
+  maintenance (every 5 s), so the watch checks those children itself, every
+  :data:`CHILD_WATCH_INTERVAL`.  Only the hold of that task id in that pid is freed,
+  and only once the pid is gone.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import signals as celery_signals
+from celery.worker import state as worker_state
 
 from . import events
 from .config import get_client, read_setting
@@ -30,7 +36,14 @@ from .lock import LockKeys
 from .scripts import FORCE_RELEASE
 from .waiters import DOORBELL_TTL_MS
 
-__all__ = ["free_lock_after_exit", "install", "release_process_holds"]
+__all__ = [
+    "CHILD_WATCH_INTERVAL",
+    "free_lock_after_exit",
+    "install",
+    "release_process_holds",
+    "unwatch_child",
+    "watch_child",
+]
 
 logger = logging.getLogger("celery_dlock.hooks")
 
@@ -93,27 +106,19 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
-def free_lock_after_exit(task: Any, task_id: str, pid: int, hostname: str | None,
-                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Free ``task``'s lock for this call once process ``pid`` has exited.
-
-    Runs in the background (the worker's main loop must not block); gives up after the
-    lock's ttl, by which time the hold has expired anyway.
-    """
+def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
+                        args: tuple[Any, ...],
+                        kwargs: dict[str, Any]) -> Callable[[], None]:
+    """A function freeing ``task``'s lock for this call if that task id in that pid
+    still holds it (to be called once ``pid`` is gone)."""
     key = task.lock_name(args, kwargs)
     keys = LockKeys.for_name(read_setting(task, "lock_prefix"), key)
     client = get_client(task.app)
-    ttl = float(read_setting(task, "lock_ttl"))
     conditions = ["task_id", task_id, "pid", str(pid)]
     if hostname:
         conditions += ["worker", hostname]
 
-    def run() -> None:
-        deadline = time.monotonic() + ttl
-        while not _pid_gone(pid):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.02)
+    def release() -> None:
         try:
             reply = FORCE_RELEASE(client, (keys.lock, keys.queue, keys.leases),
                                   (keys.doorbell_prefix, DOORBELL_TTL_MS, *conditions))
@@ -125,4 +130,121 @@ def free_lock_after_exit(task: Any, task_id: str, pid: int, hostname: str | None
             logger.warning("freed lock %r of task %s[%s]: its process %s died", key,
                            task.name, task_id, pid)
 
+    return release
+
+
+def free_lock_after_exit(task: Any, task_id: str, pid: int, hostname: str | None,
+                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Free ``task``'s lock for this call once process ``pid`` has exited.
+
+    Runs in the background (the worker's main loop must not block); gives up after the
+    lock's ttl, by which time the hold has expired anyway.
+    """
+    release = _dead_child_release(task, task_id, pid, hostname, args, kwargs)
+    ttl = float(read_setting(task, "lock_ttl"))
+
+    def run() -> None:
+        deadline = time.monotonic() + ttl
+        while not _pid_gone(pid):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        release()
+
     threading.Thread(target=run, name="celery-dlock-free", daemon=True).start()
+
+
+# -- watching the children that run locked tasks (worker main process) ----------------
+
+#: How often (seconds) the main process checks the children running locked tasks.
+CHILD_WATCH_INTERVAL = 0.05
+
+
+def _still_running(request: Any) -> bool:
+    """Whether the pool has not yet reported ``request`` done (or its child lost).
+
+    Not the same as being in ``active_requests``: ``revoke(terminate=True)`` takes a
+    request out of those before its child is even dead.
+    """
+    ref = getattr(request, "_apply_result", None)  # the pool's job (prefork)
+    job = ref() if callable(ref) else None
+    if job is not None and callable(getattr(job, "ready", None)):
+        return not job.ready()
+    return request in worker_state.active_requests
+
+
+class _ChildWatch:
+    """One thread checking, for each accepted locked request still running, whether
+    its child process has died; the thread ends when nothing is left to watch."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[Any, tuple[int, Callable[[], None]]] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, request: Any, pid: int, on_death: Callable[[], None]) -> None:
+        with self._lock:
+            self._entries[request] = (pid, on_death)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="celery-dlock-childwatch")
+                self._thread.start()
+
+    def unwatch(self, request: Any) -> None:
+        with self._lock:
+            self._entries.pop(request, None)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(CHILD_WATCH_INTERVAL)
+            with self._lock:
+                if not self._entries:
+                    self._thread = None
+                    return
+                entries = list(self._entries.items())
+            for request, (pid, on_death) in entries:
+                running = _still_running(request)
+                dead = running and _pid_gone(pid)
+                if running and not dead:
+                    continue
+                with self._lock:  # finished (forget it), or died while running
+                    if self._entries.get(request, (None,))[0] != pid:
+                        continue
+                    del self._entries[request]
+                if dead:
+                    try:
+                        on_death()
+                    except Exception as exc:
+                        logger.warning("could not free the lock of dead process %s: "
+                                       "%s", pid, exc)
+
+
+_child_watch = _ChildWatch()
+
+
+def _new_child_watch() -> None:
+    global _child_watch
+    _child_watch = _ChildWatch()
+
+
+os.register_at_fork(after_in_child=_new_child_watch)
+
+
+def watch_child(request: Any, task: Any, task_id: str, pid: int, hostname: str | None,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """From the worker's main process: free this call's lock as soon as child ``pid``
+    dies while ``request`` still runs in it (as :func:`free_lock_after_exit` does once
+    Celery reports the death).  Stops watching by itself when the request finishes.
+    """
+    if pid == os.getpid():  # solo and threads pools: no child to outlive
+        return
+
+    def on_death() -> None:
+        _dead_child_release(task, task_id, pid, hostname, args, kwargs)()
+
+    _child_watch.watch(request, pid, on_death)
+
+
+def unwatch_child(request: Any) -> None:
+    """Stop watching ``request``'s child (the request finished)."""
+    _child_watch.unwatch(request)

@@ -58,7 +58,7 @@ from .errors import (
     LockNotAcquired,
     UnkeyableArgument,
 )
-from .hooks import free_lock_after_exit, install
+from .hooks import free_lock_after_exit, install, unwatch_child, watch_child
 from .keys import KeyFunction, make_key_function
 from .lock import RedisLock
 from .owner import owner_context
@@ -329,14 +329,28 @@ class LockedTask(Task):  # type: ignore[misc]
 class LockedRequest(Request):  # type: ignore[misc]
     """Worker-side request of a :class:`LockedTask`, living in the main process.
 
-    When the pool reports that the child process running this request died (SIGKILL,
-    OOM, ``revoke(terminate=True)``) or was killed for a hard time limit, it frees the
+    When the child process running this request dies (SIGKILL, OOM,
+    ``revoke(terminate=True)``) or is killed for a hard time limit, it frees the
     child's lock at once instead of letting it expire after ``lock_ttl``: only the
-    hold of that task id in that pid is freed, after the pid is gone.
+    hold of that task id in that pid is freed, after the pid is gone.  It watches the
+    child from the moment it accepts the request, since the pool may report a SIGKILL
+    only seconds later.
     """
+
+    def on_accepted(self, pid: int, time_accepted: float) -> Any:
+        result = super().on_accepted(pid, time_accepted)
+        if pid:
+            try:
+                watch_child(self, self.task, self.id, int(pid), self.hostname,
+                            tuple(self.args), dict(self.kwargs))
+            except Exception as exc:  # never break the worker's main loop
+                logger.warning("cannot watch the process of task %s[%s]: %s",
+                               self.task.name, self.id, exc)
+        return result
 
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:
+        unwatch_child(self)
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)
         if isinstance(exc, (WorkerLostError, Terminated)):
