@@ -47,7 +47,42 @@ def base_parser(description: str, name: str) -> argparse.ArgumentParser:
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="first wait up to this long for the machine to be idle "
                              "(other work keeps < 0.15 CPUs busy for 3 s in a row)")
+    parser.add_argument("--retry-disturbed", type=int, default=None, metavar="N",
+                        help="repeat a round during which other work kept more than "
+                             "--disturbed-threshold CPUs busy, at most N times in all "
+                             "(default 12; smoke 0)")
+    parser.add_argument("--disturbed-threshold", type=float, default=0.15,
+                        metavar="CPUS", help="see --retry-disturbed (default 0.15)")
     return parser
+
+
+class RetryBudget:
+    """Repeats rounds that other work on the machine disturbed, within a budget."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        retries = args.retry_disturbed
+        self.left = (0 if args.smoke else 12) if retries is None else retries
+        self.threshold = args.disturbed_threshold
+        self.repeated = 0
+        self.kept_disturbed = 0
+
+    def keep(self, load: dict[str, Any], what: str) -> bool:
+        """Whether a round that ran under ``load`` (a LoadMonitor result) counts."""
+        other = load["other_cpus_busy"]
+        if other is None or other <= self.threshold:
+            return True
+        if self.left <= 0:
+            self.kept_disturbed += 1
+            return True
+        self.left -= 1
+        self.repeated += 1
+        print(f"  {what}: other work kept {other:.2f} CPUs busy; repeating it")
+        wait_quiet(120)
+        return False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"threshold_cpus": self.threshold, "repeated_rounds": self.repeated,
+                "kept_disturbed_rounds": self.kept_disturbed}
 
 
 def wait_quiet(limit: float, threshold: float = 0.15, calm_for: int = 3) -> bool:
@@ -207,7 +242,12 @@ def print_load(load: dict[str, Any]) -> None:
     print(f"\nother load during the run: {fmt(other, '.2f')} CPUs busy with other "
           f"work on average (load average {load['loadavg_1m_start']:.2f} -> "
           f"{load['loadavg_1m_end']:.2f}), {load['wall_s']:.0f} s")
-    if other is not None and other > 0.2:
+    if "repeated_rounds" in load:
+        print(f"rounds repeated because other work disturbed them: "
+              f"{load['repeated_rounds']}; disturbed rounds kept (retry budget spent): "
+              f"{load['kept_disturbed_rounds']}")
+    if load.get("kept_disturbed_rounds") or (
+            "repeated_rounds" not in load and other is not None and other > 0.2):
         print("WARNING: the machine was busy with other work; numbers are disturbed")
 
 

@@ -239,11 +239,13 @@ def summarise(variant: str, procs: int, rounds: list[dict[str, Any]]) -> dict[st
         "commands_per_handoff": {k: v / handoffs for k, v in sorted(commands.items())}
         if handoffs else {},
         "per_process_rounds": [r["per_process"] for r in rounds],
+        "other_cpus_busy_rounds": [r.get("other_cpus_busy") for r in rounds],
     }
 
 
 def run_matrix(url: str, variants: Sequence[str], proc_counts: Sequence[int],
                rounds: int, duration: float, hold: float,
+               budget: c.RetryBudget | None = None,
                progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every (process count, variant) for ``rounds`` rounds, variants interleaved."""
     info_client = redis.Redis.from_url(url)
@@ -256,9 +258,16 @@ def run_matrix(url: str, variants: Sequence[str], proc_counts: Sequence[int],
                 order = list(variants[r % len(variants):]) + \
                     list(variants[:r % len(variants)])
                 for variant in order:
-                    key = f"{prefix}:p{procs}:r{r}:{VARIANTS.index(variant)}"
-                    result = run_once(url, variant, procs, duration, hold, key,
-                                      info_client)
+                    for attempt in itertools.count():
+                        key = (f"{prefix}:p{procs}:r{r}:{VARIANTS.index(variant)}"
+                               f":{attempt}")
+                        monitor = c.LoadMonitor(info_client)
+                        result = run_once(url, variant, procs, duration, hold, key,
+                                          info_client)
+                        result["other_cpus_busy"] = monitor.stop()["other_cpus_busy"]
+                        if budget is None or budget.keep(
+                                result, f"P={procs} round {r + 1} {variant}"):
+                            break
                     collected[variant].append(result)
                     progress(f"  P={procs} round {r + 1}/{rounds} {variant}: "
                              f"{result['handoffs']} hand-offs, "

@@ -135,14 +135,22 @@ def measure(fn: Callable[[], Any], client: c.CountingRedis, cycles: int,
 
 
 def run_mode(variants: dict[str, Callable[[], Any]], client: c.CountingRedis,
-             rounds: int, cycles: int, warmup: int) -> list[dict[str, Any]]:
+             rounds: int, cycles: int, warmup: int,
+             budget: c.RetryBudget) -> list[dict[str, Any]]:
     names = list(variants)
     per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
-    for r in range(rounds):
+    r = 0
+    while r < rounds:
         # Rotate the order so that no variant always runs first (or after the floor).
         order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            per_round[name].append(measure(variants[name], client, cycles, warmup))
+        monitor = c.LoadMonitor(client)
+        this_round = {name: measure(variants[name], client, cycles, warmup)
+                      for name in order}
+        if not budget.keep(monitor.stop(), f"round {r + 1}"):
+            continue
+        for name in names:
+            per_round[name].append(this_round[name])
+        r += 1
     floor_name = names[0]
     rows = []
     for name in names:
@@ -191,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         results["machine"] = c.machine_info(client)
         c.print_machine(results["machine"])
         monitor = c.LoadMonitor(client)
+        budget = c.RetryBudget(args)
         variants = make_variants(client, f"{c.run_id()}:core")
         for fn in variants.values():  # load scripts, start the heartbeat thread
             fn()
@@ -204,14 +213,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"(pin mode {mode!r} skipped: needs the embedded server "
                           "and 2 CPUs)\n")
                     continue
-                rows = run_mode(variants, client, rounds, cycles, warmup)
+                rows = run_mode(variants, client, rounds, cycles, warmup, budget)
                 results["modes"][mode] = rows
                 print(f"pin mode: {mode}\n")
                 print(c.markdown_table(COLUMNS, rows))
                 print()
         finally:
             pin("none", server_pid)
-        results["load"] = monitor.stop()
+        results["load"] = monitor.stop() | budget.as_dict()
         c.print_load(results["load"])
         client.close()
     c.write_json(c.json_path(args, NAME), results)

@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         results["machine"] = c.machine_info(info_client)
         c.print_machine(results["machine"])
         monitor = c.LoadMonitor(info_client)
-        rows = h.run_matrix(url, variants, procs, rounds, duration, args.hold)
-        results["load"] = monitor.stop()
+        budget = c.RetryBudget(args)
+        rows = h.run_matrix(url, variants, procs, rounds, duration, args.hold, budget)
+        results["load"] = monitor.stop() | budget.as_dict()
         info_client.close()
     results["rows"] = rows
     print(f"\n{TITLE}\n")

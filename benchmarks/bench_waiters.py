@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         results["machine"] = c.machine_info(info_client)
         c.print_machine(results["machine"])
         monitor = c.LoadMonitor(info_client)
+        budget = c.RetryBudget(args)
         rows = h.run_matrix(url, variants, [n + 1 for n in waiters], rounds, duration,
-                            args.hold)
-        results["load"] = monitor.stop()
+                            args.hold, budget)
+        results["load"] = monitor.stop() | budget.as_dict()
         info_client.close()
     for row in rows:
         row["waiters"] = row["procs"] - 1
