@@ -26,8 +26,9 @@ round to round), and waits until the last one has run.  Per variant and round:
 
 The table gives medians over the rounds; ``x plain`` and ``+CPU ms/task`` are medians
 of the per-round ratio and difference against ``plain task`` in the same round.  The
-machine may be shared: a batch during which other work kept more than ``--max-other``
-CPUs busy is run again (``--reruns`` times at most; the last try counts).
+machine may be shared: a batch during which other work kept more than
+``--disturbed-threshold`` CPUs busy is run again once the machine is idle, within the
+``--retry-disturbed`` budget (see ``_common.RetryBudget``).
 
     python benchmarks/bench_e2e.py          # full run -> results/bench_e2e.json
     python benchmarks/bench_e2e.py --smoke  # 3 rounds x 60 tasks, no JSON
@@ -329,21 +330,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefork pool processes (default 2)")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset (plain task is always run)")
-    parser.add_argument("--max-other", type=float, default=0.3, metavar="CPUS",
-                        help="run a batch again when other work kept more CPUs than "
-                             "this busy meanwhile (default 0.3)")
-    parser.add_argument("--reruns", type=int, default=None,
-                        help="at most this many reruns per batch (default 1; smoke 0)")
     args = parser.parse_args(argv)
     count = args.tasks or (60 if args.smoke else 2500)
     rounds = args.rounds or (3 if args.smoke else 7)
-    reruns = args.reruns if args.reruns is not None else (0 if args.smoke else 1)
     warmup = args.warmup if args.warmup is not None else (20 if args.smoke else 300)
 
     results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "rounds": rounds,
                                "tasks": count, "warmup": warmup,
-                               "concurrency": args.concurrency,
-                               "max_other": args.max_other, "reruns": reruns}
+                               "concurrency": args.concurrency}
     prefix = f"{c.run_id()}-e2e"
     c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, server), \
@@ -365,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         c.print_machine(results["machine"])
         redis_pid = local_redis_pid(control, server)
         monitor = c.LoadMonitor(control)
+        budget = c.RetryBudget(args)
         # Distinct arguments across variants, rounds and runs on a shared Redis.
         numbers = itertools.count(secrets.randbelow(1 << 30) << 22)
         with worker(url, prefix, args.concurrency, log_dir) as (proc, name, log):
@@ -381,30 +376,25 @@ def main(argv: list[str] | None = None) -> int:
                     batch(task, warmup)
             names = list(variants)
             per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-            rerun = dict.fromkeys(names, 0)
             orders = []
             for r in range(rounds):
                 order = names[r % len(names):] + names[:r % len(names)]
                 orders.append(order)
                 for variant in order:
-                    for attempt in range(reruns + 1):
-                        if attempt:
-                            rerun[variant] += 1
+                    while True:
                         time.sleep(0.1)  # let the worker's last acks settle, unmeasured
                         sample = batch(variants[variant], count)
-                        other = sample["other_cpus_busy"]
-                        if other is None or other <= args.max_other:
+                        # Per batch, not LoadMonitor: the worker is not a waited child.
+                        if budget.keep(sample, f"round {r + 1}, {variant}"):
                             break
                     per_round[variant].append(sample)
                 print(f"round {r + 1}/{rounds}: " + ", ".join(
                     f"{v} {per_round[v][-1]['tasks_per_s']:,.0f}/s" for v in order),
                     file=sys.stderr)
         # After the worker has exited: its CPU time counts as this process's children.
-        results["load"] = monitor.stop()
+        results["load"] = monitor.stop() | budget.as_dict()
         control.close()
     rows = summarise(per_round)
-    for row in rows:
-        row["reruns"] = rerun[row["variant"]]
     results["rows"] = rows
     results["orders"] = orders
     results["targets"] = targets = check_targets(rows)
@@ -412,12 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{rounds} rounds x {count} tasks per variant, variants alternated (order "
           f"rotates per round); `celery worker --pool=prefork -c {args.concurrency}`, "
           "prefetch 64, results ignored; median over rounds. CPU columns: ms per "
-          "task.")
-    if reruns:
-        print(f"Batches run again (at most {reruns}x) when other work kept more than "
-              f"{args.max_other:g} CPUs busy: " + ", ".join(
-                  f"{r['variant']} {r['reruns']}" for r in rows) + ".")
-    print()
+          "task.\n")
     print(c.markdown_table(COLUMNS, rows))
     if targets and not args.smoke:  # smoke numbers mean nothing
         print()
