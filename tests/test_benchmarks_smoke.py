@@ -24,12 +24,6 @@ SCRIPTS = {
     "bench_e2e.py": "| variant | tasks/s | x plain | CPU ms/task | +CPU ms/task |",
 }
 
-#: script -> modules it needs beyond the test extra (the bench extra has them)
-NEEDS = {
-    "bench_e2e.py": ("celery_once", "celery_singleton"),
-    "profile_e2e.py": ("celery_once", "celery_singleton"),
-}
-
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     extra = []
@@ -50,8 +44,6 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_smoke_mode_runs_and_prints_its_table(script: str, results_dir: Path) -> None:
-    for module in NEEDS.get(script, ()):
-        pytest.importorskip(module)
     out = results_dir / script.replace(".py", ".json")
     proc = _run([script, "--smoke", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -73,8 +65,6 @@ def test_plot_draws_the_smoke_results(results_dir: Path) -> None:
 
 
 def test_profile_parts_runs_and_prints_its_table() -> None:
-    for module in NEEDS["profile_e2e.py"]:
-        pytest.importorskip(module)
     proc = _run(["profile_e2e.py", "--parts", "--rounds", "1", "--calls", "20"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| piece | CPU us/call | wall us/call | Redis round trips |" in proc.stdout
