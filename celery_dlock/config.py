@@ -7,9 +7,11 @@ bad one is an :class:`InvalidLockConfig` naming the setting.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -158,11 +160,15 @@ def _default_client_options() -> dict[str, Any]:
 
 
 _clients: dict[tuple[int, str], Any] = {}
+# The hot path: the client of an app object, without reading its configuration.
+_by_app: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _clients_lock = threading.Lock()
 
 
 def get_client(app: Any) -> Any:
     """This process's Redis client for ``app`` (one per process, rebuilt after fork).
+
+    The app's ``dlock_url`` / ``dlock_client`` are read when it is first asked for.
 
     ``app.conf.dlock_client``, when set, is a callable returning a client (any
     topology redis-py supports: Sentinel, Cluster, ...); otherwise a client is built
@@ -170,6 +176,10 @@ def get_client(app: Any) -> Any:
     timeouts suited to locking (5 s socket timeout, 3 s connect timeout, 2 quick
     retries).
     """
+    try:
+        return _by_app[app]
+    except (KeyError, TypeError):
+        pass
     conf = app.conf
     factory = conf.get("dlock_client")
     cache_key = (id(app), "factory" if factory else resolve_url(conf))
@@ -192,12 +202,15 @@ def get_client(app: Any) -> Any:
                 options.update(extra)
                 client = redis.Redis.from_url(cache_key[1], **options)
             _clients[cache_key] = client
+        with contextlib.suppress(TypeError):  # an app that takes no weak references
+            _by_app[app] = client
         return client
 
 
 def _forget_clients() -> None:
     global _clients_lock
     _clients.clear()
+    _by_app.clear()
     _clients_lock = threading.Lock()
 
 

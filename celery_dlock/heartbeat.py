@@ -23,6 +23,7 @@ Rules that keep renewal from ever outliving its holder:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -41,6 +42,9 @@ logger = logging.getLogger("celery_dlock.heartbeat")
 
 #: After a failed renewal, try again this often (seconds) until the hold's deadline.
 ERROR_RETRY_INTERVAL = 0.25
+#: With nothing to renew the thread still looks again this often (seconds), so that a
+#: short hold (a typical task) registers and unregisters without waking it at all.
+IDLE_WAIT = 1.0
 
 
 class RenewableHold(Protocol):
@@ -94,6 +98,9 @@ class Heartbeat:
         self._entries: dict[int, _Entry] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # When the thread next looks at the registry by itself (clock time); a
+        # registration due before that must wake it.
+        self._wake_at = math.inf
         self.renewal_calls = 0  # script calls made, for tests and benchmarks
 
     # -- registry -----------------------------------------------------------------
@@ -116,7 +123,8 @@ class Heartbeat:
             self._entries[id(lock)] = entry
             if self._start_thread and self._thread is None:
                 self._start()
-            self._cond.notify()
+            elif entry.next_due < self._wake_at:
+                self._cond.notify()
 
     def unregister(self, lock: object) -> None:
         with self._cond:
@@ -131,7 +139,8 @@ class Heartbeat:
                 entry.ttl_ms = ttl_ms
                 entry.deadline = now + ttl_ms / 1000.0
                 entry.next_due = now + entry.interval
-                self._cond.notify()
+                if entry.next_due < self._wake_at:
+                    self._cond.notify()
 
     def held_locks(self) -> list[Any]:
         """The live lock objects whose holds are registered."""
@@ -251,13 +260,17 @@ class Heartbeat:
                 if self._stopping:
                     return
                 self._drop_dead()
+                now = self._clock()
                 if not self._entries:
-                    self._cond.wait()
+                    self._wake_at = now + IDLE_WAIT
+                    self._cond.wait(IDLE_WAIT)
                     continue
-                wait = min(e.next_due for e in self._entries.values()) - self._clock()
-                if wait > 0:
-                    self._cond.wait(wait)
+                due = min(e.next_due for e in self._entries.values())
+                if due > now:
+                    self._wake_at = due
+                    self._cond.wait(due - now)
                     continue
+                self._wake_at = now  # renewing: it looks again before sleeping
             try:
                 self.renew_due()
             except Exception:  # never let the thread die

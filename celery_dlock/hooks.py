@@ -34,7 +34,6 @@ from .config import get_client, read_setting
 from .heartbeat import get_heartbeat
 from .lock import LockKeys
 from .scripts import FORCE_RELEASE
-from .waiters import DOORBELL_TTL_MS
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
@@ -120,8 +119,7 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
 
     def release() -> None:
         try:
-            reply = FORCE_RELEASE(client, (keys.lock, keys.queue, keys.leases),
-                                  (keys.doorbell_prefix, DOORBELL_TTL_MS, *conditions))
+            reply = FORCE_RELEASE(client, (keys.lock,), conditions)
         except Exception as exc:
             logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
                            task.name, task_id, exc)
@@ -230,17 +228,19 @@ def _new_child_watch() -> None:
 os.register_at_fork(after_in_child=_new_child_watch)
 
 
-def watch_child(request: Any, task: Any, task_id: str, pid: int, hostname: str | None,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """From the worker's main process: free this call's lock as soon as child ``pid``
-    dies while ``request`` still runs in it (as :func:`free_lock_after_exit` does once
-    Celery reports the death).  Stops watching by itself when the request finishes.
+def watch_child(request: Any, pid: int) -> None:
+    """From the worker's main process: free the lock of ``request`` (a Celery worker
+    ``Request`` of a locked task) as soon as child ``pid`` dies while the request still
+    runs in it (as :func:`free_lock_after_exit` does once Celery reports the death).
+    Stops watching by itself when the request finishes.  Costs nothing per task but a
+    dict entry: the lock name is only derived if the child dies.
     """
     if pid == os.getpid():  # solo and threads pools: no child to outlive
         return
 
     def on_death() -> None:
-        _dead_child_release(task, task_id, pid, hostname, args, kwargs)()
+        _dead_child_release(request.task, request.id, pid, request.hostname,
+                            tuple(request.args), dict(request.kwargs))()
 
     _child_watch.watch(request, pid, on_death)
 

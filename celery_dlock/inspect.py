@@ -31,7 +31,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .errors import BackendUnavailable, DLockError
 from .lock import LockKeys, decode
 from .scripts import FORCE_RELEASE
-from .waiters import DOORBELL_TTL_MS
 
 __all__ = [
     "SUMMARY_FIELDS",
@@ -297,8 +296,7 @@ def force_release(client: Any, prefix: str, name: str, *,
         pipe.pttl(keys.lock)
         pipe.time()
         before_fence, pttl, now = pipe.execute()
-        reply = FORCE_RELEASE(client, (keys.lock, keys.queue, keys.leases),
-                              (keys.doorbell_prefix, DOORBELL_TTL_MS, *conditions))
+        reply = FORCE_RELEASE(client, (keys.lock,), conditions)
     except _UNAVAILABLE as exc:
         raise _unavailable(exc, name) from exc
     status = int(reply[0])

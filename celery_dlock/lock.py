@@ -44,7 +44,7 @@ from .errors import (
 )
 from .heartbeat import Heartbeat, get_heartbeat
 from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, RELEASE, LuaScript
-from .waiters import DOORBELL_TTL_MS, QUEUE_LEASE, ring_wait, wait_slice
+from .waiters import QUEUE_LEASE, ring_wait, wait_slice
 
 __all__ = ["DEFAULT_PREFIX", "LockKeys", "RedisLock", "decode", "parse_holder"]
 
@@ -241,10 +241,9 @@ class RedisLock:
             timeout = None
         owner = self._current_owner()
         keys = self.keys
-        key_list = (keys.lock, keys.fence, keys.queue, keys.leases, keys.doorbell(owner))
+        key_list = (keys.lock,)
         lease_ms = int(QUEUE_LEASE * 1000) if blocking else 0
-        args = [owner, self.ttl_ms, lease_ms, keys.doorbell_prefix, DOORBELL_TTL_MS,
-                "pid", os.getpid(), *self._info_args]
+        args = [owner, self.ttl_ms, lease_ms, "pid", os.getpid(), *self._info_args]
         deadline = None if timeout is None else time.monotonic() + timeout
         queued = acquired = False
         try:
@@ -277,9 +276,7 @@ class RedisLock:
     def _leave_queue(self, owner: str) -> None:
         keys = self.keys
         try:
-            LEAVE_QUEUE(self.client,
-                        (keys.lock, keys.queue, keys.leases, keys.doorbell(owner)),
-                        (owner, keys.doorbell_prefix, DOORBELL_TTL_MS))
+            LEAVE_QUEUE(self.client, (keys.lock,), (owner,))
         except RedisError as exc:  # our lease lapses by itself
             logger.debug("could not leave the line of %r: %s", self.name, exc)
 
@@ -328,8 +325,7 @@ class RedisLock:
                     self._fence = None
                     self._lost_reason = None
         keys = self.keys
-        reply = self._run(RELEASE, (keys.lock, keys.queue, keys.leases),
-                          (owner, keys.doorbell_prefix, DOORBELL_TTL_MS))
+        reply = self._run(RELEASE, (keys.lock,), (owner,))
         status = int(reply[0])
         if status in (1, 2):
             return
@@ -360,8 +356,7 @@ class RedisLock:
         keys = self.keys
         for _ in range(depth):
             try:
-                reply = self._run(RELEASE, (keys.lock, keys.queue, keys.leases),
-                                  (owner, keys.doorbell_prefix, DOORBELL_TTL_MS))
+                reply = self._run(RELEASE, (keys.lock,), (owner,))
             except DLockError as exc:
                 logger.warning("releasing %r at shutdown failed: %s", self.name, exc)
                 break

@@ -14,9 +14,12 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
 ``P:{NAME}:w:OWNER``  list used as a doorbell: a release pushes one element to the waiter
                       first in line, whose ``BLPOP`` returns at once.
 
-Return values are Lua tables (Redis arrays) of integers and strings.  Times are taken
-from the server's ``TIME`` so that every client agrees on ages and deadlines.
-Scripts stay within Redis 6.2 (no functions, no ``PEXPIRETIME``).
+Every script is given only the lock hash's name (``KEYS[1]``) and derives the helper
+keys from it, which keeps the arguments (and redis-py's packing of them) short on the
+hot path; the helper keys share the hash tag, so this is safe on a cluster.  Return
+values are Lua tables (Redis arrays) of integers and strings.  Times are taken from
+the server's ``TIME`` so that every client agrees on ages and deadlines.  Scripts stay
+within Redis 6.2 (no functions, no ``PEXPIRETIME``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.exceptions import NoScriptError
+
+from .waiters import DOORBELL_TTL_MS
 
 __all__ = [
     "ACQUIRE",
@@ -64,7 +69,9 @@ class LuaScript:
 
 
 # Shared helpers, pasted in front of the scripts that need them (EVAL has no imports).
-_COMMON = """
+_COMMON = f"""
+local DOORBELL_TTL = {DOORBELL_TTL_MS}
+
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -80,27 +87,28 @@ local function purge(queue, leases, now)
 end
 
 -- Ring a doorbell: it holds at most one element, which expires unanswered.
-local function ring(bell, wake_ttl)
+local function ring(lock, owner)
+  local bell = lock .. ':w:' .. owner
   redis.call('DEL', bell)
   redis.call('RPUSH', bell, 1)
-  redis.call('PEXPIRE', bell, wake_ttl)
+  redis.call('PEXPIRE', bell, DOORBELL_TTL)
 end
 
--- Ring the doorbell of the first waiter in line, if any. Returns its owner or false.
-local function wake_head(queue, leases, wake_prefix, wake_ttl, now)
+-- Ring the doorbell of the first waiter in line of ``lock``, if any.
+local function wake_head(lock, now)
+  local queue, leases = lock .. ':q', lock .. ':ql'
   purge(queue, leases, now)
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if head then
-    ring(wake_prefix .. head, wake_ttl)
+    ring(lock, head)
   end
   return head
 end
 """
 
-# KEYS[1] lock hash, KEYS[2] fence counter, KEYS[3] queue, KEYS[4] leases,
-# KEYS[5] the caller's own doorbell
+# KEYS[1] lock hash
 # ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
-# ARGV[4] doorbell key prefix, ARGV[5] doorbell ttl (ms), ARGV[6..] metadata field/value
+# ARGV[4..] metadata field/value pairs
 # Returns
 #   {1, fence, count}                       acquired (count > 1: re-entered)
 #   {0, pttl, now_ms, field, value, ...}    not acquired; pttl is the holder's remaining
@@ -114,61 +122,59 @@ ACQUIRE = LuaScript(
     "acquire",
     _COMMON
     + """
-local owner = ARGV[1]
+local lock, owner = KEYS[1], ARGV[1]
 local ttl = tonumber(ARGV[2])
-local holder = redis.call('HGET', KEYS[1], 'owner')
+local holder = redis.call('HGET', lock, 'owner')
 if holder == owner then
-  local count = redis.call('HINCRBY', KEYS[1], 'count', 1)
-  if redis.call('PTTL', KEYS[1]) < ttl then
-    redis.call('PEXPIRE', KEYS[1], ttl)
-    redis.call('HSET', KEYS[1], 'ttl', ttl)
+  local count = redis.call('HINCRBY', lock, 'count', 1)
+  if redis.call('PTTL', lock) < ttl then
+    redis.call('PEXPIRE', lock, ttl)
+    redis.call('HSET', lock, 'ttl', ttl)
   end
-  return {1, tonumber(redis.call('HGET', KEYS[1], 'fence')), count}
+  return {1, tonumber(redis.call('HGET', lock, 'fence')), count}
 end
+local queue, leases = lock .. ':q', lock .. ':ql'
 local now = now_ms()
 local pttl
 if not holder then
   local head = false
-  if redis.call('EXISTS', KEYS[3]) == 1 then
-    purge(KEYS[3], KEYS[4], now)
-    head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  if redis.call('EXISTS', queue) == 1 then
+    purge(queue, leases, now)
+    head = redis.call('ZRANGE', queue, 0, 0)[1]
   end
   if (not head) or head == owner then
-    local fence = redis.call('INCR', KEYS[2])
-    redis.call('HSET', KEYS[1], 'owner', owner, 'count', 1, 'fence', fence,
-               'acquired_at', now, 'ttl', ttl)
-    if #ARGV > 5 then
-      redis.call('HSET', KEYS[1], unpack(ARGV, 6))
-    end
-    redis.call('PEXPIRE', KEYS[1], ttl)
+    local fence = redis.call('INCR', lock .. ':fence')
+    redis.call('HSET', lock, 'owner', owner, 'count', 1, 'fence', fence,
+               'acquired_at', now, 'ttl', ttl, unpack(ARGV, 4))
+    redis.call('PEXPIRE', lock, ttl)
     if head then
-      redis.call('ZREM', KEYS[3], owner)
-      redis.call('ZREM', KEYS[4], owner)
-      redis.call('DEL', KEYS[5])
+      redis.call('ZREM', queue, owner)
+      redis.call('ZREM', leases, owner)
+      redis.call('DEL', lock .. ':w:' .. owner)
     end
     return {1, fence, 1}
   end
   -- Free, but promised to the first in line: make sure it has heard.
-  ring(ARGV[4] .. head, tonumber(ARGV[5]))
+  ring(lock, head)
   pttl = -1
 else
-  pttl = redis.call('PTTL', KEYS[1])
+  pttl = redis.call('PTTL', lock)
 end
 local lease = tonumber(ARGV[3])
 if lease > 0 then
   local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[3], 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
-  redis.call('ZADD', KEYS[4], now + lease, owner)
+  redis.call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
+  redis.call('ZADD', leases, now + lease, owner)
 end
 local reply = {0, pttl, now}
-local fields = redis.call('HGETALL', KEYS[1])
+local fields = redis.call('HGETALL', lock)
 for i = 1, #fields do reply[i + 3] = fields[i] end
 return reply
 """,
 )
 
-# KEYS[1] lock hash, KEYS[2] queue, KEYS[3] leases
-# ARGV[1] owner, ARGV[2] doorbell key prefix, ARGV[3] doorbell ttl (ms)
+# KEYS[1] lock hash
+# ARGV[1] owner
 # Returns {1} released (the key is gone; the first waiter was woken),
 #         {2, count} still held by this owner (count > 0 acquisitions left),
 #         {0} already expired (nothing to release), {-1} held by another owner
@@ -177,14 +183,15 @@ RELEASE = LuaScript(
     "release",
     _COMMON
     + """
-local holder = redis.call('HGET', KEYS[1], 'owner')
+local lock = KEYS[1]
+local holder = redis.call('HGET', lock, 'owner')
 if not holder then return {0} end
 if holder ~= ARGV[1] then return {-1} end
-local count = redis.call('HINCRBY', KEYS[1], 'count', -1)
+local count = redis.call('HINCRBY', lock, 'count', -1)
 if count > 0 then return {2, count} end
-redis.call('DEL', KEYS[1])
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  wake_head(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
+redis.call('DEL', lock)
+if redis.call('EXISTS', lock .. ':q') == 1 then
+  wake_head(lock, now_ms())
 end
 return {1}
 """,
@@ -228,38 +235,38 @@ return out
 """,
 )
 
-# KEYS[1] lock hash, KEYS[2] queue, KEYS[3] leases
-# ARGV[1] doorbell key prefix, ARGV[2] doorbell ttl (ms),
-# ARGV[3..] conditions as field/value pairs (for example 'task_id', T, 'pid', P); none
+# KEYS[1] lock hash
+# ARGV[1..] conditions as field/value pairs (for example 'task_id', T, 'pid', P); none
 #           means whoever holds it
 # Returns {1, field, value, ...} freed (the hash as it was), {0} nothing was held,
 #         {-1, field, value, ...} a condition did not match (left alone).
-# For operators (``celery dlock release --force``) and for a worker freeing the lock of
-# a child process that died (conditions: that task id in that pid).
+# For operators (``celery dlock release``) and for a worker freeing the lock of a child
+# process that died (conditions: that task id in that pid).
 FORCE_RELEASE = LuaScript(
     "force_release",
     _COMMON
     + """
-local fields = redis.call('HGETALL', KEYS[1])
+local lock = KEYS[1]
+local fields = redis.call('HGETALL', lock)
 if #fields == 0 then return {0} end
 local reply = {1}
-for i = 3, #ARGV - 1, 2 do
-  if redis.call('HGET', KEYS[1], ARGV[i]) ~= ARGV[i + 1] then
+for i = 1, #ARGV - 1, 2 do
+  if redis.call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
     reply = {-1}
     break
   end
 end
 if reply[1] == 1 then
-  redis.call('DEL', KEYS[1])
-  wake_head(KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), now_ms())
+  redis.call('DEL', lock)
+  wake_head(lock, now_ms())
 end
 for i = 1, #fields do reply[i + 1] = fields[i] end
 return reply
 """,
 )
 
-# KEYS[1] lock hash, KEYS[2] queue, KEYS[3] leases, KEYS[4] the caller's doorbell
-# ARGV[1] owner, ARGV[2] doorbell key prefix, ARGV[3] doorbell ttl (ms)
+# KEYS[1] lock hash
+# ARGV[1] owner
 # Returns 1 when the caller was in line, 0 when it was not.
 # A waiter that gives up (timeout) leaves the line; if it was first and the lock is free,
 # the next in line is woken so that nobody waits for a doorbell that rang for a leaver.
@@ -267,12 +274,14 @@ LEAVE_QUEUE = LuaScript(
     "leave_queue",
     _COMMON
     + """
-local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
-local was = redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[4])
-if head == ARGV[1] and redis.call('EXISTS', KEYS[1]) == 0 then
-  wake_head(KEYS[2], KEYS[3], ARGV[2], tonumber(ARGV[3]), now_ms())
+local lock, owner = KEYS[1], ARGV[1]
+local queue = lock .. ':q'
+local head = redis.call('ZRANGE', queue, 0, 0)[1]
+local was = redis.call('ZREM', queue, owner)
+redis.call('ZREM', lock .. ':ql', owner)
+redis.call('DEL', lock .. ':w:' .. owner)
+if head == owner and redis.call('EXISTS', lock) == 0 then
+  wake_head(lock, now_ms())
 end
 return was
 """,

@@ -341,8 +341,7 @@ class LockedRequest(Request):  # type: ignore[misc]
         result = super().on_accepted(pid, time_accepted)
         if pid:
             try:
-                watch_child(self, self.task, self.id, int(pid), self.hostname,
-                            tuple(self.args), dict(self.kwargs))
+                watch_child(self, int(pid))
             except Exception as exc:  # never break the worker's main loop
                 logger.warning("cannot watch the process of task %s[%s]: %s",
                                self.task.name, self.id, exc)
