@@ -89,9 +89,10 @@ def _interrupt_thread(thread_id: int) -> bool:
 class _Attempt:
     """The lock of one running attempt, as the task body sees it (``self.lock``)."""
 
-    __slots__ = ("fence", "key", "lock", "running", "started", "thread_id")
+    __slots__ = ("fence", "key", "lock", "running", "started", "task_id", "thread_id")
 
-    def __init__(self, lock: RedisLock, thread_id: int) -> None:
+    def __init__(self, lock: RedisLock, thread_id: int, task_id: str | None) -> None:
+        self.task_id = task_id
         self.lock = lock
         self.key = lock.name
         self.fence = lock.fence
@@ -191,8 +192,8 @@ class LockedTask(Task):  # type: ignore[misc]
         attempt = _attempts.get().get(self.name)
         return attempt.lock if attempt is not None else None
 
-    def _new_lock(self, key: str, settings: Mapping[str, Any]) -> RedisLock:
-        request = self.request
+    def _new_lock(self, key: str, settings: Mapping[str, Any],
+                  request: Any) -> RedisLock:
         info = {
             "task_id": request.id,
             "task_name": self.name,
@@ -212,14 +213,14 @@ class LockedTask(Task):  # type: ignore[misc]
         if worker_attempt:
             # A fresh owner for every attempt: a redelivery (same task id) contends.
             with owner_context():
-                return self._run_locked(args, kwargs, requeue=True)
-        return self._run_locked(args, kwargs, requeue=False)
+                return self._run_locked(request, args, kwargs, requeue=True)
+        return self._run_locked(request, args, kwargs, requeue=False)
 
-    def _run_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     requeue: bool) -> Any:
         settings = self.dlock_settings()
         key = self.lock_name(args, kwargs)
-        lock = self._new_lock(key, settings)
+        lock = self._new_lock(key, settings, request)
         started = time.monotonic()
         try:
             acquired = lock.acquire(blocking=False)
@@ -229,7 +230,7 @@ class LockedTask(Task):  # type: ignore[misc]
         except BackendUnavailable as exc:
             if settings["lock_fail_open"]:
                 logger.warning("Task %s[%s] runs WITHOUT its lock %r: %s (fail-open)",
-                               self.name, self.request.id, key, exc)
+                               self.name, request.id, key, exc)
                 return super().__call__(*args, **kwargs)
             acquired, error = False, exc
         if not acquired:
@@ -237,7 +238,7 @@ class LockedTask(Task):  # type: ignore[misc]
             outcome = self._contended(lock, error, args, kwargs, settings, requeue)
             if outcome is not ACQUIRED:
                 return outcome
-        return self._run_body(lock, args, kwargs, settings, started)
+        return self._run_body(request, lock, args, kwargs, started)
 
     def _contended(self, lock: RedisLock, error: DLockError, args: tuple[Any, ...],
                    kwargs: dict[str, Any], settings: Mapping[str, Any],
@@ -259,10 +260,9 @@ class LockedTask(Task):  # type: ignore[misc]
                                     error=error)
         return get_policy(policy)(contention)
 
-    def _run_body(self, lock: RedisLock, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  settings: Mapping[str, Any], started: float) -> Any:
-        request = self.request
-        attempt = _Attempt(lock, threading.get_ident())
+    def _run_body(self, request: Any, lock: RedisLock, args: tuple[Any, ...],
+                  kwargs: dict[str, Any], started: float) -> Any:
+        attempt = _Attempt(lock, threading.get_ident(), request.id)
         lock.on_lost = functools.partial(self._on_lock_lost, attempt, request.id)
         reset = _attempts.set({**_attempts.get(), self.name: attempt})
         signals.lock_acquired.send(sender=self, key=lock.name, fence=lock.fence,
@@ -294,9 +294,9 @@ class LockedTask(Task):  # type: ignore[misc]
             lock.release()
         except DLockError as exc:
             logger.warning("Task %s[%s]: releasing lock %r: %s", self.name,
-                           self.request.id, attempt.key, exc)
+                           attempt.task_id, attempt.key, exc)
         signals.lock_released.send(sender=self, key=attempt.key, fence=attempt.fence,
-                                   task_id=self.request.id,
+                                   task_id=attempt.task_id,
                                    held_for=time.monotonic() - attempt.started,
                                    state=state)
 
