@@ -16,6 +16,11 @@ The parent takes ``INFO commandstats`` at the start and at the end of the window
 commands, including those run inside Lua scripts); each child counts the commands its
 client sends inside the window (round trips).
 
+With ``breakdown``, celery_dlock's workers also note when their doorbell ``BLPOP``
+returned (by wrapping ``celery_dlock.lock.ring_wait``), which splits a hand-off into
+*release -> woken* (the release script, the doorbell, the waiter's wake-up) and *woken
+-> acquired* (the waiter's ``ACQUIRE`` round trip).
+
 Processes are forked (Linux): the parent holds no lock and runs no heartbeat thread,
 and every child makes its own client and lock.
 """
@@ -92,18 +97,39 @@ def warm_up(url: str, variant: str, key: str) -> None:
     client.close()
 
 
+def _watch_doorbell() -> list[float | None]:
+    """Wrap celery_dlock's doorbell wait so that it notes when it last rang."""
+    import celery_dlock.lock as lock_module
+
+    rang: list[float | None] = [None]
+    ring_wait = getattr(lock_module, "ring_wait", None)
+    if ring_wait is None:
+        return rang
+
+    def noting_ring_wait(*args: Any, **kwargs: Any) -> Any:
+        reply = ring_wait(*args, **kwargs)
+        if reply:
+            rang[0] = time.monotonic()
+        return reply
+
+    lock_module.ring_wait = noting_ring_wait
+    return rang
+
+
 def _worker(index: int, variant: str, url: str, key: str, start_at: float,
-            end_at: float, hold: float, queue: Any) -> None:
+            end_at: float, hold: float, queue: Any, breakdown: bool = False) -> None:
     client = WindowCountingRedis.from_url(url, socket_timeout=ACQUIRE_LIMIT + 30)
     client.start_at, client.end_at = start_at, end_at
     acquire, release = make_lock(variant, client, key)
+    rang = _watch_doorbell() if breakdown and variant == "celery_dlock" else [None]
     client.ping()
-    events: list[tuple[float, float]] = []
+    events: list[tuple[float, float, float | None]] = []
     timeouts = 0
     wait = start_at - time.monotonic()
     if wait > 0:
         time.sleep(wait)
     while True:
+        rang[0] = None
         if not acquire():
             timeouts += 1
             if time.monotonic() >= end_at:
@@ -114,18 +140,20 @@ def _worker(index: int, variant: str, url: str, key: str, start_at: float,
             time.sleep(hold)
         t_rel = time.monotonic()
         release()
-        events.append((t_acq, t_rel))
+        events.append((t_acq, t_rel, rang[0]))
         if t_acq >= end_at:
             break
     queue.put((index, events, timeouts, client.sent))
     client.close()
 
 
-def analyse(per_proc: Sequence[Sequence[tuple[float, float]]], start: float,
-            end: float) -> dict[str, Any]:
-    merged = sorted((t_acq, t_rel, proc) for proc, events in enumerate(per_proc)
-                    for t_acq, t_rel in events if t_acq >= start)
+def analyse(per_proc: Sequence[Sequence[tuple[float, float, float | None]]],
+            start: float, end: float) -> dict[str, Any]:
+    merged = sorted((t_acq, t_rel, proc, t_rang) for proc, events in enumerate(per_proc)
+                    for t_acq, t_rel, t_rang in events if t_acq >= start)
     delays: list[float] = []
+    woken: list[float] = []  # release -> the next holder's doorbell rang
+    after_wake: list[float] = []  # doorbell rang -> acquire returned
     overlaps = same = 0
     for prev, nxt in itertools.pairwise(merged):
         if nxt[0] >= end:
@@ -136,7 +164,11 @@ def analyse(per_proc: Sequence[Sequence[tuple[float, float]]], start: float,
             same += 1
         else:
             delays.append(nxt[0] - prev[1])
-    counts = [sum(1 for t_acq, _ in events if start <= t_acq < end)
+            t_rang = nxt[3]
+            if t_rang is not None and t_rang >= prev[1]:
+                woken.append(t_rang - prev[1])
+                after_wake.append(nxt[0] - t_rang)
+    counts = [sum(1 for t_acq, _, _ in events if start <= t_acq < end)
               for events in per_proc]
     duration = end - start
     acquisitions = sum(counts)
@@ -150,11 +182,14 @@ def analyse(per_proc: Sequence[Sequence[tuple[float, float]]], start: float,
         "acq_per_s": acquisitions / duration,
         "handoffs_per_s": len(delays) / duration,
         "delays": delays,
+        "woken": woken,
+        "after_wake": after_wake,
     }
 
 
 def run_once(url: str, variant: str, procs: int, duration: float, hold: float,
-             key: str, info_client: redis.Redis) -> dict[str, Any]:
+             key: str, info_client: redis.Redis,
+             breakdown: bool = False) -> dict[str, Any]:
     """One window of ``procs`` processes on ``variant``; returns the analysis."""
     warm_up(url, variant, key + ":warm")
     ctx = mp.get_context("fork")
@@ -162,7 +197,8 @@ def run_once(url: str, variant: str, procs: int, duration: float, hold: float,
     start_at = time.monotonic() + 0.4 + 0.03 * procs
     end_at = start_at + duration
     workers = [ctx.Process(target=_worker, daemon=True,
-                           args=(i, variant, url, key, start_at, end_at, hold, queue))
+                           args=(i, variant, url, key, start_at, end_at, hold, queue,
+                                 breakdown))
                for i in range(procs)]
     for w in workers:
         w.start()
@@ -213,6 +249,8 @@ def summarise(variant: str, procs: int, rounds: list[dict[str, Any]]) -> dict[st
         for k, v in r["commands"].items():
             commands[k] = commands.get(k, 0) + v
     ms = [d * 1000.0 for d in delays]
+    woken = sorted(d * 1000.0 for r in rounds for d in r["woken"])
+    after_wake = sorted(d * 1000.0 for r in rounds for d in r["after_wake"])
     return {
         "variant": variant,
         "procs": procs,
@@ -240,13 +278,19 @@ def summarise(variant: str, procs: int, rounds: list[dict[str, Any]]) -> dict[st
         if handoffs else {},
         "per_process_rounds": [r["per_process"] for r in rounds],
         "other_cpus_busy_rounds": [r.get("other_cpus_busy") for r in rounds],
+        "breakdown_handoffs": len(woken),
+        "woken_p50_ms": c.percentile(woken, 50),
+        "woken_p99_ms": c.percentile(woken, 99),
+        "after_wake_p50_ms": c.percentile(after_wake, 50),
+        "after_wake_p99_ms": c.percentile(after_wake, 99),
     }
 
 
 def run_matrix(url: str, variants: Sequence[str], proc_counts: Sequence[int],
                rounds: int, duration: float, hold: float,
                budget: c.RetryBudget | None = None,
-               progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+               progress: Callable[[str], None] = print,
+               breakdown: bool = False) -> list[dict[str, Any]]:
     """Every (process count, variant) for ``rounds`` rounds, variants interleaved."""
     info_client = redis.Redis.from_url(url)
     prefix = c.run_id()
@@ -263,7 +307,7 @@ def run_matrix(url: str, variants: Sequence[str], proc_counts: Sequence[int],
                                f":{attempt}")
                         monitor = c.LoadMonitor(info_client)
                         result = run_once(url, variant, procs, duration, hold, key,
-                                          info_client)
+                                          info_client, breakdown)
                         result["other_cpus_busy"] = monitor.stop()["other_cpus_busy"]
                         if budget is None or budget.keep(
                                 result, f"P={procs} round {r + 1} {variant}"):

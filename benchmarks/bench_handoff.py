@@ -37,6 +37,16 @@ COLUMNS = [
     ("hand-off share", "handoff_share", ".2f"),
     ("overlaps", "overlaps", ""),
 ]
+BREAKDOWN_TITLE = "#### celery_dlock hand-off, split at the waiter's doorbell"
+BREAKDOWN_COLUMNS = [
+    ("variant", "variant", ""),
+    ("P", "procs", ""),
+    ("hand-offs split", "breakdown_handoffs", ""),
+    ("release -> woken p50 ms", "woken_p50_ms", ".3f"),
+    ("p99 ms", "woken_p99_ms", ".3f"),
+    ("woken -> acquired p50 ms", "after_wake_p50_ms", ".3f"),
+    ("p99 ms", "after_wake_p99_ms", ".3f"),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds per process count (default 3; smoke 1)")
     parser.add_argument("--hold", type=float, default=0.005,
                         help="seconds each hold lasts (default 0.005)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also split celery_dlock's hand-offs at the moment the "
+                             "waiter's doorbell rang (wraps its BLPOP wait)")
     parser.add_argument("--variants", default=",".join(h.VARIANTS),
                         help="comma-separated subset of: " + ", ".join(h.VARIANTS))
     args = parser.parse_args(argv)
@@ -70,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         c.print_machine(results["machine"])
         monitor = c.LoadMonitor(info_client)
         budget = c.RetryBudget(args)
-        rows = h.run_matrix(url, variants, procs, rounds, duration, args.hold, budget)
+        rows = h.run_matrix(url, variants, procs, rounds, duration, args.hold, budget,
+                            breakdown=args.breakdown)
         results["load"] = monitor.stop() | budget.as_dict()
         info_client.close()
     results["rows"] = rows
@@ -79,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
           "variant and P, variants interleaved; delays pooled over rounds, rates and "
           "fairness: median over rounds.\n")
     print(c.markdown_table(COLUMNS, rows))
+    split = [r for r in rows if r["breakdown_handoffs"]]
+    if split:
+        print(f"\n{BREAKDOWN_TITLE}\n")
+        print(c.markdown_table(BREAKDOWN_COLUMNS, split))
     c.print_load(results["load"])
     c.write_json(c.json_path(args, NAME), results)
     broken = [r for r in rows if r["overlaps"]]
