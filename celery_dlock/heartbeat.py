@@ -53,7 +53,7 @@ class RenewableHold(Protocol):
     @property
     def name(self) -> str: ...
 
-    def _heartbeat_lost(self, reason: str) -> None: ...
+    def _mark_lost(self, reason: str) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -66,7 +66,6 @@ class _Entry:
     ttl_ms: int
     next_due: float = 0.0
     deadline: float = 0.0
-    failures: int = 0
     group: tuple[int, int] = field(default=(0, 0))
 
     @property
@@ -202,7 +201,6 @@ class Heartbeat:
             for e in entries:
                 code = status[(e.key, e.owner)]
                 if code == 1:
-                    e.failures = 0
                     e.deadline = now + e.ttl_ms / 1000.0
                     e.next_due = now + e.interval
                 elif self._entries.get(e.lock_id) is e:
@@ -221,7 +219,6 @@ class Heartbeat:
             for e in entries:
                 if self._entries.get(e.lock_id) is not e:
                     continue
-                e.failures += 1
                 if now >= e.deadline:
                     del self._entries[e.lock_id]
                     lost.append((e, f"renewals failed until the ttl ran out ({exc})"))
@@ -239,7 +236,7 @@ class Heartbeat:
                 continue
             logger.warning("lock %r lost: %s", entry.key, reason)
             try:
-                lock._heartbeat_lost(reason)
+                lock._mark_lost(reason)
             except Exception:  # a callback must never kill the heartbeat
                 logger.exception("on_lost callback for %r failed", entry.key)
 

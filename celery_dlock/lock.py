@@ -481,9 +481,6 @@ class RedisLock:
                 logger.exception("on_lost callback for %r failed", self.name)
         return True
 
-    def _heartbeat_lost(self, reason: str) -> None:
-        self._mark_lost(reason)
-
     # -- context manager ------------------------------------------------------------
 
     def __enter__(self) -> RedisLock:
