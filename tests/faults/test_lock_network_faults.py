@@ -1,0 +1,231 @@
+"""The lock core under network faults: lost replies, partitions, a stalled server.
+
+Each test puts the fault proxy (``proxy.py``) or SIGSTOP between a holder and its own
+redis-server, and checks the two safety rules: never two holders, and the holder is
+told of a loss (``on_lost``) before any other owner can acquire.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+import redis.backoff
+import redis.retry
+from dlock_helpers import wait_until
+from proxy import FaultProxy
+
+from celery_dlock import BackendUnavailable, LockLost, RedisLock
+from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.scripts import ACQUIRE, RELEASE
+
+pytestmark = pytest.mark.slow
+
+
+def _client(url: str, *, timeout: float, retries: int = 0) -> redis.Redis:
+    """A client whose socket timeout and re-sends we choose (redis-py re-sends a
+    command after a timeout when ``retries`` > 0, as its default client does)."""
+    return redis.Redis.from_url(
+        url, socket_timeout=timeout, socket_connect_timeout=timeout,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), retries))
+
+
+def _direct(server: EmbeddedRedis) -> redis.Redis:
+    return redis.Redis.from_url(server.url, socket_timeout=10)
+
+
+def _load_scripts(client: redis.Redis, prefix: str) -> None:
+    """Run one cycle so that later calls are EVALSHA of cached scripts (what the
+    proxy matches on)."""
+    warm = RedisLock(client, "warm-up", prefix=prefix, auto_renew=False)
+    warm.acquire()
+    warm.release()
+
+
+class _LossRecorder:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.event = threading.Event()
+
+    def __call__(self, lock: RedisLock) -> None:
+        self.times.append(time.monotonic())
+        self.event.set()
+
+
+def _first_acquire_time(lock: RedisLock, limit: float) -> float | None:
+    """Poll ``lock.acquire(blocking=False)`` every 10 ms; when it first succeeds."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if lock.acquire(blocking=False):
+            return time.monotonic()
+        time.sleep(0.01)
+    return None
+
+
+# -- 2. re-sent scripts are idempotent ----------------------------------------------------
+
+
+def test_resent_acquire_after_a_lost_reply_counts_once(own_server, proxy, prefix, name):
+    client = _client(proxy.url, timeout=0.5, retries=2)
+    _load_scripts(client, prefix)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix)
+    matched = proxy.drop_reply(ACQUIRE.sha.encode())
+    assert lock.acquire(blocking=False)  # the reply was lost; redis-py re-sent it
+    assert matched.is_set() and proxy.dropped_bytes > 0
+    direct = _direct(own_server)
+    assert direct.hget(lock.keys.lock, "count") == b"1"
+    lock.release()
+    assert not direct.exists(lock.keys.lock), "one release must free one acquire"
+
+
+def test_resent_release_after_a_lost_reply_undoes_one_acquire(own_server, proxy, prefix,
+                                                               name):
+    client = _client(proxy.url, timeout=0.5, retries=2)
+    _load_scripts(client, prefix)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix)
+    lock.acquire()
+    lock.acquire()
+    matched = proxy.drop_reply(RELEASE.sha.encode())
+    lock.release()  # its reply is lost; redis-py re-sends it
+    assert matched.is_set()
+    direct = _direct(own_server)
+    assert direct.hget(lock.keys.lock, "count") == b"1", "a re-sent release counted twice"
+    assert lock.owned() and lock.depth == 1
+    lock.release()
+    assert not direct.exists(lock.keys.lock)
+
+
+def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix, name):
+    client = _client(proxy.url, timeout=0.5, retries=2)
+    _load_scripts(client, prefix)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix)
+    lock.acquire()
+    proxy.drop_reply(RELEASE.sha.encode())
+    lock.release()  # freed by the first send; the re-send must say "released" too
+    assert not _direct(own_server).exists(lock.keys.lock)
+
+
+# -- 3. a partitioned holder is told first -------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl", [3.0, 1.5])
+def test_partitioned_holder_is_told_before_another_owner_acquires(own_server, proxy,
+                                                                   prefix, name, ttl):
+    # A long socket timeout: the renewal call hangs far beyond the ttl.
+    client = _client(proxy.url, timeout=30)
+    lost = _LossRecorder()
+    holder = RedisLock(client, name, ttl=ttl, prefix=prefix, on_lost=lost)
+    holder.acquire()
+    proxy.black_hole()
+    partitioned_at = time.monotonic()
+    other = RedisLock(_direct(own_server), name, ttl=10, prefix=prefix, owner="other")
+    took_at = _first_acquire_time(other, limit=ttl + 5)
+    assert took_at is not None, "the partitioned hold never expired"
+    assert lost.times, "the holder was not told before another owner acquired"
+    assert lost.times[0] < took_at
+    assert lost.times[0] - partitioned_at < ttl + 0.5
+    # After the loss: no Redis needed to know it.
+    assert not holder.owned()
+    with pytest.raises(LockLost):
+        holder.ensure_held()
+    proxy.heal()
+    with pytest.raises(LockLost):
+        holder.release()
+    assert other.owned(), "a stale holder's release touched the successor's hold"
+    assert len(lost.times) == 1
+
+
+# -- 4. a stalled server never delays renewal on another ------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "black_hole"])
+def test_stalled_server_does_not_stop_renewal_on_another(r, own_server, proxy, prefix,
+                                                          name, fault):
+    healthy = RedisLock(r, name, ttl=1.5, prefix=prefix)
+    stalled_client = _client(proxy.url, timeout=20)
+    stalled = RedisLock(stalled_client, name, ttl=1.5, prefix=prefix)
+    healthy.acquire()
+    stalled.acquire()
+    assert own_server.process is not None
+    if fault == "sigstop":
+        os.kill(own_server.process.pid, signal.SIGSTOP)
+    else:
+        proxy.black_hole()
+    try:
+        other = RedisLock(r, name, ttl=10, prefix=prefix, owner="other")
+        assert _first_acquire_time(other, limit=4.5) is None, \
+            "the healthy server's hold lapsed while another server stalled"
+        assert healthy.owned()
+        assert stalled.lost  # told at its deadline, though its server hangs
+    finally:
+        os.kill(own_server.process.pid, signal.SIGCONT)
+        proxy.heal()
+    healthy.release()
+
+
+def test_busy_blocking_pool_does_not_starve_renewal(r, redis_url, prefix, name):
+    pool = redis.BlockingConnectionPool.from_url(redis_url, max_connections=2,
+                                                 timeout=20)
+    client = redis.Redis(connection_pool=pool)
+    lock = RedisLock(client, name, ttl=1.5, prefix=prefix)
+    lock.acquire()
+    # The user's own code keeps every connection of the pool busy.
+    blockers = [threading.Thread(target=client.blpop, args=([f"{prefix}:nothing"], 4),
+                                 daemon=True) for _ in range(2)]
+    for t in blockers:
+        t.start()
+    other = RedisLock(r, name, ttl=10, prefix=prefix, owner="other")
+    assert _first_acquire_time(other, limit=3.5) is None, \
+        "renewal waited for a connection of the user's pool and the hold lapsed"
+    for t in blockers:
+        t.join(10)
+    assert lock.owned()
+    lock.release()
+    pool.disconnect()
+
+
+# -- 8. the local view changes only when the server confirms -------------------------------
+
+
+def test_release_that_never_reached_redis_changes_nothing(own_server, proxy, prefix, name):
+    client = _client(proxy.url, timeout=0.5)
+    lock = RedisLock(client, name, ttl=1.5, prefix=prefix)
+    lock.acquire()
+    lock.acquire()
+    proxy.black_hole()
+    with pytest.raises(BackendUnavailable):
+        lock.release()
+    proxy.heal()
+    direct = _direct(own_server)
+    assert direct.hget(lock.keys.lock, "count") == b"2"
+    assert lock.depth == 2
+    lock.release()  # a good release: count 1, still held and still renewed
+    time.sleep(4.5)  # three ttls
+    assert lock.owned(), "the hold lapsed after a good release"
+    assert direct.hget(lock.keys.lock, "count") == b"1"
+    lock.release()
+    assert not direct.exists(lock.keys.lock)
+
+
+def test_loss_is_told_once_and_checks_need_no_redis(own_server, proxy, prefix, name):
+    client = _client(proxy.url, timeout=0.5)
+    lost = _LossRecorder()
+    lock = RedisLock(client, name, ttl=1.0, prefix=prefix, on_lost=lost)
+    lock.acquire()
+    proxy.black_hole()
+    assert lost.event.wait(3)
+    # Redis is unreachable, yet the answers are about the loss, not the backend.
+    assert not lock.owned()
+    with pytest.raises(LockLost):
+        lock.ensure_held()
+    with pytest.raises(LockLost):
+        lock.extend()
+    time.sleep(1.0)
+    assert len(lost.times) == 1
+    with pytest.raises(LockLost):
+        lock.release()
+    proxy.heal()
