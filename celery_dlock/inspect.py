@@ -50,7 +50,7 @@ SUMMARY_FIELDS = ("key", "task_name", "task_id", "worker", "pid", "owner", "coun
 
 # Hash fields that LockInfo shows under their own name (or turns into ttl/held_for);
 # every other field of the hash goes to LockInfo.extra.
-_KNOWN = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "task_id",
+_KNOWN = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "ops", "task_id",
                     "task_name", "worker", "pid", "host"})
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)

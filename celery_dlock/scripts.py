@@ -3,16 +3,33 @@
 One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the hash tag
 ``{NAME}``, so that on Redis Cluster they all live in one slot:
 
-``P:{NAME}``          hash: owner, count, fence, acquired_at (ms, server clock), ttl (ms)
-                      and free-form metadata (task_id, task_name, worker, pid, host).
-                      It expires ``ttl`` after the last acquire, extend or renewal.
+``P:{NAME}``          hash: owner, count, fence, acquired_at (ms, server clock), ttl (ms,
+                      the longest asked for), ops (the last few operation ids with their
+                      results) and free-form metadata (task_id, task_name, worker, pid,
+                      host).  It expires at least ``ttl`` after the last acquire, extend
+                      or renewal: no operation ever brings its expiry closer.
 ``P:{NAME}:fence``    integer, ``INCR``-ed once per fresh hold; never expires, so fencing
                       tokens strictly increase across holders.
 ``P:{NAME}:q``        sorted set of blocked acquirers (owner -> arrival time in us): FIFO.
 ``P:{NAME}:ql``       sorted set owner -> lease deadline (ms); a waiter that stops
-                      refreshing its lease (it died) is dropped from the line.
-``P:{NAME}:w:OWNER``  list used as a doorbell: a release pushes one element to the waiter
-                      first in line, whose ``BLPOP`` returns at once.
+                      refreshing its lease (it died) is dropped from the line.  A waiter
+                      woken because the lock is free has :data:`WAKE_GRACE_MS` to take
+                      it.  Both keys expire when no waiter has refreshed its lease.
+``P:{NAME}:w:H``      list used as a doorbell, ``H`` = sha1 of the waiter's owner (so no
+                      owner string can spell another lock's key): a release pushes one
+                      element to the waiter first in line, whose ``BLPOP`` returns.
+``P:{NAME}:r:OP``     a short-lived marker that the final release with operation id
+                      ``OP`` freed the lock, so that a re-sent release says "released".
+
+**Idempotence.**  Clients re-send a command when its reply is lost (redis-py's
+``Retry`` does by default).  Every script that changes a hold takes an operation id
+(``OP``, random hex, one per call) and remembers the last :data:`OPS_KEPT` ids of the
+hold with their results; a re-sent call finds its id and returns the first result
+without changing anything.  Renewal and extend only ever move the expiry later, so a
+second execution of them changes nothing either.
+
+**Foreign data.**  Every script reads each key before it writes any, so a key of the
+wrong type (``WRONGTYPE``) aborts the script before it has written anything.
 
 Every script is given only the lock hash's name (``KEYS[1]``) and derives the helper
 keys from it, which keeps the arguments (and redis-py's packing of them) short on the
@@ -30,17 +47,24 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .waiters import DOORBELL_TTL_MS
+from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
 __all__ = [
     "ACQUIRE",
     "EXTEND",
     "FORCE_RELEASE",
     "LEAVE_QUEUE",
+    "OPS_KEPT",
+    "OP_MEMORY_MS",
     "RELEASE",
     "RENEW_MANY",
     "LuaScript",
 ]
+
+#: How many operation ids a hold remembers (re-sends come right after the original).
+OPS_KEPT = 8
+#: How long a final release is remembered after the hold is gone (ms).
+OP_MEMORY_MS = 60_000
 
 
 class LuaScript:
@@ -71,10 +95,37 @@ class LuaScript:
 # Shared helpers, pasted in front of the scripts that need them (EVAL has no imports).
 _COMMON = f"""
 local DOORBELL_TTL = {DOORBELL_TTL_MS}
-
+local WAKE_GRACE = {WAKE_GRACE_MS}
+local LINE_TTL = {LINE_TTL_MS}
+local OPS_KEPT = {OPS_KEPT}
+local OP_MEMORY = {OP_MEMORY_MS}
+""" + """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The doorbell of ``owner``: named by a digest, so no owner string reaches other keys.
+local function bell(lock, owner)
+  return lock .. ':w:' .. redis.sha1hex(owner)
+end
+
+-- The result remembered for operation ``op`` of this hold (nil when unknown).  Op ids
+-- are hex, so they are safe in a pattern.
+local function seen(ops, op)
+  if not ops then return nil end
+  return string.match(ops, '|' .. op .. '=([^|]*)')
+end
+
+-- Remember ``op`` and its result; keep the last OPS_KEPT.
+local function remember(lock, ops, op, result)
+  ops = (ops or '') .. '|' .. op .. '=' .. result
+  local _, n = string.gsub(ops, '|', '')
+  while n > OPS_KEPT do
+    ops = string.sub(ops, (string.find(ops, '|', 2, true)))
+    n = n - 1
+  end
+  redis.call('HSET', lock, 'ops', ops)
 end
 
 -- Drop waiters whose lease ran out (they died or gave up without saying so).
@@ -86,12 +137,15 @@ local function purge(queue, leases, now)
   end
 end
 
--- Ring a doorbell: it holds at most one element, which expires unanswered.
-local function ring(lock, owner)
-  local bell = lock .. ':w:' .. owner
-  redis.call('DEL', bell)
-  redis.call('RPUSH', bell, 1)
-  redis.call('PEXPIRE', bell, DOORBELL_TTL)
+-- Ring a waiter's doorbell (it holds at most one element, which expires unanswered)
+-- and give the waiter WAKE_GRACE to take the free lock: one that died in line is
+-- dropped from it then, instead of when its whole lease runs out.
+local function ring(lock, owner, now)
+  local b = bell(lock, owner)
+  redis.call('DEL', b)
+  redis.call('RPUSH', b, 1)
+  redis.call('PEXPIRE', b, DOORBELL_TTL)
+  redis.call('ZADD', lock .. ':ql', 'XX', 'LT', now + WAKE_GRACE, owner)
 end
 
 -- Ring the doorbell of the first waiter in line of ``lock``, if any.
@@ -100,7 +154,7 @@ local function wake_head(lock, now)
   purge(queue, leases, now)
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if head then
-    ring(lock, head)
+    ring(lock, head, now)
   end
   return head
 end
@@ -108,30 +162,39 @@ end
 
 # KEYS[1] lock hash
 # ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
-# ARGV[4..] metadata field/value pairs
+# ARGV[4] operation id, ARGV[5..] metadata field/value pairs
 # Returns
 #   {1, fence, count}                       acquired (count > 1: re-entered)
 #   {0, pttl, now_ms, field, value, ...}    not acquired; pttl is the holder's remaining
 #                                           ttl in ms, or -1 when the lock is free but
-#                                           promised to the first waiter in line; the
-#                                           fields are the holder's hash (may be empty)
+#                                           promised to the first waiter in line (for
+#                                           at most WAKE_GRACE); the fields are the
+#                                           holder's hash (may be empty)
 # A caller that passes a lease joins the FIFO line when it fails (keeping its place if it
 # is already in it).  A free lock goes to the first live waiter in line, or to anyone
-# when the line is empty: no barging past a waiter.
+# when the line is empty: no barging past a waiter.  Re-entry never brings the expiry
+# closer.  A re-sent call (same operation id) returns its first result.
 ACQUIRE = LuaScript(
     "acquire",
     _COMMON
     + """
-local lock, owner = KEYS[1], ARGV[1]
+local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
 local holder = redis.call('HGET', lock, 'owner')
 if holder == owner then
+  local ops = redis.call('HGET', lock, 'ops')
+  local fence = tonumber(redis.call('HGET', lock, 'fence'))
+  local done = seen(ops, op)
+  if done then return {1, fence, tonumber(done)} end
   local count = redis.call('HINCRBY', lock, 'count', 1)
   if redis.call('PTTL', lock) < ttl then
     redis.call('PEXPIRE', lock, ttl)
+  end
+  if tonumber(redis.call('HGET', lock, 'ttl') or 0) < ttl then
     redis.call('HSET', lock, 'ttl', ttl)
   end
-  return {1, tonumber(redis.call('HGET', lock, 'fence')), count}
+  remember(lock, ops, op, count)
+  return {1, fence, count}
 end
 local queue, leases = lock .. ':q', lock .. ':ql'
 local now = now_ms()
@@ -145,17 +208,17 @@ if not holder then
   if (not head) or head == owner then
     local fence = redis.call('INCR', lock .. ':fence')
     redis.call('HSET', lock, 'owner', owner, 'count', 1, 'fence', fence,
-               'acquired_at', now, 'ttl', ttl, unpack(ARGV, 4))
+               'acquired_at', now, 'ttl', ttl, 'ops', '|' .. op .. '=1', unpack(ARGV, 5))
     redis.call('PEXPIRE', lock, ttl)
     if head then
       redis.call('ZREM', queue, owner)
       redis.call('ZREM', leases, owner)
-      redis.call('DEL', lock .. ':w:' .. owner)
+      redis.call('DEL', bell(lock, owner))
     end
     return {1, fence, 1}
   end
   -- Free, but promised to the first in line: make sure it has heard.
-  ring(lock, head)
+  ring(lock, head, now)
   pttl = -1
 else
   pttl = redis.call('PTTL', lock)
@@ -165,6 +228,8 @@ if lease > 0 then
   local t = redis.call('TIME')
   redis.call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
   redis.call('ZADD', leases, now + lease, owner)
+  redis.call('PEXPIRE', queue, LINE_TTL)
+  redis.call('PEXPIRE', leases, LINE_TTL)
 end
 local reply = {0, pttl, now}
 local fields = redis.call('HGETALL', lock)
@@ -174,22 +239,32 @@ return reply
 )
 
 # KEYS[1] lock hash
-# ARGV[1] owner
+# ARGV[1] owner, ARGV[2] operation id
 # Returns {1} released (the key is gone; the first waiter was woken),
 #         {2, count} still held by this owner (count > 0 acquisitions left),
 #         {0} already expired (nothing to release), {-1} held by another owner
-#         (left alone).
+#         (left alone).  A re-sent call (same operation id) returns its first result.
 RELEASE = LuaScript(
     "release",
     _COMMON
     + """
-local lock = KEYS[1]
+local lock, op = KEYS[1], ARGV[2]
 local holder = redis.call('HGET', lock, 'owner')
-if not holder then return {0} end
-if holder ~= ARGV[1] then return {-1} end
+if holder ~= ARGV[1] then
+  if redis.call('EXISTS', lock .. ':r:' .. op) == 1 then return {1} end
+  if not holder then return {0} end
+  return {-1}
+end
+local ops = redis.call('HGET', lock, 'ops')
+local done = seen(ops, op)
+if done then return {2, tonumber(done)} end
 local count = redis.call('HINCRBY', lock, 'count', -1)
-if count > 0 then return {2, count} end
+if count > 0 then
+  remember(lock, ops, op, count)
+  return {2, count}
+end
 redis.call('DEL', lock)
+redis.call('SET', lock .. ':r:' .. op, 1, 'PX', OP_MEMORY)
 if redis.call('EXISTS', lock .. ':q') == 1 then
   wake_head(lock, now_ms())
 end
@@ -198,16 +273,22 @@ return {1}
 )
 
 # KEYS[1] lock hash
-# ARGV[1] owner, ARGV[2] new ttl (ms)
-# Returns 1 extended (expires ttl from now), 0 already expired, -1 held by another owner.
+# ARGV[1] owner, ARGV[2] ttl (ms)
+# Returns 1 extended (expires at least ttl from now; never sooner than before),
+#         0 already expired, -1 held by another owner.
 EXTEND = LuaScript(
     "extend",
     """
-local holder = redis.call('HGET', KEYS[1], 'owner')
+local lock, ttl = KEYS[1], tonumber(ARGV[2])
+local holder = redis.call('HGET', lock, 'owner')
 if not holder then return 0 end
 if holder ~= ARGV[1] then return -1 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('HSET', KEYS[1], 'ttl', ARGV[2])
+if redis.call('PTTL', lock) < ttl then
+  redis.call('PEXPIRE', lock, ttl)
+end
+if tonumber(redis.call('HGET', lock, 'ttl') or 0) < ttl then
+  redis.call('HSET', lock, 'ttl', ttl)
+end
 return 1
 """,
 )
@@ -215,7 +296,8 @@ return 1
 # KEYS[1..n] lock hashes (one slot on a cluster)
 # ARGV[2i-1] owner expected for KEYS[i], ARGV[2i] its ttl (ms)
 # Returns a list of n integers: 1 renewed, 0 gone (expired), -1 held by another owner.
-# A lost lock is never re-created: renewal only touches keys that still hold our owner.
+# A lost lock is never re-created: renewal only touches keys that still hold our owner,
+# and it never brings an expiry closer (a longer extend() or re-entry stays).
 RENEW_MANY = LuaScript(
     "renew_many",
     """
@@ -227,7 +309,10 @@ for i = 1, #KEYS do
   elseif holder ~= ARGV[2 * i - 1] then
     out[i] = -1
   else
-    redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+    local ttl = tonumber(ARGV[2 * i])
+    if redis.call('PTTL', KEYS[i]) < ttl then
+      redis.call('PEXPIRE', KEYS[i], ttl)
+    end
     out[i] = 1
   end
 end
@@ -279,7 +364,7 @@ local queue = lock .. ':q'
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 local was = redis.call('ZREM', queue, owner)
 redis.call('ZREM', lock .. ':ql', owner)
-redis.call('DEL', lock .. ':w:' .. owner)
+redis.call('DEL', bell(lock, owner))
 if head == owner and redis.call('EXISTS', lock) == 0 then
   wake_head(lock, now_ms())
 end
