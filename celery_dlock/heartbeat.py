@@ -1,88 +1,156 @@
-"""The per-process renewal thread ("heartbeat") and its registry of holds.
+"""The per-process watchdog and renewal scheduler ("heartbeat") and its registry of holds.
 
-One daemon thread per process renews every auto-renewed hold of that process.  It wakes
-when the earliest hold is due (every ``ttl/3``) and renews, in **one script call per
-Redis client** (per slot on a cluster), every hold that is due within the next half of
-its interval, so holds taken at different moments fall into step and the number of
-Redis calls per interval does not grow with the number of holds.
+Backend-neutral: a hold is renewed through a :class:`RenewTarget` that the backend
+supplies (for Redis, one per server: :mod:`celery_dlock.renewal`).
+
+**Deadlines.**  Every hold, renewed or not, has a *local deadline* on the monotonic
+clock: the send time of its last confirmed acquire, renewal or extend, plus its ttl,
+minus a margin for clock drift and scheduling (:func:`lease_end`).  The server cannot
+expire the hold before that moment, because it started counting the ttl no earlier
+than the request was sent.  The watchdog thread wakes at the earliest deadline and
+declares a hold lost there if no renewal has been confirmed meanwhile, *whatever any
+Redis call is doing*: a renewal that hangs behind a partition does not delay the news.
+So the holder is told (``on_lost``) before any other owner can acquire, as long as this
+process is not paused for longer than the margin.
+
+**Renewal.**  Every ``ttl/3`` a hold falls due; the watchdog hands all holds of one
+target that are due within half an interval to that target's own *renewer* thread, as
+one batch (one script call per server, per slot on a cluster).  Each target has its own
+renewer (and, for Redis, its own connection), so a stalled or starved server never
+delays the renewal of another.
 
 Rules that keep renewal from ever outliving its holder:
 
 * the registry keeps a *weak* reference to each lock object: a lock that was dropped
   without release stops being renewed and expires by itself;
-* a hold is registered inside ``acquire`` and unregistered *before* the release script
-  runs, so no renewal can race a release;
+* each hold has an id; a report about an old hold never touches a newer one;
+* a hold is registered inside ``acquire``; while its final release runs, renewal
+  results for it are ignored; it is unregistered once the release is confirmed;
 * renewal never re-creates a key: a lock found gone or held by another owner is reported
   lost (``on_lost``) and dropped from the registry;
-* transient Redis errors are retried quickly until the hold's own deadline (last
-  successful renewal + ttl); past it the hold is lost, because the key has expired;
-* after ``fork()`` the child starts with an empty registry and no thread (see
+* failed renewals are retried every :data:`ERROR_RETRY_INTERVAL` until the deadline;
+* after ``fork()`` the child starts with an empty registry and no threads (see
   :func:`get_heartbeat`), so a child never renews its parent's locks.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from redis.exceptions import RedisError
-
-from .scripts import RENEW_MANY
-
-__all__ = ["Heartbeat", "RenewableHold", "get_heartbeat"]
+__all__ = [
+    "DRIFT_RATE",
+    "ERROR_RETRY_INTERVAL",
+    "MAX_MARGIN",
+    "Heartbeat",
+    "RenewTarget",
+    "get_heartbeat",
+    "lease_end",
+]
 
 logger = logging.getLogger("celery_dlock.heartbeat")
 
 #: After a failed renewal, try again this often (seconds) until the hold's deadline.
 ERROR_RETRY_INTERVAL = 0.25
-#: With nothing to renew the thread still looks again this often (seconds), so that a
-#: short hold (a typical task) registers and unregisters without waking it at all.
+#: With nothing registered the watchdog still looks again this often (seconds).
 IDLE_WAIT = 1.0
+#: A renewer thread with nothing to do for this long ends (a new one starts on demand).
+RENEWER_IDLE = 30.0
+#: The local clock may run this much faster than the server's (a fraction of the ttl).
+DRIFT_RATE = 0.01
+#: Time the watchdog gets to wake and tell the holder (seconds; at most 10% of the ttl).
+MAX_MARGIN = 0.05
 
 
-class RenewableHold(Protocol):
-    """What the heartbeat needs from a lock object."""
+def lease_end(sent_at: float, ttl_ms: int) -> float:
+    """The local deadline of a hold confirmed by a request sent at ``sent_at``."""
+    ttl = ttl_ms / 1000.0
+    return sent_at + ttl * (1.0 - DRIFT_RATE) - min(MAX_MARGIN, ttl * 0.1)
 
+
+class RenewTarget(Protocol):
+    """Renews holds on one server (supplied by the backend)."""
+
+    def renew(self, items: Sequence[tuple[str, str, int]]) -> Sequence[int]:
+        """Renew each ``(key, owner, ttl_ms)``; per item 1 renewed, 0 gone, -1 taken.
+
+        Raises on a failure of the whole call (the heartbeat retries)."""
+        ...
+
+
+class _Hold(Protocol):
     @property
     def name(self) -> str: ...
 
-    def _mark_lost(self, reason: str) -> bool: ...
+    def _mark_lost(self, reason: str, hold_id: int) -> bool: ...
 
 
 @dataclass(eq=False)
 class _Entry:
     ref: weakref.ReferenceType[Any]
     lock_id: int
-    client: Any
+    hold_id: int
+    target: RenewTarget | None
     key: str
     owner: str
     ttl_ms: int
-    next_due: float = 0.0
-    deadline: float = 0.0
-    group: tuple[int, int] = field(default=(0, 0))
+    deadline: float
+    next_due: float
+    in_flight: bool = False
+    releasing: bool = False
 
     @property
     def interval(self) -> float:
         return self.ttl_ms / 3000.0
 
+    def renewable(self) -> bool:
+        return self.target is not None and not self.in_flight and not self.releasing
 
-def _slot_of(client: Any, key: str) -> int:
-    keyslot = getattr(client, "keyslot", None)
-    return int(keyslot(key)) if callable(keyslot) else 0
+
+class _Renewer:
+    """The thread that renews the holds of one target, one batch at a time."""
+
+    def __init__(self, heartbeat: Heartbeat, target: RenewTarget) -> None:
+        self.heartbeat = heartbeat
+        self.target = target
+        self.batches: collections.deque[list[_Entry]] = collections.deque()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name="celery-dlock-renewer")
+
+    def _run(self) -> None:
+        hb = self.heartbeat
+        while True:
+            with hb._cond:
+                idle_until = time.monotonic() + RENEWER_IDLE
+                while not self.batches and not hb._stopping:
+                    left = idle_until - time.monotonic()
+                    if left <= 0:
+                        break
+                    hb._cond.wait(left)
+                if hb._stopping or not self.batches:
+                    if hb._renewers.get(id(self.target)) is self:
+                        del hb._renewers[id(self.target)]
+                    for batch in self.batches:
+                        for e in batch:
+                            e.in_flight = False
+                    return
+                batch = self.batches.popleft()
+            hb._renew_batch(self.target, batch)
 
 
 class Heartbeat:
-    """Registry of held locks plus the thread that renews them.
+    """Registry of holds plus the watchdog and renewer threads.
 
-    ``clock`` is injectable for tests; :meth:`renew_due` runs one renewal pass without
-    the thread, at a given time.
+    ``clock`` is injectable for tests; with ``start_thread=False`` nothing runs by itself
+    and :meth:`renew_due` does one pass (deadlines and renewals) inline, at a given time.
     """
 
     def __init__(
@@ -95,51 +163,66 @@ class Heartbeat:
         self._start_thread = start_thread
         self._cond = threading.Condition(threading.Lock())
         self._entries: dict[int, _Entry] = {}
+        self._renewers: dict[int, _Renewer] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        # When the thread next looks at the registry by itself (clock time); a
-        # registration due before that must wake it.
-        self._wake_at = math.inf
-        self.renewal_calls = 0  # script calls made, for tests and benchmarks
+        self._dirty = False
+        self.renewal_calls = 0  # renewal calls made, for tests and benchmarks
+
+    def now(self) -> float:
+        """This heartbeat's clock: send times given to it must come from here."""
+        return self._clock()
 
     # -- registry -----------------------------------------------------------------
 
-    def register(self, lock: RenewableHold, client: Any, key: str, owner: str,
-                 ttl_ms: int) -> None:
-        now = self._clock()
-        entry = _Entry(
-            ref=weakref.ref(lock),
-            lock_id=id(lock),
-            client=client,
-            key=key,
-            owner=owner,
-            ttl_ms=ttl_ms,
-            group=(id(client), _slot_of(client, key)),
-        )
-        entry.next_due = now + entry.interval
-        entry.deadline = now + ttl_ms / 1000.0
+    def register(self, lock: _Hold, hold_id: int, target: RenewTarget | None, key: str,
+                 owner: str, ttl_ms: int, sent_at: float) -> None:
+        """Watch a hold confirmed by a request sent at ``sent_at`` (and renew it
+        through ``target`` unless that is None)."""
+        entry = _Entry(ref=weakref.ref(lock), lock_id=id(lock), hold_id=hold_id,
+                       target=target, key=key, owner=owner, ttl_ms=ttl_ms,
+                       deadline=lease_end(sent_at, ttl_ms), next_due=0.0)
+        entry.next_due = sent_at + entry.interval
         with self._cond:
             self._entries[id(lock)] = entry
             if self._start_thread and self._thread is None:
                 self._start()
-            elif entry.next_due < self._wake_at:
-                self._cond.notify()
+            self._poke()
 
-    def unregister(self, lock: object) -> None:
-        with self._cond:
-            self._entries.pop(id(lock), None)
+    def _entry(self, lock: object, hold_id: int | None) -> _Entry | None:
+        entry = self._entries.get(id(lock))
+        if entry is None or (hold_id is not None and entry.hold_id != hold_id):
+            return None
+        return entry
 
-    def update_ttl(self, lock: object, ttl_ms: int) -> None:
-        """The hold was extended to ``ttl_ms``: renew with that ttl from now on."""
-        now = self._clock()
+    def unregister(self, lock: object, hold_id: int | None = None) -> None:
         with self._cond:
-            entry = self._entries.get(id(lock))
+            if self._entry(lock, hold_id) is not None:
+                del self._entries[id(lock)]
+
+    def confirmed(self, lock: object, hold_id: int, ttl_ms: int, sent_at: float) -> None:
+        """An extend sent at ``sent_at`` was confirmed: renew with ``ttl_ms`` from now on
+        and move the deadline (never earlier)."""
+        with self._cond:
+            entry = self._entry(lock, hold_id)
             if entry is not None:
                 entry.ttl_ms = ttl_ms
-                entry.deadline = now + ttl_ms / 1000.0
-                entry.next_due = now + entry.interval
-                if entry.next_due < self._wake_at:
-                    self._cond.notify()
+                entry.deadline = max(entry.deadline, lease_end(sent_at, ttl_ms))
+                entry.next_due = sent_at + entry.interval
+                self._poke()
+
+    def set_releasing(self, lock: object, hold_id: int, releasing: bool) -> None:
+        """While the final release runs, renewal results for the hold are ignored."""
+        with self._cond:
+            entry = self._entry(lock, hold_id)
+            if entry is not None:
+                entry.releasing = releasing
+                self._poke()
+
+    def deadline_of(self, lock: object) -> float | None:
+        with self._cond:
+            entry = self._entries.get(id(lock))
+            return entry.deadline if entry is not None else None
 
     def held_locks(self) -> list[Any]:
         """The live lock objects whose holds are registered."""
@@ -155,132 +238,155 @@ class Heartbeat:
         with self._cond:
             return len(self._entries)
 
-    # -- renewal ------------------------------------------------------------------
+    # -- one pass -----------------------------------------------------------------
+
+    def _poke(self) -> None:
+        """(under the condition) Make the watchdog look again now."""
+        self._dirty = True
+        self._cond.notify_all()
+
+    def _scan(self, now: float) -> tuple[list[tuple[_Entry, str]],
+                                         dict[int, list[_Entry]], float]:
+        """(under the condition) Pop the holds past their deadline, take the batches
+        due, and say when to look again."""
+        lost: list[tuple[_Entry, str]] = []
+        batches: dict[int, list[_Entry]] = {}
+        wake = math.inf
+        for lock_id, e in list(self._entries.items()):
+            if e.ref() is None:
+                del self._entries[lock_id]
+            elif e.deadline <= now:
+                del self._entries[lock_id]
+                lost.append((e, "no renewal was confirmed before its deadline"))
+            else:
+                wake = min(wake, e.deadline)
+                if e.renewable():
+                    if e.next_due <= now + e.interval / 2:
+                        e.in_flight = True
+                        batches.setdefault(id(e.target), []).append(e)
+                    else:
+                        wake = min(wake, e.next_due)
+        return lost, batches, wake
 
     def renew_due(self, now: float | None = None) -> float | None:
-        """Renew every hold due by ``now`` (plus half its interval).
-
-        Returns when the next hold falls due, or ``None`` when nothing is registered.
-        """
+        """One pass at ``now``, inline: declare holds past their deadline lost and renew
+        every hold due (within half its interval).  Returns when the next renewable
+        hold falls due, or ``None`` when nothing renewable is registered."""
         if now is None:
             now = self._clock()
         with self._cond:
-            self._drop_dead()
-            due = [e for e in self._entries.values()
-                   if e.next_due <= now + e.interval / 2]
-        groups: dict[tuple[int, int], list[_Entry]] = {}
-        for entry in due:
-            groups.setdefault(entry.group, []).append(entry)
-        for entries in groups.values():
-            self._renew_group(entries, now)
+            lost, batches, _ = self._scan(now)
+        self._report_lost(lost)
+        for entries in batches.values():
+            target = entries[0].target
+            assert target is not None
+            self._renew_batch(target, entries, now)
         with self._cond:
-            if not self._entries:
-                return None
-            return min(e.next_due for e in self._entries.values())
+            dues = [e.next_due for e in self._entries.values() if e.target is not None]
+        return min(dues) if dues else None
 
-    def _renew_group(self, entries: list[_Entry], now: float) -> None:
-        # One call for the whole group; one key per (key, owner) even when several
-        # lock objects of one owner re-entered the same lock.
+    def _renew_batch(self, target: RenewTarget, entries: list[_Entry],
+                     now: float | None = None) -> None:
+        # One call for the batch; one item per (key, owner) even when several lock
+        # objects of one owner re-entered the same lock (the longest ttl wins).
         unique: dict[tuple[str, str], int] = {}
         for e in entries:
             pair = (e.key, e.owner)
             unique[pair] = max(unique.get(pair, 0), e.ttl_ms)
-        keys = [k for k, _ in unique]
-        args: list[Any] = []
-        for (_, owner), ttl_ms in unique.items():
-            args += (owner, ttl_ms)
+        items = [(key, owner, ttl) for (key, owner), ttl in unique.items()]
+        sent_at = self._clock() if now is None else now
+        self.renewal_calls += 1
         try:
-            self.renewal_calls += 1
-            replies = RENEW_MANY(entries[0].client, keys, args)
-        except RedisError as exc:
-            self._renewal_failed(entries, now, exc)
+            replies = list(target.renew(items))
+        except Exception as exc:
+            self._renewal_failed(entries, exc, None if now is None else now)
             return
         status = {pair: int(r) for pair, r in zip(unique, replies, strict=True)}
         lost: list[tuple[_Entry, str]] = []
         with self._cond:
             for e in entries:
+                e.in_flight = False
+                if self._entries.get(e.lock_id) is not e:
+                    continue  # released (or lost) while the call was in flight
                 code = status[(e.key, e.owner)]
                 if code == 1:
-                    e.deadline = now + e.ttl_ms / 1000.0
-                    e.next_due = now + e.interval
-                elif self._entries.get(e.lock_id) is e:
-                    # Only a hold still registered is lost; one unregistered while
-                    # this call was in flight was simply released.
-                    reason = ("expired before it was renewed" if code == 0
-                              else "taken by another owner")
+                    e.deadline = max(e.deadline, lease_end(sent_at, e.ttl_ms))
+                    e.next_due = sent_at + e.interval
+                elif not e.releasing:
                     del self._entries[e.lock_id]
-                    lost.append((e, reason))
+                    lost.append((e, "expired before it was renewed" if code == 0
+                                 else "taken by another owner"))
+            self._poke()
         self._report_lost(lost)
 
-    def _renewal_failed(self, entries: Iterable[_Entry], now: float,
-                        exc: Exception) -> None:
-        lost: list[tuple[_Entry, str]] = []
+    def _renewal_failed(self, entries: Sequence[_Entry], exc: Exception,
+                        now: float | None) -> None:
+        if now is None:
+            now = self._clock()
         with self._cond:
             for e in entries:
-                if self._entries.get(e.lock_id) is not e:
-                    continue
-                if now >= e.deadline:
-                    del self._entries[e.lock_id]
-                    lost.append((e, f"renewals failed until the ttl ran out ({exc})"))
-                else:
-                    e.next_due = now + min(ERROR_RETRY_INTERVAL, e.interval)
-        if entries:
-            logger.warning("lock renewal failed (%s); retrying until each hold's ttl "
-                           "runs out", exc)
-        self._report_lost(lost)
+                e.in_flight = False
+                e.next_due = now + min(ERROR_RETRY_INTERVAL, e.interval)
+            self._poke()
+        logger.warning("lock renewal failed (%s); retrying until each hold's deadline",
+                       exc)
 
     def _report_lost(self, lost: list[tuple[_Entry, str]]) -> None:
+        # Mark first (the holder's checks answer at once), log afterwards: a slow log
+        # handler must not delay the news.
+        told = []
         for entry, reason in lost:
             lock = entry.ref()
             if lock is None:
                 continue
-            logger.warning("lock %r lost: %s", entry.key, reason)
             try:
-                lock._mark_lost(reason)
-            except Exception:  # a callback must never kill the heartbeat
+                if lock._mark_lost(reason, entry.hold_id):
+                    told.append((entry, reason))
+            except Exception:  # a callback must never kill the watchdog
                 logger.exception("on_lost callback for %r failed", entry.key)
+        for entry, reason in told:
+            logger.warning("lock %r lost: %s", entry.key, reason)
 
-    # -- thread -------------------------------------------------------------------
+    # -- threads ------------------------------------------------------------------
 
     def _start(self) -> None:
         self._stopping = False
-        thread = threading.Thread(
-            target=self._run, name="celery-dlock-heartbeat", daemon=True
-        )
+        thread = threading.Thread(target=self._run, name="celery-dlock-heartbeat",
+                                  daemon=True)
         self._thread = thread
         thread.start()
 
     def _run(self) -> None:
         logger.debug("heartbeat thread started in pid %s", os.getpid())
         while True:
-            with self._cond:
-                if self._stopping:
-                    return
-                self._drop_dead()
-                now = self._clock()
-                if not self._entries:
-                    self._wake_at = now + IDLE_WAIT
-                    self._cond.wait(IDLE_WAIT)
-                    continue
-                due = min(e.next_due for e in self._entries.values())
-                if due > now:
-                    self._wake_at = due
-                    self._cond.wait(due - now)
-                    continue
-                self._wake_at = now  # renewing: it looks again before sleeping
             try:
-                self.renew_due()
-            except Exception:  # never let the thread die
+                with self._cond:
+                    if self._stopping:
+                        return
+                    self._dirty = False
+                    lost, batches, wake = self._scan(self._clock())
+                    for key, entries in batches.items():
+                        renewer = self._renewers.get(key)
+                        if renewer is None:
+                            target = entries[0].target
+                            assert target is not None
+                            renewer = self._renewers[key] = _Renewer(self, target)
+                            renewer.thread.start()
+                        renewer.batches.append(entries)
+                    if batches:
+                        self._cond.notify_all()
+                self._report_lost(lost)
+                with self._cond:
+                    if not self._dirty and not self._stopping:
+                        timeout = (IDLE_WAIT if not self._entries
+                                   else max(0.0, wake - self._clock()))
+                        self._cond.wait(timeout)
+            except Exception:  # never let the watchdog die
                 logger.exception("heartbeat pass failed")
                 time.sleep(ERROR_RETRY_INTERVAL)
 
-    def _drop_dead(self) -> None:
-        dead = [k for k, e in self._entries.items() if e.ref() is None]
-        for k in dead:
-            del self._entries[k]
-
     def stop(self, timeout: float | None = 5.0) -> None:
-        """Stop the thread (registrations are kept; a later register restarts it)."""
+        """Stop the threads (registrations are kept; a later register restarts it)."""
         with self._cond:
             self._stopping = True
             thread, self._thread = self._thread, None
@@ -307,7 +413,7 @@ def get_heartbeat() -> Heartbeat:
 
 def _after_fork_in_child() -> None:
     global _process_heartbeat, _process_heartbeat_lock
-    # The parent's thread does not exist here and its lock may have been held at the
+    # The parent's threads do not exist here and its lock may have been held at the
     # moment of the fork: start from nothing.
     _process_heartbeat = None
     _process_heartbeat_lock = threading.Lock()

@@ -1,0 +1,105 @@
+"""Renewal of Redis holds: one :class:`RedisRenewTarget` per client, on its own
+connection.
+
+The heartbeat (:mod:`celery_dlock.heartbeat`) gives each target its own renewer thread;
+this module gives each target its own connection pool, a copy of the client's settings
+with a bounded socket timeout and no client-side re-sends.  So renewal never waits for
+a connection of the user's pool (a ``BlockingConnectionPool`` busy in the user's own
+``BLPOP`` calls), and a server that hangs holds up only its own renewer, for at most
+:data:`RENEW_SOCKET_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .scripts import RENEW_MANY
+
+__all__ = ["RENEW_SOCKET_TIMEOUT", "RedisRenewTarget", "renew_target"]
+
+#: The longest a renewal call waits for its reply (seconds); the client's own
+#: ``socket_timeout`` when shorter.
+RENEW_SOCKET_TIMEOUT = 2.0
+
+_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
+
+
+def _dedicated_client(client: Any) -> Any:
+    """A client of the same server with a pool of its own, or ``client`` itself for
+    the kinds of client it cannot copy (cluster, Sentinel, unknown)."""
+    pool: Any = getattr(client, "connection_pool", None)
+    if type(pool) not in _PLAIN_POOLS:
+        return client
+    kwargs = dict(pool.connection_kwargs)
+    timeout = kwargs.get("socket_timeout")
+    kwargs["socket_timeout"] = (RENEW_SOCKET_TIMEOUT if not timeout
+                                else min(float(timeout), RENEW_SOCKET_TIMEOUT))
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    kwargs.pop("retry_on_timeout", None)
+    kwargs.pop("retry_on_error", None)
+    own = redis.ConnectionPool(connection_class=pool.connection_class,
+                               max_connections=2, **kwargs)
+    return redis.Redis(connection_pool=own)
+
+
+class RedisRenewTarget:
+    """Renews holds on the server of one client with ``RENEW_MANY``."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = _dedicated_client(client)
+        keyslot = getattr(client, "keyslot", None)
+        self._keyslot = keyslot if callable(keyslot) else None
+
+    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+        # One call per slot: a script's keys must share one (cluster).
+        groups: dict[int, list[int]] = {}
+        for i, (key, _, _) in enumerate(items):
+            slot = int(self._keyslot(key)) if self._keyslot is not None else 0
+            groups.setdefault(slot, []).append(i)
+        out = [0] * len(items)
+        for indexes in groups.values():
+            keys = [items[i][0] for i in indexes]
+            args: list[Any] = []
+            for i in indexes:
+                args += (items[i][1], items[i][2])
+            for i, reply in zip(indexes, RENEW_MANY(self.client, keys, args),
+                                strict=True):
+                out[i] = int(reply)
+        return out
+
+    def close(self) -> None:
+        if self.client is not None and hasattr(self.client, "connection_pool"):
+            self.client.connection_pool.disconnect()
+
+
+_targets: weakref.WeakKeyDictionary[Any, RedisRenewTarget] = weakref.WeakKeyDictionary()
+_targets_lock = threading.Lock()
+
+
+def renew_target(client: Any) -> RedisRenewTarget:
+    """The renew target of ``client`` (one per client object and process)."""
+    with _targets_lock:
+        try:
+            return _targets[client]
+        except KeyError:
+            target = _targets[client] = RedisRenewTarget(client)
+            return target
+        except TypeError:  # not weak-referenceable: no cache
+            return RedisRenewTarget(client)
+
+
+def _after_fork_in_child() -> None:
+    global _targets, _targets_lock
+    _targets = weakref.WeakKeyDictionary()
+    _targets_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
