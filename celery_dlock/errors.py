@@ -15,6 +15,7 @@ __all__ = [
     "DLockError",
     "Holder",
     "InvalidLockConfig",
+    "LockKeyConflict",
     "LockLost",
     "LockNotAcquired",
     "LockNotOwned",
@@ -148,6 +149,12 @@ class LockNotOwned(DLockError):
 
 class LockLost(DLockError):
     """The lock expired or passed to another owner while we believed we held it."""
+
+
+class LockKeyConflict(DLockError):
+    """A key of the lock holds data that celery-dlock did not write (another
+    application uses the same key): nothing was changed; choose another prefix or name.
+    """
 
 
 class BackendUnavailable(DLockError):

@@ -11,13 +11,21 @@ Ownership, on a timeline (A and B are owners, see :mod:`celery_dlock.owner`)::
     t5  B acquires     fence 8 (fences only grow)
     t6  A.release()    "not owner": raises LockNotOwned; B's hold is untouched
 
-While held, the process's heartbeat renews the hold every ``ttl/3``; if the hold is
-found gone or taken, it is marked lost, ``on_lost(lock)`` is called, :meth:`owned`
-returns False and :meth:`ensure_held` raises :class:`LockLost`.
+While held, the process's heartbeat renews the hold every ``ttl/3`` and watches its
+local deadline (see :mod:`celery_dlock.heartbeat`); when the deadline passes without
+a confirmed renewal, or the hold is found gone or taken, it is marked lost,
+``on_lost(lock)`` is called, :meth:`owned` returns False and :meth:`ensure_held`
+raises :class:`LockLost`, all before any other owner can acquire it.
+
+Every call that changes a hold carries a fresh operation id, so a command that redis-py
+re-sends after a lost reply changes nothing the second time, and the local view (hold
+count, deadline) changes only after the server has confirmed.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 import math
 import os
@@ -28,9 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError
 
 from . import owner as _owner
 from .errors import (
@@ -38,22 +44,38 @@ from .errors import (
     DLockError,
     Holder,
     InvalidLockConfig,
+    LockKeyConflict,
     LockLost,
     LockNotAcquired,
     LockNotOwned,
 )
 from .heartbeat import Heartbeat, get_heartbeat
+from .renewal import renew_target
 from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, RELEASE, LuaScript
-from .waiters import QUEUE_LEASE, ring_wait, wait_slice
+from .server_checks import check_server
+from .waiters import QUEUE_LEASE, WAKE_GRACE, doorbell_suffix, ring_wait, wait_slice
 
-__all__ = ["DEFAULT_PREFIX", "LockKeys", "RedisLock", "decode", "parse_holder"]
+__all__ = ["DEFAULT_PREFIX", "MAX_TTL", "LockKeys", "RedisLock", "decode", "parse_holder"]
 
 logger = logging.getLogger("celery_dlock.lock")
 
 DEFAULT_PREFIX = "dlock"
 _HOST = socket.gethostname()
 
-_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError)
+#: The longest ttl a hold may have (seconds): 30 days.  Longer holds are refused with
+#: InvalidLockConfig (Lua would print larger millisecond counts in a form PEXPIRE
+#: refuses, and a lock that must outlive a month is a record, not a lock).
+MAX_TTL = 30 * 86400.0
+
+#: What a key of a lock must be (TYPE), to name a key holding foreign data.
+_KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset"}
+_RESERVED = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid", "ops"})
+_hold_ids = itertools.count(1)
+
+
+def _op_id() -> str:
+    """A fresh operation id: lets a script recognise a call it already ran."""
+    return os.urandom(8).hex()
 
 
 class LockKeys(NamedTuple):
@@ -71,7 +93,7 @@ class LockKeys(NamedTuple):
         return cls(base, base + ":fence", base + ":q", base + ":ql", base + ":w:")
 
     def doorbell(self, owner: str) -> str:
-        return self.doorbell_prefix + owner
+        return self.doorbell_prefix + doorbell_suffix(owner)
 
 
 def decode(value: Any) -> str:
@@ -107,29 +129,54 @@ def _ttl_ms(ttl: float, what: str, name: str) -> int:
     if not math.isfinite(ttl) or ttl <= 0:
         raise InvalidLockConfig(f"{what} must be a positive number of seconds, "
                                 f"got {ttl!r}", lock_name=name)
+    if ttl > MAX_TTL:
+        raise InvalidLockConfig(f"{what} must be at most {MAX_TTL:g} seconds (30 days), "
+                                f"got {ttl!r}", lock_name=name)
     return max(1, round(ttl * 1000))
+
+
+def _check_client(client: Any, name: str) -> None:
+    if client is None:
+        raise InvalidLockConfig("a lock needs a Redis client", lock_name=name)
+    if isinstance(client, (str, bytes)):
+        raise InvalidLockConfig(
+            "a lock needs a Redis client, not a URL: pass redis.Redis.from_url(url)",
+            lock_name=name)
+    if type(client).__module__.startswith("redis.asyncio") or \
+            inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
+        raise InvalidLockConfig("a lock needs a synchronous Redis client; got a "
+                                "redis.asyncio client", lock_name=name)
+    if not (callable(getattr(client, "evalsha", None))
+            and callable(getattr(client, "eval", None))):
+        raise InvalidLockConfig(
+            f"a lock needs a Redis client (redis.Redis or redis.cluster.RedisCluster), "
+            f"got {type(client).__name__}", lock_name=name)
 
 
 class RedisLock:
     """A reentrant distributed lock on one Redis (or one Redis Cluster slot).
 
-    :param client: a ``redis.Redis`` (or ``RedisCluster``) client.
+    :param client: a synchronous ``redis.Redis`` (or ``RedisCluster``) client.
     :param name: the lock's name; any non-empty string.
-    :param ttl: seconds a hold lives after its last acquire, extend or renewal.
+    :param ttl: seconds a hold lives after its last acquire, extend or renewal (at most
+        :data:`MAX_TTL`).
     :param auto_renew: renew the hold from this process's heartbeat every ``ttl/3``.
     :param owner: a fixed owner token (processes that share it share the hold); by
         default the current context's owner, else a per-thread token.
-    :param on_lost: called once with this lock when the hold is found lost, from the
-        thread that found out (the heartbeat, or a caller of ensure_held or extend).
+    :param on_lost: called once per lost hold with this lock, from the thread that found
+        out (the heartbeat's watchdog at the hold's deadline, or a caller of
+        ensure_held, extend or release).  Keep it short: it runs before other holds'
+        news.
     :param prefix: the key prefix (``dlock``).
     :param info: metadata stored with each fresh hold (shown by ``celery dlock ls`` and
         in :class:`LockNotAcquired`); ``host`` and ``pid`` are always added.
-    :param blocking_timeout: how long ``with lock:`` waits before raising
-        :class:`LockNotAcquired` (None: forever).
+    :param blocking_timeout: how long a blocking :meth:`acquire` (and ``with lock:``)
+        waits when the call gives no timeout (None: forever), as in redis-py's ``Lock``.
     :param heartbeat: the renewal registry to use (default: this process's).
 
     Every Redis failure surfaces as :class:`BackendUnavailable` (connection refused or
-    reset, timeouts, a read-only replica after failover).
+    reset, timeouts, a read-only replica after failover, a refused command), and data of
+    another application under a lock's key as :class:`LockKeyConflict`.
     """
 
     def __init__(
@@ -158,8 +205,7 @@ class RedisLock:
         if blocking_timeout is not None and not blocking_timeout >= 0:
             raise InvalidLockConfig("blocking_timeout must be >= 0 or None",
                                     lock_name=name)
-        if client is None:
-            raise InvalidLockConfig("a lock needs a Redis client", lock_name=name)
+        _check_client(client, name)
         self.client = client
         self.name = name
         self.prefix = prefix
@@ -172,7 +218,7 @@ class RedisLock:
         self._heartbeat = heartbeat
         info_args: list[str] = []
         for k, v in {"host": _HOST, **(info or {})}.items():
-            if k in ("owner", "count", "fence", "acquired_at", "ttl", "pid"):
+            if k in _RESERVED:
                 raise InvalidLockConfig(f"info may not set the reserved field {k!r}",
                                         lock_name=name)
             if v is not None:
@@ -180,6 +226,7 @@ class RedisLock:
         self._info_args = info_args
         self._state = threading.Lock()
         self._depth = 0
+        self._hold_id = 0
         self._hold_owner: str | None = None
         self._fence: int | None = None
         self._generation = _owner.generation()
@@ -206,52 +253,95 @@ class RedisLock:
             self._fence = None
             self._lost_reason = None
 
+    def _error(self, exc: RedisError, what: str) -> DLockError:
+        """The DLockError for a failed Redis call."""
+        if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
+            return LockKeyConflict(self._foreign_keys(), lock_name=self.name)
+        return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
+                                  lock_name=self.name)
+
+    def _foreign_keys(self) -> str:
+        found = []
+        for field, expected in _KEY_TYPES.items():
+            key = getattr(self.keys, field)
+            try:
+                kind = decode(self.client.type(key))
+            except RedisError:
+                continue
+            if kind not in ("none", expected):
+                found.append(f"{key!r} holds a {kind}, not a {expected}")
+        what = ("; ".join(found)
+                or f"a key of {self.keys.lock!r} holds another kind of data")
+        return (f"{what}: another application's data is under this lock's keys and was "
+                f"left untouched (use another prefix or lock name)")
+
     def _run(self, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
             return script(self.client, keys, args)
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"Redis unavailable during {script.name}: {exc}",
-                                     lock_name=self.name) from exc
+        except RedisError as exc:
+            raise self._error(exc, script.name) from exc
 
     def _command(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"Redis unavailable: {exc}",
-                                     lock_name=self.name) from exc
+        except RedisError as exc:
+            raise self._error(exc, getattr(fn, "__name__", "a command")) from exc
 
     def _get_heartbeat(self) -> Heartbeat:
         return self._heartbeat if self._heartbeat is not None else get_heartbeat()
 
+    def _caller_view(self) -> tuple[str, bool, int, str | None]:
+        """The calling owner, whether it holds the lock through this object, the id of
+        that hold and why it was lost (None: not lost)."""
+        caller = self._current_owner()
+        with self._state:
+            self._sync_generation()
+            held_here = self._depth > 0 and caller == self._hold_owner
+            return caller, held_here, self._hold_id, (self._lost_reason if held_here
+                                                      else None)
+
     # -- acquire ------------------------------------------------------------------
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float | None = None, *,
+                blocking_timeout: float | None = None) -> bool:
         """Take the lock (or re-enter it); True when held.
 
         ``blocking=False`` tries once.  Otherwise waits in line, woken by the release
-        of the holder, for at most ``timeout`` seconds (``None`` or ``-1``: no limit).
-        Raises :class:`BackendUnavailable` when Redis cannot be reached.
+        of the holder, for at most ``timeout`` seconds (``blocking_timeout`` is
+        redis-py's name for it; neither given: the constructor's ``blocking_timeout``;
+        ``None`` or ``-1`` there: no limit).  Raises :class:`BackendUnavailable` when
+        Redis cannot be reached.
         """
+        if blocking_timeout is not None:
+            if timeout is not None and timeout != blocking_timeout:
+                raise ValueError("give timeout or blocking_timeout, not both")
+            timeout = blocking_timeout
         if timeout is not None and timeout != -1:
             if not blocking:
                 raise ValueError("can't specify a timeout for a non-blocking call")
             if not timeout >= 0:  # negative, or NaN (which would wait forever)
                 raise ValueError("timeout must be >= 0, -1 or None")
+        elif timeout is None and blocking:
+            timeout = self.blocking_timeout
         else:
             timeout = None
+        check_server(self.client)
         owner = self._current_owner()
         keys = self.keys
         key_list = (keys.lock,)
         lease_ms = int(QUEUE_LEASE * 1000) if blocking else 0
-        args = [owner, self.ttl_ms, lease_ms, "pid", os.getpid(), *self._info_args]
+        args = [owner, self.ttl_ms, lease_ms, _op_id(), "pid", os.getpid(),
+                *self._info_args]
         deadline = None if timeout is None else time.monotonic() + timeout
+        heartbeat = self._get_heartbeat()
         queued = acquired = False
         try:
             while True:
+                sent_at = heartbeat.now()
                 reply = self._run(ACQUIRE, key_list, args)
                 if reply[0] == 1:
                     acquired = True
-                    self._acquired(owner, int(reply[1]), int(reply[2]))
+                    self._acquired(owner, int(reply[1]), int(reply[2]), sent_at)
                     return True
                 pttl = int(reply[1])
                 self.last_holder = parse_holder(reply[3:], pttl, int(reply[2]))
@@ -264,9 +354,9 @@ class RedisLock:
                     if left <= 0:
                         return False
                     slice_ = min(slice_, left)
-                if pttl >= 0:
-                    # An expiry rings no doorbell: wake up when the holder's ttl ends.
-                    slice_ = min(slice_, pttl / 1000.0 + 0.001)
+                # An expiry rings no doorbell: wake up when the holder's ttl ends, or
+                # when the first in line's grace to take a free lock does.
+                slice_ = min(slice_, (pttl / 1000.0 if pttl >= 0 else WAKE_GRACE) + 0.001)
                 if slice_ > 0:
                     self._command(ring_wait, self.client, keys.doorbell(owner), slice_)
         finally:
@@ -280,20 +370,25 @@ class RedisLock:
         except RedisError as exc:  # our lease lapses by itself
             logger.debug("could not leave the line of %r: %s", self.name, exc)
 
-    def _acquired(self, owner: str, fence: int, count: int) -> None:
+    def _acquired(self, owner: str, fence: int, count: int, sent_at: float) -> None:
+        heartbeat = self._get_heartbeat()
         with self._state:
             self._sync_generation()
-            if count == 1 and self._depth > 0:
-                # A fresh hold in Redis while this object still counts an old one:
-                # the old hold was lost. Start over with the new one.
+            if (self._depth == 0 or count == 1 or self._lost_reason is not None
+                    or owner != self._hold_owner):
+                # A fresh hold (a hold of this object that Redis no longer knows, or
+                # that was lost, is over: start anew with a new hold id).
                 self._depth = 0
-            if self._depth == 0:
+                self._hold_id = next(_hold_ids)
                 self._hold_owner = owner
                 self._fence = fence
                 self._lost_reason = None
-                if self.auto_renew:
-                    self._get_heartbeat().register(self, self.client, self.keys.lock,
-                                                   owner, self.ttl_ms)
+                target = renew_target(self.client) if self.auto_renew else None
+                heartbeat.register(self, self._hold_id, target, self.keys.lock, owner,
+                                   self.ttl_ms, sent_at)
+            else:
+                # Re-entry: the expiry is now at least ttl from the send time.
+                heartbeat.confirmed(self, self._hold_id, self.ttl_ms, sent_at)
             self._depth += 1
 
     # -- release ------------------------------------------------------------------
@@ -302,8 +397,10 @@ class RedisLock:
         """Undo one acquire; the lock is freed when releases match acquires.
 
         Raises :class:`LockNotOwned` when the caller's owner does not hold the lock
-        (nothing is deleted), :class:`LockLost` when this object held it but it expired
-        or passed to another owner meanwhile.
+        (nothing is deleted), :class:`LockLost` when this object held it but it was lost
+        (expired, taken, or past its deadline) meanwhile, :class:`BackendUnavailable`
+        when Redis did not confirm: then nothing changed, locally either, and the
+        release may be tried again.
         """
         caller = self._current_owner()
         with self._state:
@@ -315,27 +412,39 @@ class RedisLock:
                     lock_name=self.name)
             owner = self._hold_owner if held_here else caller
             assert owner is not None
-            lost_reason = self._lost_reason
-            if held_here:
+            hold_id, lost_reason = self._hold_id, self._lost_reason
+            final = held_here and self._depth == 1
+        heartbeat = self._get_heartbeat()
+        if final and lost_reason is None:
+            heartbeat.set_releasing(self, hold_id, True)
+        try:
+            reply = self._run(RELEASE, (self.keys.lock,), (owner, _op_id()))
+        except DLockError:
+            if lost_reason is None:
+                if final:
+                    heartbeat.set_releasing(self, hold_id, False)
+                raise
+            reply = (0,)  # a lost hold: the loss is the answer, best effort was made
+        status = int(reply[0])
+        if not held_here:
+            if status in (1, 2):
+                return
+            what = "is not held" if status == 0 else "is held by another owner"
+            raise LockNotOwned(f"cannot release: lock {what}", lock_name=self.name)
+        if lost_reason is None and status not in (1, 2):
+            lost_reason = "expired" if status == 0 else "was taken by another owner"
+            self._mark_lost(lost_reason, hold_id)
+        with self._state:
+            if self._hold_id == hold_id and self._depth > 0:
                 self._depth -= 1
                 if self._depth == 0:
-                    # Unregister before the script runs: renewal never outlives a hold.
-                    self._get_heartbeat().unregister(self)
                     self._hold_owner = None
                     self._fence = None
-                    self._lost_reason = None
-        keys = self.keys
-        reply = self._run(RELEASE, (keys.lock,), (owner,))
-        status = int(reply[0])
-        if status in (1, 2):
-            return
-        if held_here:
-            what = "expired" if status == 0 else "was taken by another owner"
-            if lost_reason:
-                what += f" ({lost_reason})"
-            raise LockLost(f"lock {what} before it was released", lock_name=self.name)
-        what = "is not held" if status == 0 else "is held by another owner"
-        raise LockNotOwned(f"cannot release: lock {what}", lock_name=self.name)
+        if final:
+            heartbeat.unregister(self, hold_id)
+        if lost_reason is not None:
+            raise LockLost(f"lock lost before it was released ({lost_reason})",
+                           lock_name=self.name)
 
     def release_all(self) -> int:
         """Release every acquire of this object's hold, whichever thread asks.
@@ -345,18 +454,17 @@ class RedisLock:
         """
         with self._state:
             self._sync_generation()
-            depth, owner = self._depth, self._hold_owner
+            depth, owner, hold_id = self._depth, self._hold_owner, self._hold_id
             if depth == 0 or owner is None:
                 return 0
             self._depth = 0
             self._hold_owner = None
             self._fence = None
-            self._lost_reason = None
-            self._get_heartbeat().unregister(self)
+        self._get_heartbeat().unregister(self, hold_id)
         keys = self.keys
         for _ in range(depth):
             try:
-                reply = self._run(RELEASE, (keys.lock,), (owner,))
+                reply = self._run(RELEASE, (keys.lock,), (owner, _op_id()))
             except DLockError as exc:
                 logger.warning("releasing %r at shutdown failed: %s", self.name, exc)
                 break
@@ -366,29 +474,29 @@ class RedisLock:
 
     # -- extend, inspect ------------------------------------------------------------
 
-    def _owner_for_checks(self) -> tuple[str, bool]:
-        with self._state:
-            self._sync_generation()
-            if self._depth > 0 and self._hold_owner is not None:
-                return self._hold_owner, True
-        return self._current_owner(), False
-
     def extend(self, ttl: float | None = None) -> None:
-        """Make the hold expire ``ttl`` seconds from now (default: the lock's ttl).
+        """Make the hold expire at least ``ttl`` seconds from now (default: the lock's
+        ttl); an extend never brings the expiry closer.
 
-        The new ttl is kept: later renewals use it too.
+        The new ttl is kept: later renewals use it too.  Answers for the calling owner:
+        :class:`LockNotOwned` when it does not hold the lock.
         """
         ttl_ms = self.ttl_ms if ttl is None else _ttl_ms(ttl, "ttl", self.name)
-        owner, held_here = self._owner_for_checks()
+        owner, held_here, hold_id, lost_reason = self._caller_view()
+        if lost_reason is not None:
+            raise LockLost(f"cannot extend: lock lost ({lost_reason})",
+                           lock_name=self.name)
+        heartbeat = self._get_heartbeat()
+        sent_at = heartbeat.now()
         status = int(self._run(EXTEND, (self.keys.lock,), (owner, ttl_ms)))
         if status == 1:
             self.ttl_ms = ttl_ms
-            if held_here and self.auto_renew:
-                self._get_heartbeat().update_ttl(self, ttl_ms)
+            if held_here:
+                heartbeat.confirmed(self, hold_id, ttl_ms, sent_at)
             return
         if held_here:
             reason = "expired" if status == 0 else "taken by another owner"
-            self._mark_lost(reason)
+            self._mark_lost(reason, hold_id)
             raise LockLost(f"cannot extend: lock {reason}", lock_name=self.name)
         what = "is not held" if status == 0 else "is held by another owner"
         raise LockNotOwned(f"cannot extend: lock {what}", lock_name=self.name)
@@ -398,28 +506,30 @@ class RedisLock:
         return bool(self._command(self.client.exists, self.keys.lock))
 
     def owned(self) -> bool:
-        """Whether the caller's owner holds the lock (one Redis round trip)."""
-        owner, held_here = self._owner_for_checks()
-        if held_here and self._lost_reason is not None:
+        """Whether the calling owner holds the lock (one Redis round trip, none when
+        this object's hold is known to be lost)."""
+        owner, _, _, lost_reason = self._caller_view()
+        if lost_reason is not None:
             return False
         holder = self._command(self.client.hget, self.keys.lock, "owner")
         return holder is not None and decode(holder) == owner
 
     def ensure_held(self) -> None:
-        """Raise :class:`LockLost` unless the caller's owner still holds the lock.
+        """Raise :class:`LockLost` unless the calling owner still holds the lock.
 
         Asks Redis (one round trip), so it is authoritative at the moment it returns;
         pair it with :attr:`fence` for writes that must not come from a stale holder.
+        A hold known to be lost raises without asking.
         """
-        owner, held_here = self._owner_for_checks()
-        if held_here and self._lost_reason is not None:
-            raise LockLost(f"lock lost: {self._lost_reason}", lock_name=self.name)
+        owner, held_here, hold_id, lost_reason = self._caller_view()
+        if lost_reason is not None:
+            raise LockLost(f"lock lost: {lost_reason}", lock_name=self.name)
         holder = self._command(self.client.hget, self.keys.lock, "owner")
         if holder is not None and decode(holder) == owner:
             return
         reason = "expired" if holder is None else "taken by another owner"
         if held_here:
-            self._mark_lost(reason)
+            self._mark_lost(reason, hold_id)
             raise LockLost(f"lock lost: {reason}", lock_name=self.name)
         raise LockLost(f"lock not held by this owner ({reason})", lock_name=self.name)
 
@@ -431,9 +541,8 @@ class RedisLock:
             pipe.pttl(self.keys.lock)
             pipe.time()
             flat_map, pttl, (secs, usecs) = pipe.execute()
-        except _UNAVAILABLE as exc:
-            raise BackendUnavailable(f"Redis unavailable: {exc}",
-                                     lock_name=self.name) from exc
+        except RedisError as exc:
+            raise self._error(exc, "holder") from exc
         if not flat_map:
             return None
         flat: list[Any] = []
@@ -455,7 +564,8 @@ class RedisLock:
 
     @property
     def lost(self) -> bool:
-        """Whether this object's hold was found lost (by renewal or a check)."""
+        """Whether this object's last hold was found lost (it stays True after the
+        release of a lost hold, until the next fresh hold)."""
         return self._lost_reason is not None
 
     @property
@@ -467,13 +577,18 @@ class RedisLock:
 
     # -- lost ---------------------------------------------------------------------
 
-    def _mark_lost(self, reason: str) -> bool:
-        """Record that the hold is lost, whoever found out; ``on_lost`` runs once."""
+    def _mark_lost(self, reason: str, hold_id: int | None = None) -> bool:
+        """Record that hold ``hold_id`` (default: the current one) is lost, whoever
+        found out; ``on_lost`` runs once per hold.  A report about an older hold
+        changes nothing."""
         with self._state:
             if self._depth == 0 or self._lost_reason is not None:
                 return False
+            if hold_id is not None and hold_id != self._hold_id:
+                return False
             self._lost_reason = reason
-        self._get_heartbeat().unregister(self)
+            hold_id = self._hold_id
+        self._get_heartbeat().unregister(self, hold_id)
         if self.on_lost is not None:
             try:
                 self.on_lost(self)
