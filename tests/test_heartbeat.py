@@ -75,13 +75,19 @@ def test_renewal_keeps_a_short_lock_alive_then_stops_after_release(r, prefix, na
     assert not r.exists(lock.keys.lock)
 
 
-def test_without_auto_renew_the_hold_expires(r, prefix, name):
-    lock = RedisLock(r, name, ttl=0.5, auto_renew=False, prefix=prefix)
+def test_without_auto_renew_the_hold_expires_and_the_holder_is_told_first(r, prefix,
+                                                                          name):
+    told: list[float] = []
+    lock = RedisLock(r, name, ttl=0.5, auto_renew=False, prefix=prefix,
+                     on_lost=lambda lk: told.append(time.monotonic()))
     started = time.monotonic()
     lock.acquire()
-    assert not get_heartbeat().is_registered(lock)
+    # Watched for its deadline, never renewed.
+    assert get_heartbeat().is_registered(lock)
     assert wait_until(lambda: not r.exists(lock.keys.lock), timeout=5)
-    assert time.monotonic() - started >= 0.4  # it was the ttl, not something else
+    gone = time.monotonic()
+    assert gone - started >= 0.4  # it was the ttl, not something else
+    assert told and started + 0.4 < told[0] <= gone
     assert not lock.owned()
     with pytest.raises(LockLost):
         lock.ensure_held()
@@ -312,7 +318,9 @@ def test_transient_errors_are_retried_until_the_deadline_then_lost(own_server, p
     assert hb.renewal_calls == 2
     assert hb.is_registered(lock) and not lock.lost and calls == []
 
-    assert hb.renew_due(1003.0) is None  # the ttl has run out
+    # Past the deadline: lost there, without waiting for another renewal call.
+    assert hb.renew_due(1003.0) is None
+    assert hb.renewal_calls == 2
     assert calls == [lock]
     assert lock.lost
     assert not hb.is_registered(lock)
@@ -320,7 +328,7 @@ def test_transient_errors_are_retried_until_the_deadline_then_lost(own_server, p
         lock.ensure_held()
     assert not lock.owned()
     hb.renew_due(1010.0)
-    assert hb.renewal_calls == 3
+    assert hb.renewal_calls == 2
     assert calls == [lock]
 
 

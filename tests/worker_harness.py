@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+from dlock_helpers import release_marker
 from prefork_app import ENV_PREFIX, ENV_QUEUE, ENV_URL, data_prefix, make_app
 
 from celery_dlock.lock import LockKeys
@@ -200,10 +201,19 @@ class Harness:
 
     def lock_keys_left(self) -> list[str]:
         """Lock keys under this test's prefix, except the fence counters (which never
-        expire, by design)."""
+        expire, by design) and the markers of final releases (short-lived, so that a
+        re-sent release is recognised; each must carry its TTL)."""
         keys = [k.decode() for k in self.r.scan_iter(match=f"{self.prefix}:*",
                                                        count=1000)]
-        return sorted(k for k in keys if not k.endswith(":fence"))
+        left = []
+        for k in keys:
+            if k.endswith(":fence"):
+                continue
+            if release_marker(k):
+                assert 0 < self.r.pttl(k) <= 60_000, f"release marker {k} has no TTL"
+                continue
+            left.append(k)
+        return sorted(left)
 
     def wait_owner_not(self, name: str, owner: str, timeout: float) -> float:
         """Poll (1 ms) until ``owner`` no longer holds the lock; the time.time() then."""

@@ -16,8 +16,6 @@ import pytest
 import redis
 import redis.backoff
 import redis.retry
-from dlock_helpers import wait_until
-from proxy import FaultProxy
 
 from celery_dlock import BackendUnavailable, LockLost, RedisLock
 from celery_dlock.embedded import EmbeddedRedis
@@ -66,7 +64,7 @@ def _first_acquire_time(lock: RedisLock, limit: float) -> float | None:
     return None
 
 
-# -- 2. re-sent scripts are idempotent ----------------------------------------------------
+# -- 2. re-sent scripts are idempotent -------------------------------------------------
 
 
 def test_resent_acquire_after_a_lost_reply_counts_once(own_server, proxy, prefix, name):
@@ -109,7 +107,7 @@ def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix,
     assert not _direct(own_server).exists(lock.keys.lock)
 
 
-# -- 3. a partitioned holder is told first -------------------------------------------------
+# -- 3. a partitioned holder is told first ---------------------------------------------
 
 
 @pytest.mark.parametrize("ttl", [3.0, 1.5])
@@ -139,7 +137,7 @@ def test_partitioned_holder_is_told_before_another_owner_acquires(own_server, pr
     assert len(lost.times) == 1
 
 
-# -- 4. a stalled server never delays renewal on another ------------------------------------
+# -- 4. a stalled server never delays renewal on another -------------------------------
 
 
 @pytest.mark.parametrize("fault", ["sigstop", "black_hole"])
@@ -188,10 +186,11 @@ def test_busy_blocking_pool_does_not_starve_renewal(r, redis_url, prefix, name):
     pool.disconnect()
 
 
-# -- 8. the local view changes only when the server confirms -------------------------------
+# -- 8. the local view changes only when the server confirms ---------------------------
 
 
-def test_release_that_never_reached_redis_changes_nothing(own_server, proxy, prefix, name):
+def test_release_that_never_reached_redis_changes_nothing(own_server, proxy, prefix,
+                                                          name):
     client = _client(proxy.url, timeout=0.5)
     lock = RedisLock(client, name, ttl=1.5, prefix=prefix)
     lock.acquire()
