@@ -50,7 +50,7 @@ def fast_failing_client(port: int, timeout: float = 0.5) -> redis.Redis:
 
 def release_marker(key: str) -> bool:
     """Whether ``key`` is the short-lived marker of a final release (``...}:r:OP``)."""
-    head, sep, op = key.rpartition("}:r:")
+    _, sep, op = key.rpartition("}:r:")
     return bool(sep) and len(op) == 16 and all(c in "0123456789abcdef" for c in op)
 
 
