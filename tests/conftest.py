@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.embedded import EmbeddedRedis, find_redis_server
 
 # pytest-celery's Docker-based fixtures need a Docker engine; these are their entry
 # points.  A test that asks for one is skipped when no engine answers.
@@ -35,6 +35,19 @@ def _docker_answers() -> bool:
         except Exception:
             _docker_state["ok"] = False
     return _docker_state["ok"]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from server_kinds import server_version
+
+    url = os.environ.get("DLOCK_TEST_REDIS_URL")
+    if url:
+        return "redis: DLOCK_TEST_REDIS_URL (a server of your own)"
+    try:
+        binary = find_redis_server()
+    except Exception as exc:
+        return f"redis: no server binary ({exc})"
+    return f"redis: {server_version(binary)} ({binary})"
 
 
 def pytest_collection_modifyitems(config: pytest.Config,
