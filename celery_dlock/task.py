@@ -232,6 +232,10 @@ class LockedTask(Task):  # type: ignore[misc]
             if kind is None:
                 return False
             if kind == DUPLICATE:
+                signals.lock_contended.send(
+                    sender=self, key=lock.name, policy="duplicate",
+                    holder=lock.last_holder, task_id=request.id,
+                    error=LockNotAcquired(lock_name=lock.name, holder=lock.last_holder))
                 requeue_duplicate(self, lock, request, args, kwargs, settings)
             assert kind == PREDECESSOR
             logger.debug("Task %s[%s] waits for its predecessor to release %r",

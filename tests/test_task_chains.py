@@ -35,7 +35,12 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
         e.log(kind="plain", tag=tag)
         return f"plain({value})"
 
-    e.tasks.update(locked=locked, plain=plain)
+    @e.app.task(base=LockedTask, shared=False, bind=True, lock_key="c:{x}",
+                on_contention="raise")
+    def raiser(self: Any, x: str) -> str:
+        return f"raiser:{x}"
+
+    e.tasks.update(locked=locked, plain=plain, raiser=raiser)
     with running(e):
         yield e
 
@@ -77,6 +82,18 @@ def test_skip_in_the_middle_of_a_chain(env: TaskEnv) -> None:
     assert not env.events(kind="plain", tag=f"{x}-3")
     assert not env.events(kind="plain", tag=f"{x}-4")
     assert res.parent.get(timeout=1) == got
+
+
+def test_raise_in_a_chain_fails_the_chain_at_once(env: TaskEnv) -> None:
+    x = f"r{time.monotonic_ns()}"
+    holder = env.hold(f"c:{x}")
+    try:
+        res = chain(env.tasks["raiser"].s(x), env.tasks["plain"].s(tag=x)).apply_async()
+        with pytest.raises(LockNotAcquired):
+            res.get(timeout=RESULT_TIMEOUT)
+    finally:
+        holder.release()
+    assert not env.events(kind="plain", tag=x)
 
 
 def test_a_chain_whose_lock_is_free_runs_through(env: TaskEnv) -> None:
