@@ -8,6 +8,7 @@ Overlap is a matter of processes: those tests run real ``celery worker`` subproc
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +19,11 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery_helpers import close_app
+from task_env import TaskEnv, new_app, running
 from worker_harness import Harness, assert_disjoint, open_harness, spans, wait_for
 
 from celery_dlock import LockedTask, LockNotAcquired, RedisLock, signals
+from celery_dlock.contention import CONTENTION_HEADER
 
 RESULT_TIMEOUT = 60
 
@@ -168,3 +171,42 @@ def test_contention_budget_still_bounds_one_episode(budget_env: Any) -> None:
             env.task.delay(x).get(timeout=RESULT_TIMEOUT)
     finally:
         holder.release()
+
+
+# -- a retry that finds its predecessor still unwinding ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def unwind_env(redis_url: str) -> Iterator[TaskEnv]:
+    e = new_app(redis_url)
+
+    for policy in ("skip", "raise"):
+        def body(self: Any, x: str) -> int:
+            e.log(kind="start", x=x, retries=self.request.retries, t=time.time(),
+                  contention=getattr(self.request, CONTENTION_HEADER, None))
+            if self.request.retries == 0:
+                try:
+                    raise self.retry(countdown=0)
+                finally:
+                    time.sleep(0.5)  # the retry arrives meanwhile
+                    e.log(kind="unwound", x=x, t=time.time(), owned=self.lock.owned())
+            return int(self.request.retries)
+
+        e.tasks[policy] = e.app.task(base=LockedTask, shared=False, bind=True,
+                                     name=f"unwinding_{policy}", lock_key="u:{x}",
+                                     on_contention=policy, max_retries=1)(body)
+    with running(e):
+        yield e
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_retry_waits_for_its_predecessor_whatever_the_policy(unwind_env: TaskEnv,
+                                                             policy: str) -> None:
+    env = unwind_env
+    x = uuid.uuid4().hex[:8]
+    assert env.tasks[policy].delay(x).get(timeout=RESULT_TIMEOUT) == 1
+    (unwound,) = env.events(kind="unwound", x=x)
+    assert unwound["owned"] is True
+    (retried,) = env.events(kind="start", x=x, retries=1)
+    assert retried["t"] >= unwound["t"]
+    assert not retried["contention"], "waiting for the predecessor counted as contention"
