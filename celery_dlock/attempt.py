@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import states
 from celery.exceptions import Ignore
@@ -173,7 +173,7 @@ def first_run_ended(task: Any, task_id: str, grace: float = 0.0) -> bool:
 
 
 def requeue_duplicate(task: Any, lock: RedisLock, request: Any, args: tuple[Any, ...],
-                      kwargs: dict[str, Any], settings: Mapping[str, Any]) -> None:
+                      kwargs: dict[str, Any], settings: Mapping[str, Any]) -> NoReturn:
     """End a duplicate delivery without a trace (``Ignore``), after re-queueing a copy
     that looks again later: it recovers the task if the first run dies."""
     count = header(request, DUPLICATE_HEADER)

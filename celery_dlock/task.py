@@ -43,7 +43,6 @@ from .attempt import (
     DUPLICATE,
     DUPLICATE_GRACE,
     DUPLICATE_HEADER,
-    PREDECESSOR,
     Attempt,
     LockLostInterrupt,
     attempts,
@@ -237,7 +236,7 @@ class LockedTask(Task):  # type: ignore[misc]
                     holder=lock.last_holder, task_id=request.id,
                     error=LockNotAcquired(lock_name=lock.name, holder=lock.last_holder))
                 requeue_duplicate(self, lock, request, args, kwargs, settings)
-            assert kind == PREDECESSOR
+            # An earlier generation of this task id, still unwinding: wait for it.
             logger.debug("Task %s[%s] waits for its predecessor to release %r",
                          self.name, request.id, lock.name)
             if lock.acquire(blocking=True, timeout=PREDECESSOR_WAIT_SLICE):

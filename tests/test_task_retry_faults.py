@@ -16,9 +16,6 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
-from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
 from task_env import TaskEnv, new_app, running
 from worker_harness import Harness, assert_disjoint, open_harness, spans, wait_for
 
@@ -87,98 +84,20 @@ def test_autoretry_attempts_run_locked_and_never_overlap(harness: Harness) -> No
 
 
 @pytest.fixture(scope="module")
-def budget_env(redis_url: str) -> Iterator[Any]:
-    tag = uuid.uuid4().hex[:8]
-    prefix = f"dlt{tag}"
-    app = Celery(f"dlt{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"polling_interval": 0.1},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
-        task_default_queue=f"q-{tag}",
-        dlock_key_prefix=prefix,
-        dlock_retry_backoff=0.3,
-        dlock_retry_backoff_max=0.3,
-        result_expires=600,
-    )
-    r = redis.Redis.from_url(redis_url)
-    ran: list[int] = []
+def env(redis_url: str) -> Iterator[TaskEnv]:
+    """One in-process worker for the module (two at once in a process share Celery's
+    worker state)."""
+    e = new_app(redis_url, dlock_retry_backoff=0.3, dlock_retry_backoff_max=0.3)
 
-    @app.task(base=LockedTask, shared=False, bind=True, lock_key="b:{x}",
-              lock_retry_max=3, max_retries=3)
+    @e.app.task(base=LockedTask, shared=False, bind=True, lock_key="b:{x}",
+                lock_retry_max=3, max_retries=3)
     def budgeted(self: Any, x: str) -> int:
-        ran.append(self.request.retries)
+        e.log(kind="budgeted", x=x, retries=self.request.retries)
         if self.request.retries == 0:
             raise self.retry(countdown=1.0)
         return int(self.request.retries)
 
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
-                      shutdown_timeout=20):
-        yield type("Env", (), {"app": app, "r": r, "prefix": prefix,
-                               "task": budgeted, "ran": ran})
-    close_app(app)
-    r.close()
-
-
-def _contentions(seen: list[dict[str, Any]], task_id: str) -> int:
-    return sum(1 for kw in seen if kw.get("task_id") == task_id)
-
-
-def test_contention_budget_resets_once_the_body_has_ran(budget_env: Any) -> None:
-    env = budget_env
-    x = uuid.uuid4().hex[:8]
-    seen: list[dict[str, Any]] = []
-
-    def on_contended(sender: Any, **kw: Any) -> None:
-        if kw.get("key") == f"b:{x}":
-            seen.append(kw)
-
-    signals.lock_contended.connect(on_contended, weak=False)
-    holder = RedisLock(env.r, f"b:{x}", prefix=env.prefix, owner="test-holder")
-    try:
-        assert holder.acquire(blocking=False)
-        res = env.task.delay(x)
-        assert wait_for(lambda: _contentions(seen, res.id) >= 2, 20,
-                        what="two contentions")
-        holder.release()
-        # The body runs once and retries in 1 s: take the lock back before that.
-        assert wait_for(lambda: 0 in env.ran, 20, what="the body to run")
-        assert holder.acquire(blocking=True, timeout=5)
-        first_episode = _contentions(seen, res.id)
-        assert wait_for(lambda: _contentions(seen, res.id) >= first_episode + 2, 20,
-                        what="two more contentions")
-        holder.release()
-        try:
-            got = res.get(timeout=RESULT_TIMEOUT)
-        except LockNotAcquired as exc:
-            pytest.fail(f"the budget of 3 spanned two episodes: {exc}")
-    finally:
-        signals.lock_contended.disconnect(on_contended)
-        if holder.depth:
-            holder.release()
-    assert got == 1
-    print(f"\ncontention budget: {_contentions(seen, res.id)} contentions over two "
-          f"episodes with lock_retry_max=3, body ran at retries {env.ran[-2:]}")
-
-
-def test_contention_budget_still_bounds_one_episode(budget_env: Any) -> None:
-    env = budget_env
-    x = uuid.uuid4().hex[:8]
-    holder = RedisLock(env.r, f"b:{x}", prefix=env.prefix, owner="test-holder")
-    assert holder.acquire(blocking=False)
-    try:
-        with pytest.raises(LockNotAcquired, match="gave up after 3 contention retries"):
-            env.task.delay(x).get(timeout=RESULT_TIMEOUT)
-    finally:
-        holder.release()
-
-
-# -- a retry that finds its predecessor still unwinding ---------------------------------
-
-
-@pytest.fixture(scope="module")
-def unwind_env(redis_url: str) -> Iterator[TaskEnv]:
-    e = new_app(redis_url)
+    e.tasks["budgeted"] = budgeted
 
     for policy in ("skip", "raise"):
         def body(self: Any, x: str) -> int:
@@ -195,14 +114,68 @@ def unwind_env(redis_url: str) -> Iterator[TaskEnv]:
         e.tasks[policy] = e.app.task(base=LockedTask, shared=False, bind=True,
                                      name=f"unwinding_{policy}", lock_key="u:{x}",
                                      on_contention=policy, max_retries=1)(body)
-    with running(e):
+    with running(e, concurrency=3):
         yield e
 
 
+def _contentions(seen: list[dict[str, Any]], task_id: str) -> int:
+    return sum(1 for kw in seen if kw.get("task_id") == task_id)
+
+
+def test_contention_budget_resets_once_the_body_has_ran(env: TaskEnv) -> None:
+    x = uuid.uuid4().hex[:8]
+    seen: list[dict[str, Any]] = []
+
+    def on_contended(sender: Any, **kw: Any) -> None:
+        if kw.get("key") == f"b:{x}":
+            seen.append(kw)
+
+    signals.lock_contended.connect(on_contended, weak=False)
+    holder = RedisLock(env.r, f"b:{x}", prefix=env.prefix, owner="test-holder")
+    try:
+        assert holder.acquire(blocking=False)
+        res = env.tasks["budgeted"].delay(x)
+        assert wait_for(lambda: _contentions(seen, res.id) >= 2, 20,
+                        what="two contentions")
+        holder.release()
+        # The body runs once and retries in 1 s: take the lock back before that.
+        assert wait_for(lambda: env.events(kind="budgeted", x=x, retries=0), 20,
+                        what="the body to run")
+        assert holder.acquire(blocking=True, timeout=5)
+        first_episode = _contentions(seen, res.id)
+        assert wait_for(lambda: _contentions(seen, res.id) >= first_episode + 2, 20,
+                        what="two more contentions")
+        holder.release()
+        try:
+            got = res.get(timeout=RESULT_TIMEOUT)
+        except LockNotAcquired as exc:
+            pytest.fail(f"the budget of 3 spanned two episodes: {exc}")
+    finally:
+        signals.lock_contended.disconnect(on_contended)
+        if holder.depth:
+            holder.release()
+    assert got == 1
+    print(f"\ncontention budget: {_contentions(seen, res.id)} contentions over two "
+          f"episodes with lock_retry_max=3")
+
+
+def test_contention_budget_still_bounds_one_episode(env: TaskEnv) -> None:
+    x = uuid.uuid4().hex[:8]
+    holder = RedisLock(env.r, f"b:{x}", prefix=env.prefix, owner="test-holder")
+    assert holder.acquire(blocking=False)
+    try:
+        with pytest.raises(LockNotAcquired, match="gave up after 3 contention retries"):
+            env.tasks["budgeted"].delay(x).get(timeout=RESULT_TIMEOUT)
+    finally:
+        holder.release()
+
+
+# -- a retry that finds its predecessor still unwinding ---------------------------------
+
+
 @pytest.mark.parametrize("policy", ["skip", "raise"])
-def test_retry_waits_for_its_predecessor_whatever_the_policy(unwind_env: TaskEnv,
+def test_retry_waits_for_its_predecessor_whatever_the_policy(env: TaskEnv,
                                                              policy: str) -> None:
-    env = unwind_env
     x = uuid.uuid4().hex[:8]
     assert env.tasks[policy].delay(x).get(timeout=RESULT_TIMEOUT) == 1
     (unwound,) = env.events(kind="unwound", x=x)
