@@ -25,7 +25,7 @@ from .errors import InvalidLockConfig
 __all__ = ["SETTINGS", "Setting", "get_client", "read_setting", "resolve_url"]
 
 POLICIES = ("retry", "wait", "skip", "raise")
-LOST_ACTIONS = ("warn", "interrupt")
+LOST_ACTIONS = ("fail", "interrupt", "warn")
 
 
 def _positive(name: str, value: Any) -> float:
@@ -105,9 +105,10 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
             "(not counted against max_retries)"),
     Setting("lock_fail_open", "dlock_fail_open", False, _bool,
             "run the body unlocked (with a warning) when Redis is unreachable"),
-    Setting("lock_lost_action", "dlock_lock_lost_action", "warn", _lost_action,
-            "when the lock is lost while the body runs: warn (signal + log), or "
-            "interrupt (raise LockLost inside the task)"),
+    Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
+            "when the lock is lost while the body runs: fail (the body finishes, the "
+            "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
+            "the task; FAILURE) or warn (signal + log; the result stands)"),
 )}
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery import signature
 from celery.exceptions import Ignore, Retry
 
 from .errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
@@ -174,8 +175,9 @@ class Contention:
         """End the task without running the body; the result says who held the lock.
 
         A worker run stores that result (so ``AsyncResult.get()`` returns it) and stops
-        there: link callbacks and the rest of a chain do not run.  A direct or eager
-        call returns it.
+        there: link callbacks and the rest of a chain do not run, and every later link
+        of the chain gets the same result, so the chain's ``get()`` returns it at once.
+        A direct or eager call returns it.
         """
         task = self.task
         request = task.request
@@ -188,7 +190,19 @@ class Contention:
             return result
         if not request.ignore_result and not task.ignore_result:
             task.backend.mark_as_done(request.id, result, request=request)
+        _end_chain(task, request, result)
         raise Ignore(f"skipped: lock {self.key!r} {reason}")
+
+
+def _end_chain(task: Any, request: Any, result: Any) -> None:
+    """Give the links of ``request``'s chain that will not run the skip result."""
+    for link in request.chain or ():
+        try:
+            link_id = signature(link, app=task.app).id
+        except Exception:  # something that is not a signature: nothing to resolve
+            continue
+        if link_id:
+            task.backend.mark_as_done(link_id, result)
 
 
 class ContentionPolicy(abc.ABC):

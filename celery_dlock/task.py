@@ -19,29 +19,40 @@ What "the same owner" means, on a timeline with one message M (task id T)::
     t0  worker A, attempt 1 of T   owner = A:pid:uuid-1 takes stock:42
     t1  A's body calls reduce_stock(42) directly -> same attempt: re-enters (count 2)
     t2  the broker redelivers M (visibility timeout) to worker B
-    t3  worker B, attempt 2 of T   owner = B:pid:uuid-2: contention, NOT re-entry,
-                                   although the task id is the same -> policy decides
-    t4  A's attempt ends           count 0: released; B's retry finds it free
+    t3  worker B, attempt of T     owner = B:pid:uuid-2: contention, NOT re-entry;
+                                   the holder is T itself: a duplicate, ignored
+                                   (no body, no state, no result)
+    t4  A's attempt ends           count 0: released; T's result is A's
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from billiard.exceptions import Terminated, WorkerLostError
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
-from celery.worker.request import Request
 
 from . import signals
+from .attempt import (
+    DUPLICATE,
+    DUPLICATE_GRACE,
+    DUPLICATE_HEADER,
+    Attempt,
+    LockLostInterrupt,
+    attempts,
+    first_run_ended,
+    header,
+    hold_info,
+    interrupt_thread,
+    relation,
+    requeue_duplicate,
+)
 from .config import SETTINGS, get_client, read_setting
 from .contention import (
     ACQUIRED,
@@ -50,61 +61,20 @@ from .contention import (
     get_policy,
     policy_name,
 )
-from .errors import (
-    BackendUnavailable,
-    DLockError,
-    InvalidLockConfig,
-    LockLost,
-    LockNotAcquired,
-    UnkeyableArgument,
-)
-from .hooks import free_lock_after_exit, install, unwatch_child, watch_child
+from .errors import BackendUnavailable, DLockError, LockLost, LockNotAcquired
+from .hooks import install
 from .keys import KeyFunction, make_key_function
 from .lock import RedisLock
 from .owner import owner_context
+from .request import LockedRequest
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
 
 logger = logging.getLogger("celery_dlock.task")
 
-
-class LockLostInterrupt(LockLost):
-    """Raised inside a running task whose lock was lost.
-
-    Only with ``lock_lost_action="interrupt"``.
-    """
-
-    def __init__(self, message: str = "the task's lock was lost while it ran",
-                 *, lock_name: str | None = None) -> None:
-        super().__init__(message, lock_name=lock_name)
-
-
-def _interrupt_thread(thread_id: int) -> bool:
-    """Raise :class:`LockLostInterrupt` in another thread at its next instruction."""
-    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(LockLostInterrupt))
-    return bool(done == 1)
-
-
-class _Attempt:
-    """The lock of one running attempt, as the task body sees it (``self.lock``)."""
-
-    __slots__ = ("fence", "key", "lock", "running", "started", "task_id", "thread_id")
-
-    def __init__(self, lock: RedisLock, thread_id: int, task_id: str | None) -> None:
-        self.task_id = task_id
-        self.lock = lock
-        self.key = lock.name
-        self.fence = lock.fence
-        self.started = time.monotonic()
-        self.thread_id = thread_id
-        self.running = True
-
-
-#: The runs in progress in this context, by task name.
-_NO_ATTEMPTS: Mapping[str, _Attempt] = MappingProxyType({})
-_attempts: ContextVar[Mapping[str, _Attempt]] = ContextVar("celery_dlock_attempts",
-                                                          default=_NO_ATTEMPTS)
+#: How long an attempt waits in one go for its own predecessor's release before it
+#: looks again at who holds the lock.
+PREDECESSOR_WAIT_SLICE = 1.0
 
 
 class LockedTask(Task):  # type: ignore[misc]
@@ -135,7 +105,7 @@ class LockedTask(Task):  # type: ignore[misc]
     lock_retry_max: ClassVar[int | None] = None
     #: Run unlocked, with a warning, when Redis is unreachable (app: dlock_fail_open).
     lock_fail_open: ClassVar[bool | None] = None
-    #: "warn" or "interrupt" (app: dlock_lock_lost_action).
+    #: "fail" (default), "interrupt" or "warn" (app: dlock_lock_lost_action).
     lock_lost_action: ClassVar[str | None] = None
 
     #: The worker-side request: frees a dead child's locks from the main process.
@@ -185,46 +155,52 @@ class LockedTask(Task):  # type: ignore[misc]
             self._dlock_settings = cached
         return cached
 
+
     @property
     def lock(self) -> RedisLock | None:
         """The lock held by the current run of this task (None outside one, or when it
         runs unlocked under fail-open)."""
-        attempt = _attempts.get().get(self.name)
+        attempt = attempts.get().get(self.name)
         return attempt.lock if attempt is not None else None
 
     def _new_lock(self, key: str, settings: Mapping[str, Any],
                   request: Any) -> RedisLock:
-        info = {
-            "task_id": request.id,
-            "task_name": self.name,
-            "worker": request.hostname,
-        }
         return RedisLock(
             get_client(self.app), key, settings["lock_ttl"],
-            prefix=settings["lock_prefix"], info=info,
+            prefix=settings["lock_prefix"], info=hold_info(self.name, request),
         )
 
     # -- running ----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        worker_attempt = (not request.called_directly and not request.is_eager
-                          and self.name not in _attempts.get())
-        if worker_attempt:
-            # A fresh owner for every attempt: a redelivery (same task id) contends.
-            with owner_context():
-                return self._run_locked(request, args, kwargs, requeue=True)
-        return self._run_locked(request, args, kwargs, requeue=False)
+        running = attempts.get()
+        if request.called_directly or self.name in running or \
+                (request.is_eager and running):
+            # A direct call, or an eager one inside a running attempt: the caller's
+            # owner (that attempt's, else the calling thread's) re-enters.
+            return self._run_locked(request, args, kwargs, requeue=False)
+        # A fresh owner for every attempt: a redelivery (same task id) contends, and
+        # an eager run contends with its caller's own locks.
+        with owner_context():
+            return self._run_locked(request, args, kwargs,
+                                    requeue=not request.is_eager)
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     requeue: bool) -> Any:
         settings = self.dlock_settings()
         key = self.lock_name(args, kwargs)
+        duplicate = requeue and header(request, DUPLICATE_HEADER) > 0
+        if duplicate and first_run_ended(self, request.id):
+            raise Ignore(f"duplicate delivery of {request.id}: it has ended")
         lock = self._new_lock(key, settings, request)
         started = time.monotonic()
+        error: DLockError | None = None
         try:
             acquired = lock.acquire(blocking=False)
-            error: DLockError | None = None
+            if not acquired and requeue:
+                acquired = self._same_task_holder(lock, request, args, kwargs,
+                                                  settings)
             if not acquired:
                 error = LockNotAcquired(lock_name=key, holder=lock.last_holder)
         except BackendUnavailable as exc:
@@ -238,19 +214,40 @@ class LockedTask(Task):  # type: ignore[misc]
             outcome = self._contended(lock, error, args, kwargs, settings, requeue)
             if outcome is not ACQUIRED:
                 return outcome
-        return self._run_body(request, lock, args, kwargs, started)
+        if duplicate and first_run_ended(self, request.id, DUPLICATE_GRACE):
+            lock.release()  # the first run released, and its result came just after
+            raise Ignore(f"duplicate delivery of {request.id}: it has ended")
+        return self._run_body(request, lock, args, kwargs, started, settings)
+
+    def _same_task_holder(self, lock: RedisLock, request: Any, args: tuple[Any, ...],
+                          kwargs: dict[str, Any], settings: Mapping[str, Any]) -> bool:
+        """When the holder is an attempt of this very task id: wait for an earlier
+        generation (a retry's or replacement's predecessor) to unwind, whatever the
+        policy; re-queue a duplicate delivery silently.  False: the holder is another
+        task.
+        """
+        while True:
+            kind = relation(lock.last_holder, request)
+            if kind is None:
+                return False
+            if kind == DUPLICATE:
+                signals.lock_contended.send(
+                    sender=self, key=lock.name, policy="duplicate",
+                    holder=lock.last_holder, task_id=request.id,
+                    error=LockNotAcquired(lock_name=lock.name, holder=lock.last_holder))
+                requeue_duplicate(self, lock, request, args, kwargs, settings)
+            # An earlier generation of this task id, still unwinding: wait for it.
+            logger.debug("Task %s[%s] waits for its predecessor to release %r",
+                         self.name, request.id, lock.name)
+            if lock.acquire(blocking=True, timeout=PREDECESSOR_WAIT_SLICE):
+                return True
 
     def _contended(self, lock: RedisLock, error: DLockError, args: tuple[Any, ...],
                    kwargs: dict[str, Any], settings: Mapping[str, Any],
                    requeue: bool) -> Any:
         policy = settings["on_contention"]
         request = self.request
-        retries = 0
-        if requeue:
-            raw = getattr(request, CONTENTION_HEADER, None)
-            if raw is None:
-                raw = (request.headers or {}).get(CONTENTION_HEADER, 0)
-            retries = int(raw or 0)
+        retries = header(request, CONTENTION_HEADER) if requeue else 0
         contention = Contention(task=self, lock=lock, error=error, args=args,
                                 kwargs=kwargs, retries=retries, can_requeue=requeue,
                                 settings=settings)
@@ -261,114 +258,97 @@ class LockedTask(Task):  # type: ignore[misc]
         return get_policy(policy)(contention)
 
     def _run_body(self, request: Any, lock: RedisLock, args: tuple[Any, ...],
-                  kwargs: dict[str, Any], started: float) -> Any:
-        attempt = _Attempt(lock, threading.get_ident(), request.id)
-        lock.on_lost = functools.partial(self._on_lock_lost, attempt, request.id)
-        reset = _attempts.set({**_attempts.get(), self.name: attempt})
+                  kwargs: dict[str, Any], started: float,
+                  settings: Mapping[str, Any]) -> Any:
+        attempt = Attempt(lock, threading.get_ident(), request.id)
+        lock.on_lost = functools.partial(self._on_lock_lost, attempt, settings)
+        reset = attempts.set({**attempts.get(), self.name: attempt})
         signals.lock_acquired.send(sender=self, key=lock.name, fence=lock.fence,
                                    task_id=request.id, wait=time.monotonic() - started)
-        state = "FAILURE"
+        # Everything the body runs (its except and finally blocks, with-exits, a
+        # fallback after MaxRetriesExceededError) runs before the release below.
         try:
             result = super().__call__(*args, **kwargs)
-            state = "SUCCESS"
-            return result
-        except Retry:
-            state = "RETRY"
-            raise
-        except Ignore:
-            state = "IGNORED"
-            raise
-        except Reject:
-            state = "REJECTED"
-            raise
-        finally:
+        except BaseException as exc:
             attempt.running = False
-            _attempts.reset(reset)
-            self._release_attempt(attempt, state)
+            attempts.reset(reset)
+            self._end_attempt(attempt, _state_of(exc), settings)
+            raise
+        attempt.running = False
+        attempts.reset(reset)
+        lost = self._end_attempt(attempt, "SUCCESS", settings)
+        if lost is None:
+            return result
+        action = settings["lock_lost_action"]
+        if action == "warn":
+            logger.warning("Task %s[%s]: its lock %r was lost while it ran (%s); its "
+                           "result stands (lock_lost_action='warn')", self.name,
+                           request.id, attempt.key, lost)
+            return result
+        raise LockLost(f"lock {attempt.key!r} was lost while the task ran ({lost}); "
+                       f"the attempt fails (lock_lost_action={action!r})",
+                       lock_name=attempt.key)
 
-    def _release_attempt(self, attempt: _Attempt, state: str) -> None:
+    def _end_attempt(self, attempt: Attempt, state: str,
+                     settings: Mapping[str, Any]) -> str | None:
+        """Release the attempt's lock; returns why the hold was lost, if it was."""
         lock = attempt.lock
-        if lock.depth == 0:
-            return  # already released (retry() releases before re-queueing)
-        try:
-            lock.release()
-        except DLockError as exc:
-            logger.warning("Task %s[%s]: releasing lock %r: %s", self.name,
-                           attempt.task_id, attempt.key, exc)
+        lost = attempt.lost_reason
+        if lock.depth > 0:  # 0 once release_all() ran (a warm shutdown)
+            try:
+                lock.release()
+            except LockLost as exc:
+                if lost is None:  # found out only now: tell, as on_lost would have
+                    lost = exc.message
+                    self._report_lost(attempt, lost)
+            except DLockError as exc:
+                logger.warning("Task %s[%s]: releasing lock %r: %s", self.name,
+                               attempt.task_id, attempt.key, exc)
+        if lost is not None and state == "SUCCESS" and \
+                settings["lock_lost_action"] != "warn":
+            state = "FAILURE"
         signals.lock_released.send(sender=self, key=attempt.key, fence=attempt.fence,
                                    task_id=attempt.task_id,
                                    held_for=time.monotonic() - attempt.started,
                                    state=state)
+        return lost
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """``Task.retry``, releasing this attempt's lock before the retry is queued.
-
-        So a retry with a short countdown never finds its own previous attempt still
-        holding the lock.
-        """
-        attempt = _attempts.get().get(self.name)
-        if attempt is not None and kwargs.get("throw", True) and \
-                not self.request.called_directly:
-            self._release_attempt(attempt, "RETRY")
-        return super().retry(*args, **kwargs)
+    def signature_from_request(self, request: Any = None, args: Any = None,
+                               kwargs: Any = None, queue: Any = None,
+                               **extra_options: Any) -> Any:
+        """Celery's, except that a retry the body asks for (``self.retry()``,
+        ``autoretry_for``) starts afresh: the body has run, so the contention-retry
+        count (one episode's budget) and a duplicate's mark are not carried over."""
+        sig = super().signature_from_request(request, args, kwargs, queue=queue,
+                                             **extra_options)
+        headers = sig.options.get("headers")
+        if "headers" not in extra_options and headers:
+            sig.options["headers"] = {k: v for k, v in headers.items()
+                                      if k not in (CONTENTION_HEADER, DUPLICATE_HEADER)}
+        return sig
 
     # -- lock lost ----------------------------------------------------------------------
 
-    def _on_lock_lost(self, attempt: _Attempt, task_id: str | None,
+    def _on_lock_lost(self, attempt: Attempt, settings: Mapping[str, Any],
                       lock: RedisLock) -> None:
-        reason = lock._lost_reason or "lost"
+        attempt.lost_reason = lock._lost_reason or "lost"
+        self._report_lost(attempt, attempt.lost_reason)
+        if attempt.running and settings["lock_lost_action"] == "interrupt":
+            interrupt_thread(attempt.thread_id)
+
+    def _report_lost(self, attempt: Attempt, reason: str) -> None:
         logger.warning("Task %s[%s]: lock %r lost while running: %s", self.name,
-                       task_id, lock.name, reason)
-        signals.lock_lost.send(sender=self, key=lock.name, fence=attempt.fence,
-                               task_id=task_id, reason=reason)
-        if attempt.running and \
-                self.dlock_settings()["lock_lost_action"] == "interrupt":
-            _interrupt_thread(attempt.thread_id)
+                       attempt.task_id, attempt.key, reason)
+        signals.lock_lost.send(sender=self, key=attempt.key, fence=attempt.fence,
+                               task_id=attempt.task_id, reason=reason)
 
 
-class LockedRequest(Request):  # type: ignore[misc]
-    """Worker-side request of a :class:`LockedTask`, living in the main process.
-
-    When the child process running this request dies (SIGKILL, OOM,
-    ``revoke(terminate=True)``) or is killed for a hard time limit, it frees the
-    child's lock at once instead of letting it expire after ``lock_ttl``: only the
-    hold of that task id in that pid is freed, after the pid is gone.  It watches the
-    child from the moment it accepts the request, since the pool may report a SIGKILL
-    only seconds later.
-    """
-
-    def on_accepted(self, pid: int, time_accepted: float) -> Any:
-        result = super().on_accepted(pid, time_accepted)
-        if pid:
-            try:
-                watch_child(self, int(pid))
-            except Exception as exc:  # never break the worker's main loop
-                logger.warning("cannot watch the process of task %s[%s]: %s",
-                               self.task.name, self.id, exc)
-        return result
-
-    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
-                   return_ok: bool = False) -> Any:
-        unwatch_child(self)
-        exc = getattr(exc_info, "exception", None)
-        exc = getattr(exc, "exc", exc)
-        if isinstance(exc, (WorkerLostError, Terminated)):
-            self._free_dead_child_lock()
-        return super().on_failure(exc_info, send_failed_event=send_failed_event,
-                                  return_ok=return_ok)
-
-    def on_timeout(self, soft: bool, timeout: float) -> Any:
-        if not soft:
-            self._free_dead_child_lock()
-        return super().on_timeout(soft, timeout)
-
-    def _free_dead_child_lock(self) -> None:
-        pid = self.worker_pid
-        if not pid:
-            return
-        try:
-            free_lock_after_exit(self.task, self.id, int(pid), self.hostname,
-                                 tuple(self.args), dict(self.kwargs))
-        except (DLockError, InvalidLockConfig, UnkeyableArgument) as exc:
-            logger.warning("could not free the lock of dead task %s[%s]: %s",
-                           self.task.name, self.id, exc)
+def _state_of(exc: BaseException) -> str:
+    """The state an attempt that raised ``exc`` ends in (for ``lock_released``)."""
+    if isinstance(exc, Retry):
+        return "RETRY"
+    if isinstance(exc, Ignore):
+        return "IGNORED"
+    if isinstance(exc, Reject):
+        return "REJECTED"
+    return "FAILURE"

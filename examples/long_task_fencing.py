@@ -103,8 +103,11 @@ def _pttl(task: Any) -> float:
     return float(data().pttl(task.lock.keys.lock)) / 1000.0
 
 
+# lock_lost_action="warn": the stale writer's outcome is this demo's point, so its
+# result is kept; by default an attempt that lost its lock ends FAILURE LockLost.
 @app.task(name="examples.long_task_fencing.rebuild", base=LockedTask, bind=True,
-          lock_key="doc:{doc}", lock_ttl=TTL, on_contention="raise")
+          lock_key="doc:{doc}", lock_ttl=TTL, on_contention="raise",
+          lock_lost_action="warn")
 def rebuild(self: Any, doc: str, writer: str, steps: int = 1, step: float = 0.0,
             wait_for_takeover: bool = False) -> dict[str, Any]:
     """Write ``steps`` versions of ``doc``, ``step`` seconds apart, with the fence."""

@@ -10,8 +10,9 @@ the hold count in Redis goes 1 -> 2 -> 3 and back.
 Then the same message is delivered again while the first attempt still runs (what the
 broker does after a visibility timeout or a lost connection, with ``acks_late``): same
 task id, another worker process.  That is a *different* attempt, hence a different
-owner: it contends, and is skipped (``on_contention="skip"``) instead of re-entering
-and running the body a second time.
+owner: it contends instead of re-entering, and finding its own task id holding the lock
+it is a duplicate (``lock_contended`` with policy ``"duplicate"``): it never runs the
+body and writes no state, whatever ``on_contention`` says.
 
 One command, on a throwaway redis-server and one prefork worker with 2 processes::
 

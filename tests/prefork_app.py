@@ -24,9 +24,16 @@ from celery import Celery, signals
 
 from celery_dlock import LockedTask
 
+try:  # the worker imports this module as tests.prefork_app, pytest as prefork_app
+    from tests.prefork_fault_tasks import register as _register_fault_tasks
+except ImportError:
+    from prefork_fault_tasks import register as _register_fault_tasks
+
 ENV_URL = "DLOCK_PF_REDIS_URL"
 ENV_PREFIX = "DLOCK_PF_PREFIX"
 ENV_QUEUE = "DLOCK_PF_QUEUE"
+#: JSON object of extra ``app.conf`` settings for the worker (fault tests).
+ENV_CONF = "DLOCK_PF_CONF"
 
 _clients: dict[int, redis.Redis] = {}
 _config: dict[str, str] = {}
@@ -74,6 +81,7 @@ def make_app(url: str, prefix: str, queue: str) -> Celery:
         result_expires=600,
         worker_hijack_root_logger=True,
     )
+    app.conf.update(json.loads(os.environ.get(ENV_CONF) or "{}"))
 
     # -- inventory: read stock, pause, write stock - 1 ---------------------------------
 
@@ -167,6 +175,7 @@ def make_app(url: str, prefix: str, queue: str) -> Celery:
             raise FlakyError(f"attempt {self.request.retries}")
         return int(self.request.retries)
 
+    _register_fault_tasks(app, dp, _record)
     return app
 
 

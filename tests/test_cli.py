@@ -29,7 +29,7 @@ from celery_helpers import close_app
 from click.testing import CliRunner, Result
 from dlock_helpers import closed_port, wait_until
 
-from celery_dlock import is_skipped
+from celery_dlock import LockLost, is_skipped
 from celery_dlock.cli import dlock
 from celery_dlock.inspect import SUMMARY_FIELDS, get_lock
 
@@ -194,7 +194,10 @@ def test_release_force_frees_the_lock_and_the_next_task_runs(env):
         assert get_lock(env.r, env.prefix, f"cli:{x}") is None
         assert cli_app.probe.delay(x).get(timeout=RESULT_TIMEOUT) == "ran"
     finally:
-        finish(env, x, result)
+        cli_app.open_gate(env.r, env.prefix, x)
+    # The running task lost its lock: it fails (lock_lost_action="fail").
+    with pytest.raises(LockLost):
+        result.get(timeout=RESULT_TIMEOUT)
 
 
 def test_release_confirmed_frees_the_hold_it_showed(env):
@@ -205,7 +208,9 @@ def test_release_confirmed_frees_the_hold_it_showed(env):
         assert f"Released lock 'cli:{x}'" in out.stdout
         assert get_lock(env.r, env.prefix, f"cli:{x}") is None
     finally:
-        finish(env, x, result)
+        cli_app.open_gate(env.r, env.prefix, x)
+    with pytest.raises(LockLost):
+        result.get(timeout=RESULT_TIMEOUT)
 
 
 def test_release_unknown_key_exits_1(env):

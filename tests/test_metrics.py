@@ -139,8 +139,8 @@ def test_contention_counter_by_task_and_policy(env):
 def test_lost_counter(env):
     task = env.tasks.loses.name
     before = sample(env, "dlock_lost_total", task=task)
-    assert env.tasks.loses.delay(uuid.uuid4().hex).get(timeout=RESULT_TIMEOUT) == \
-        "noticed"
+    with pytest.raises(LockLost):  # the attempt fails (lock_lost_action="fail")
+        env.tasks.loses.delay(uuid.uuid4().hex).get(timeout=RESULT_TIMEOUT)
     assert wait_until(lambda: sample(env, "dlock_lost_total", task=task) == before + 1)
     assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 0)
 

@@ -1,0 +1,100 @@
+"""A lock lost while the body runs: the attempt fails with ``LockLost`` by default.
+
+``lock_lost_action``: ``fail`` (default: the body finishes, then the attempt ends as
+FAILURE ``LockLost``), ``interrupt`` (``LockLostInterrupt`` is raised inside the body;
+FAILURE), ``warn`` (the explicit opt-in to warn and keep the body's result).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import states
+from task_env import TaskEnv, new_app, running
+
+from celery_dlock import LockedTask, LockLost, signals
+
+RESULT_TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def env(redis_url: str) -> Iterator[TaskEnv]:
+    e = new_app(redis_url)
+
+    def body(self: Any, x: str, after: float) -> str:
+        """Delete the lock's keys, then run ``after`` seconds more."""
+        e.r.delete(e.lock_key(f"l:{x}"))
+        deadline = time.monotonic() + after
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+        e.log(kind="body-end", x=x, lost=self.lock.lost)
+        return "body finished"
+
+    for action in ("default", "fail", "warn", "interrupt"):
+        options: dict[str, Any] = {} if action == "default" else {
+            "lock_lost_action": action}
+        e.tasks[action] = e.app.task(base=LockedTask, shared=False, bind=True,
+                                     name=f"lost_{action}", lock_key="l:{x}",
+                                     lock_ttl=1, **options)(body)
+    with running(e):
+        yield e
+
+
+@pytest.fixture
+def lost_signals() -> Iterator[list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kw: Any) -> None:
+        seen.append(kw)
+
+    signals.lock_lost.connect(receiver, weak=False)
+    yield seen
+    signals.lock_lost.disconnect(receiver)
+
+
+def _x() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.mark.parametrize("action", ["default", "fail"])
+def test_lost_lock_fails_the_attempt_by_default(env: TaskEnv, action: str,
+                                                lost_signals: list[dict[str, Any]]
+                                                ) -> None:
+    x = _x()
+    res = env.tasks[action].delay(x, 1.5)  # renewal (every 1/3 s) finds it gone
+    with pytest.raises(LockLost) as info:
+        res.get(timeout=RESULT_TIMEOUT)
+    assert res.state == states.FAILURE
+    assert f"'l:{x}'" in str(info.value) and "lost" in str(info.value)
+    (end,) = env.events(kind="body-end", x=x)
+    assert end["lost"] is True  # the body was not interrupted: it ran to its end
+    assert len([s for s in lost_signals if s["key"] == f"l:{x}"]) == 1
+
+
+def test_lost_lock_found_only_at_release_fails_too(env: TaskEnv) -> None:
+    x = _x()
+    res = env.tasks["default"].delay(x, 0.0)  # ends before any renewal
+    with pytest.raises(LockLost, match="expired"):
+        res.get(timeout=RESULT_TIMEOUT)
+    assert res.state == states.FAILURE
+
+
+def test_warn_is_the_opt_in_to_keep_the_result(env: TaskEnv,
+                                               lost_signals: list[dict[str, Any]]
+                                               ) -> None:
+    x = _x()
+    assert env.tasks["warn"].delay(x, 1.5).get(timeout=RESULT_TIMEOUT) == "body finished"
+    assert len([s for s in lost_signals if s["key"] == f"l:{x}"]) == 1
+
+
+def test_interrupt_stops_the_body_and_fails(env: TaskEnv) -> None:
+    x = _x()
+    res = env.tasks["interrupt"].delay(x, 5.0)
+    with pytest.raises(LockLost):
+        res.get(timeout=RESULT_TIMEOUT)
+    assert res.state == states.FAILURE
+    assert not env.events(kind="body-end", x=x)
