@@ -78,7 +78,7 @@ def worker_app(request: pytest.FixtureRequest, redis_url: str) -> Iterator[Any]:
 
 
 def test_lock_not_acquired_keeps_lock_name_and_holder(worker_app, r):
-    _app_, raiser, prefix = worker_app
+    _, raiser, prefix = worker_app
     info = {"task_id": "held-by-7f3c", "task_name": "other.task", "worker": "w1@box"}
     with RedisLock(r, "row:42", ttl=30, prefix=prefix, info=info,
                    auto_renew=False) as held:
