@@ -142,7 +142,7 @@ class _ErrorType(type):
                 args[1].get(_WIRE) == 1:
             message, state = args
             restored = {k: _from_wire(v) for k, v in state.items() if k != _WIRE}
-            return _rebuild(cls, str(message), restored)
+            return _rebuild(cls, str(message), restored)  # type: ignore[arg-type]
         return super().__call__(*args, **kwargs)
 
 
@@ -159,7 +159,7 @@ class DLockError(Exception, metaclass=_ErrorType):
             return f"{self.message} (lock {self.lock_name!r})"
         return self.message
 
-    @property  # type: ignore[override]
+    @property
     def args(self) -> tuple[Any, ...]:
         """``(message, state)``: plain data from which ``cls(*args)`` rebuilds the
         error (every attribute, holder included), for Celery's json, yaml and msgpack
