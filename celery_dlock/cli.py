@@ -31,14 +31,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import click
-import redis
 from celery import current_app
-from kombu.utils.url import maybe_sanitize_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .config import _default_client_options, get_client, resolve_url
+from .config import get_client, mask_url, resolve_url
+from .connection import _default_client_options, client_from_url
 from .errors import BackendUnavailable, InvalidLockConfig
 from .events import Event, recent_events, recording_enabled
 from .inspect import (
@@ -74,8 +73,7 @@ class _Target:
     def client(self) -> Any:
         if self._client is None:
             if self.url:
-                self._client = redis.Redis.from_url(self.url,
-                                                    **_default_client_options())
+                self._client = client_from_url(self.url, _default_client_options())
             else:
                 self._client = get_client(self.app)
         return self._client
@@ -83,7 +81,7 @@ class _Target:
     def where(self) -> str:
         """The Redis being read, for messages (passwords masked)."""
         if self.url:
-            return str(maybe_sanitize_url(self.url))
+            return mask_url(self.url)
         conf = getattr(self.app, "conf", None)
         if conf is not None and conf.get("dlock_client"):
             kwargs = getattr(getattr(self._client, "connection_pool", None),
@@ -94,7 +92,7 @@ class _Target:
                 return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
             return "the client of app.conf.dlock_client"
         try:
-            return str(maybe_sanitize_url(resolve_url(conf)))
+            return mask_url(resolve_url(conf))
         except InvalidLockConfig:
             return "?"
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from .errors import InvalidLockConfig, UnkeyableArgument
 
-__all__ = ["KeyFunction", "canonical", "make_key_function"]
+__all__ = ["KeyFunction", "canonical", "make_key_function", "task_key_function"]
 
 KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
 
@@ -251,3 +251,25 @@ def make_key_function(
         return f"{task_name}:{digest}"
 
     return hashed_key
+
+
+def task_key_function(task_cls: type, task_name: str) -> KeyFunction | None:
+    """The key function of a task class: its ``run`` and its ``lock_key`` /
+    ``lock_args`` as the class sees them (the most derived class's own, or what
+    ``task_annotations`` set).  None while the class has no ``run`` of its own making
+    (an abstract base)."""
+    run = inspect.getattr_static(task_cls, "run", None)
+    if run is None:
+        return None
+    for klass in task_cls.__mro__:
+        if "run" in klass.__dict__:
+            if klass.__dict__.get("abstract"):
+                return None  # celery.Task.run: nothing to bind a call to
+            break
+    fun = run.__func__ if isinstance(run, (staticmethod, classmethod)) else run
+    lock_key = inspect.getattr_static(task_cls, "lock_key", None)
+    if isinstance(lock_key, staticmethod):
+        lock_key = lock_key.__func__
+    return make_key_function(task_name, fun, lock_key,
+                             getattr(task_cls, "lock_args", None),
+                             drop_first=not isinstance(run, staticmethod))
