@@ -305,7 +305,11 @@ def check_conf(conf: Any) -> None:
     url = resolve_url(conf)
     # Parse it as the client will (a bad port, an unknown query argument), without
     # connecting: Redis may be down at this moment, which is not a configuration error.
-    connection.client_from_url(url, options).close()
+    client = connection.client_from_url(url, options)
+    try:
+        connection.check_client_options(client)
+    finally:
+        client.close()
 
 
 def get_client(app: Any) -> Any:

@@ -159,6 +159,21 @@ def client_from_url(url: str, options: dict[str, Any]) -> Any:
                                 f"it defaults to): {text}") from None
 
 
+def check_client_options(client: Any) -> None:
+    """Make (not open) one connection of ``client``'s pool, so an unknown keyword in
+    ``dlock_redis_options`` or in the URL's query is found now, not at the first
+    command."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or not hasattr(pool, "make_connection"):
+        return
+    try:
+        conn = pool.make_connection()
+    except TypeError as exc:
+        raise InvalidLockConfig(f"app.conf.dlock_redis_options (or the query of the "
+                                f"Redis URL) is refused by redis-py: {exc}") from None
+    conn.disconnect()
+
+
 _clients: dict[tuple[int, str], Any] = {}
 # The hot path: the client of an app object, without reading its configuration.
 _by_app: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

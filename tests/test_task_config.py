@@ -245,6 +245,21 @@ def test_every_known_setting_passes_the_check(redis_url):
     assert get_client(app).ping()
 
 
+@pytest.mark.parametrize(("conf", "named"), [
+    ({"dlock_redis_options": {"sockettimeout": 1}}, "dlock_redis_options"),
+    ({"dlock_redis_options": [("socket_timeout", 1)]}, "dlock_redis_options"),
+    ({"dlock_client": "redis.Redis"}, "dlock_client"),
+    ({"dlock_record_events": "yes"}, "dlock_record_events"),
+    ({"dlock_url": "redis://h:notaport/0"}, "dlock_url"),
+])
+def test_client_settings_are_checked_without_connecting(conf, named):
+    app = Celery("cc", broker="memory://", set_as_current=False)
+    app.conf.update({"dlock_url": "redis://127.0.0.1:1/0", **conf})
+    with pytest.raises(InvalidLockConfig, match=named) as caught:
+        config.check_conf(app.conf)
+    assert "\n" not in str(caught.value)
+
+
 # -- finding Redis as Celery does (items 5 and 6) --------------------------------------
 
 def test_broker_url_from_the_environment(redis_url, monkeypatch, r):
