@@ -139,6 +139,20 @@ def test_per_call_headers_beat_everything(annotated, r):
     assert caught.value.lock_name == "plain:c"
 
 
+def test_per_call_headers_ride_with_contention_retries(annotated, r):
+    """Without the call's bound (app default: 20 retries, backoff from 1 s doubling to
+    30 s) this would take minutes; the headers travel with each re-queued message."""
+    _, tasks, prefix = annotated
+    with RedisLock(r, "plain:f", prefix=prefix, auto_renew=False, ttl=60):
+        result = tasks["plain"].apply_async(("f",), headers={
+            "lock_retry_max": 2, "lock_retry_backoff": 0.01,
+            "lock_retry_backoff_max": 0.02})
+        with pytest.raises(LockNotAcquired) as caught:
+            result.get(timeout=RESULT_TIMEOUT)
+    assert caught.value.lock_name == "plain:f"
+    assert "2 contention retries" in str(caught.value)
+
+
 @pytest.mark.parametrize(("headers", "named"), [
     ({"lock_ttl": 0}, "lock_ttl"),
     ({"lock_tll": 5}, "lock_ttl"),
