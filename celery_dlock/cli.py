@@ -9,9 +9,10 @@ app given with ``-A``::
     celery -A proj dlock release stock:42   # free it (asks first; --force does not)
     celery -A proj dlock top                # a live view, with recent contention
 
-Redis is the app's (``dlock_url``, else a Redis broker URL, or ``dlock_client``) and the
-key prefix ``dlock_key_prefix`` (``dlock``); ``--url`` and ``--prefix`` before the
-sub-command override them: ``celery -A proj dlock --url redis://other:6379/1 ls``.
+Redis is the app's (``dlock_client``, ``dlock_url``, a Redis broker URL or a Redis result
+backend, as the workers find it; passwords are never printed) and the key prefix
+``dlock_key_prefix`` (``dlock``); ``--url`` and ``--prefix`` before the sub-command
+override them: ``celery -A proj dlock --url redis://other:6379/1 ls``.
 
 Exit codes: 0 done, 1 nothing to do (an unknown lock, a release that was declined or
 found the lock changed hands), 2 Redis unreachable or not configured.
@@ -197,7 +198,7 @@ def _holder_text(info: LockInfo) -> str:
 
 @click.group(name="dlock")
 @click.option("--url", metavar="URL",
-              help="Redis to read (default: app.conf.dlock_url, else the broker URL).")
+              help="Redis to read (default: the app's, as the workers find it).")
 @click.option("--prefix", metavar="PREFIX",
               help="Key prefix (default: app.conf.dlock_key_prefix, else 'dlock').")
 @click.pass_context
