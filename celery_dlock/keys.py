@@ -99,6 +99,11 @@ def _object_key(value: Any, path: str) -> str:
 def _normalise(value: Any, path: str) -> Any:
     """A JSON-able form of ``value`` that equal values, and a value and its JSON
     text, share; what JSON cannot carry keeps a tag of its type."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value  # the common case, first
+    if kind is list or kind is tuple:
+        return [_normalise(v, f"{path}[{i}]") for i, v in enumerate(value)]
     value = json_scalar(value)
     if value is None or isinstance(value, (bool, str)):
         return value
