@@ -174,6 +174,26 @@ def test_bad_per_call_option_sent_by_name_fails_the_task(annotated):
         result.get(timeout=RESULT_TIMEOUT)
 
 
+def test_a_callable_option_is_called_as_given(redis_url, r, prefix):
+    """``on_contention=fn`` on the decorator is a class attribute of the task class;
+    read through the task it would be a bound method, called with the task first."""
+    app = Celery("callable", broker="memory://", set_as_current=False)
+    app.conf.update(dlock_url=redis_url, dlock_key_prefix=prefix)
+
+    def keep_going(contention: Any) -> str:
+        return f"held by {contention.holder.owner}"
+
+    @app.task(base=LockedTask, shared=False, name="callable.t", lock_key="cb:{x}",
+              on_contention=keep_going)
+    def t(x: str) -> str:
+        return "ran"
+
+    with RedisLock(r, "cb:1", prefix=prefix, owner="someone", auto_renew=False):
+        assert t.apply(("1",)).get() == "held by someone"
+    assert t.apply(("1",)).get() == "ran"
+    close_app(app)
+
+
 # -- misspelt options and settings (item 9) --------------------------------------------
 
 def _declare(app: Celery, **options: Any) -> Any:
