@@ -69,18 +69,31 @@ def mask_url(value: Any) -> str:
     return ";".join(_mask_one(part) for part in value.split(";"))
 
 
+def _celery_query(url: str) -> str:
+    """Celery's spellings in a Redis URL's query, as redis-py takes them:
+    ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's documented form) -> ``required``."""
+    base, question, query = url.partition("?")
+    if not question or "CERT_" not in query:
+        return url
+    pairs = [(k, v[len("CERT_"):].lower() if k == "ssl_cert_reqs" and
+              v.startswith("CERT_") else v)
+             for k, v in parse_qsl(query, keep_blank_values=True)]
+    return f"{base}?{urlencode(pairs)}"
+
+
 def redis_url_of(url: Any) -> str | None:
     """``url`` as a URL redis-py opens, when it names one Redis server; else None.
 
     Accepts ``redis://``, ``rediss://``, ``unix://`` and Celery's unix socket spellings
-    ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db).
-    A list, or several URLs separated by ``;`` (broker failover, Sentinel), is not one
-    server: None.
+    ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db);
+    ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's spelling) becomes redis-py's
+    ``required``.  A list, or several URLs separated by ``;`` (broker failover,
+    Sentinel), is not one server: None.
     """
     if not isinstance(url, str) or ";" in url:
         return None
     if url.startswith(_REDIS_SCHEMES):
-        return url
+        return _celery_query(url)
     for scheme in _SOCKET_SCHEMES:
         if url.startswith(scheme):
             rest = url[len(scheme):]
@@ -168,7 +181,7 @@ def check_client_options(client: Any) -> None:
         return
     try:
         conn = pool.make_connection()
-    except TypeError as exc:
+    except (TypeError, ValueError, redis.RedisError) as exc:
         raise InvalidLockConfig(f"app.conf.dlock_redis_options (or the query of the "
                                 f"Redis URL) is refused by redis-py: {exc}") from None
     conn.disconnect()

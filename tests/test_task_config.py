@@ -285,6 +285,8 @@ def test_every_known_setting_passes_the_check(redis_url):
     ({"dlock_client": "redis.Redis"}, "dlock_client"),
     ({"dlock_record_events": "yes"}, "dlock_record_events"),
     ({"dlock_url": "redis://h:notaport/0"}, "dlock_url"),
+    ({"dlock_url": "redis://h/0?socket_timeout=soon"}, "dlock_url"),
+    ({"dlock_url": "rediss://h/0?ssl_cert_reqs=sometimes"}, "dlock_redis_options"),
 ])
 def test_client_settings_are_checked_without_connecting(conf, named):
     app = Celery("cc", broker="memory://", set_as_current=False)
@@ -352,6 +354,9 @@ def test_filesystem_broker_with_a_redis_result_backend(redis_url, tmp_path: Path
      "redis://b:6379/0"),
     ({"broker_url": "redis://b:6379/0", "dlock_url": "redis://d:6379/4"},
      "redis://d:6379/4"),
+    # Celery's documented TLS spelling, as redis-py takes it
+    ({"broker_url": "rediss://:pw@b:6380/0?ssl_cert_reqs=CERT_REQUIRED"},
+     "rediss://:pw@b:6380/0?ssl_cert_reqs=required"),
 ])
 def test_resolution_order(conf, expected):
     app = Celery("order", set_as_current=False)
