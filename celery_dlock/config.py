@@ -145,11 +145,17 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
 KEY_OPTIONS = ("lock_key", "lock_args")
 #: Every task option of a LockedTask.
 TASK_OPTIONS: frozenset[str] = frozenset(SETTINGS) | frozenset(KEY_OPTIONS)
-#: Options one call may override in its message headers.  ``lock_key``, ``lock_args``
-#: and ``lock_prefix`` name the lock: every call (and the worker's main process, which
-#: frees a dead child's lock, and ``celery dlock``) must agree on them, so a call
-#: cannot change them.
-CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - {"lock_prefix"}
+#: Options no call may override, and why.
+NOT_PER_CALL = {
+    **dict.fromkeys(
+        (*KEY_OPTIONS, "lock_prefix"),
+        "it names the lock, which every call (and the worker's main process, which "
+        "frees a dead child's lock, and celery dlock) must agree on"),
+    "lock_lost_action": "a lost lock is handled outside the call, from the task's "
+                        "own settings",
+}
+#: Options one call may override in its message headers.
+CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)
 #: The ``app.conf`` keys that are not a task option's app-wide value.
 OTHER_CONF = {
     "dlock_url": "the Redis of the locks",
@@ -206,10 +212,9 @@ def call_overrides(headers: Mapping[str, Any] | None) -> dict[str, Any]:
                 not (name.startswith("lock_") or name == "on_contention"):
             continue
         where = f"per-call header {name}"
-        if name in KEY_OPTIONS or name == "lock_prefix":
-            raise InvalidLockConfig(
-                f"{where}: {name} names the lock, which every call must agree on; set "
-                "it on the task (or app.conf) instead")
+        if name in NOT_PER_CALL:
+            raise InvalidLockConfig(f"{where}: {name} cannot be set per call: "
+                                    f"{NOT_PER_CALL[name]}; set it on the task")
         if name not in CALL_OPTIONS:
             raise InvalidLockConfig(f"{where} is not a celery-dlock option"
                                     f"{_closest(name, CALL_OPTIONS)}")

@@ -158,6 +158,7 @@ def test_per_call_headers_ride_with_contention_retries(annotated, r):
     ({"lock_tll": 5}, "lock_ttl"),
     ({"lock_key": "other:{k}"}, "lock_key"),
     ({"lock_prefix": "x"}, "lock_prefix"),
+    ({"lock_lost_action": "interrupt"}, "lock_lost_action"),
     ({"on_contention": "sometimes"}, "on_contention"),
 ])
 def test_bad_per_call_options_are_refused_where_the_call_is_made(annotated, headers,
