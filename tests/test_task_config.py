@@ -333,6 +333,7 @@ def test_filesystem_broker_with_a_redis_result_backend(redis_url, tmp_path: Path
                  set_as_current=False)
     app.conf.update(broker_transport_options={
         "data_folder_in": str(folder), "data_folder_out": str(folder),
+        "control_folder": str(tmp_path / "control"),
         "polling_interval": 0.1}, dlock_key_prefix=f"dlt{tag}",
         task_default_queue=f"q-fs{tag}")
     assert resolve_url(app.conf) == redis_url

@@ -97,7 +97,8 @@ def test_no_redis_anywhere_stops_the_worker(redis_url, tmp_path):
     folder.mkdir()
     conf = {"broker_url": "filesystem://", "result_backend": "rpc://",
             "broker_transport_options": {"data_folder_in": str(folder),
-                                         "data_folder_out": str(folder)}}
+                                         "data_folder_out": str(folder),
+                                         "control_folder": str(tmp_path / "control")}}
     proc = _refused(conf)
     last = proc.stderr.strip().splitlines()[-1]
     assert "celery-dlock needs a Redis: set app.conf.dlock_url" in last, last
