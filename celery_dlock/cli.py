@@ -9,9 +9,10 @@ app given with ``-A``::
     celery -A proj dlock release stock:42   # free it (asks first; --force does not)
     celery -A proj dlock top                # a live view, with recent contention
 
-Redis is the app's (``dlock_url``, else a Redis broker URL, or ``dlock_client``) and the
-key prefix ``dlock_key_prefix`` (``dlock``); ``--url`` and ``--prefix`` before the
-sub-command override them: ``celery -A proj dlock --url redis://other:6379/1 ls``.
+Redis is the app's (``dlock_client``, ``dlock_url``, a Redis broker URL or a Redis result
+backend, as the workers find it; passwords are never printed) and the key prefix
+``dlock_key_prefix`` (``dlock``); ``--url`` and ``--prefix`` before the sub-command
+override them: ``celery -A proj dlock --url redis://other:6379/1 ls``.
 
 Exit codes: 0 done, 1 nothing to do (an unknown lock, a release that was declined or
 found the lock changed hands), 2 Redis unreachable or not configured.
@@ -31,14 +32,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import click
-import redis
 from celery import current_app
-from kombu.utils.url import maybe_sanitize_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .config import _default_client_options, get_client, resolve_url
+from .config import get_client, mask_url, resolve_url
+from .connection import _default_client_options, client_from_url
 from .errors import BackendUnavailable, InvalidLockConfig
 from .events import Event, recent_events, recording_enabled
 from .inspect import (
@@ -74,8 +74,7 @@ class _Target:
     def client(self) -> Any:
         if self._client is None:
             if self.url:
-                self._client = redis.Redis.from_url(self.url,
-                                                    **_default_client_options())
+                self._client = client_from_url(self.url, _default_client_options())
             else:
                 self._client = get_client(self.app)
         return self._client
@@ -83,7 +82,7 @@ class _Target:
     def where(self) -> str:
         """The Redis being read, for messages (passwords masked)."""
         if self.url:
-            return str(maybe_sanitize_url(self.url))
+            return mask_url(self.url)
         conf = getattr(self.app, "conf", None)
         if conf is not None and conf.get("dlock_client"):
             kwargs = getattr(getattr(self._client, "connection_pool", None),
@@ -94,7 +93,7 @@ class _Target:
                 return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
             return "the client of app.conf.dlock_client"
         try:
-            return str(maybe_sanitize_url(resolve_url(conf)))
+            return mask_url(resolve_url(conf))
         except InvalidLockConfig:
             return "?"
 
@@ -199,7 +198,7 @@ def _holder_text(info: LockInfo) -> str:
 
 @click.group(name="dlock")
 @click.option("--url", metavar="URL",
-              help="Redis to read (default: app.conf.dlock_url, else the broker URL).")
+              help="Redis to read (default: the app's, as the workers find it).")
 @click.option("--prefix", metavar="PREFIX",
               help="Key prefix (default: app.conf.dlock_key_prefix, else 'dlock').")
 @click.pass_context

@@ -1,28 +1,58 @@
-"""``dlock_*`` settings: task option > ``app.conf.dlock_*`` > default; the Redis client.
+"""``dlock_*`` settings and task options: where each value comes from, and checks.
 
-Every setting has a task option (an ``@app.task(...)`` keyword or class attribute) and
-an app-wide ``app.conf`` key; the task option wins.  Values are checked when read, and a
-bad one is an :class:`InvalidLockConfig` naming the setting.
+Every setting has a task option and an app-wide ``app.conf`` key.  A value is taken
+from the first of these that sets it, as Celery does for its own task options:
+
+1. the call: the message's headers, ``apply_async(..., headers={"lock_ttl": 5})``
+   (:data:`CALL_OPTIONS` only: the options that name the lock cannot change per call);
+2. ``app.conf.task_annotations`` for the task;
+3. the task class, most derived first (``@app.task(...)`` keywords are attributes of
+   the class Celery makes);
+4. ``app.conf.dlock_*``;
+5. the default.
+
+Values are checked where they are given: task options when the task is declared
+(and again once annotations are applied, when the task is bound to its app), app
+settings when a worker starts and when the Redis client is first made, per-call headers
+when the call is sent and when it runs.  A bad value, or an unknown ``lock_*`` option
+or ``dlock_*`` setting, is an :class:`InvalidLockConfig` naming it (and the closest
+known name).
 """
 
 from __future__ import annotations
 
-import contextlib
+import difflib
+import inspect
 import math
-import os
-import threading
-import weakref
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from celery import Task
+from celery.app.annotations import resolve_all as resolve_all_annotations
 
+from . import connection
+from .connection import mask_url, redis_url_of, resolve_url
 from .errors import InvalidLockConfig
 
-__all__ = ["SETTINGS", "Setting", "get_client", "read_setting", "resolve_url"]
+__all__ = [
+    "CALL_OPTIONS",
+    "CONF_KEYS",
+    "KEY_OPTIONS",
+    "SETTINGS",
+    "TASK_OPTIONS",
+    "Setting",
+    "apply_annotations",
+    "call_overrides",
+    "check_conf",
+    "check_task_options",
+    "get_client",
+    "mask_url",
+    "read_setting",
+    "redis_url_of",
+    "resolve_url",
+]
 
 POLICIES = ("retry", "wait", "skip", "raise")
 LOST_ACTIONS = ("fail", "interrupt", "warn")
@@ -112,10 +142,53 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
 )}
 
 
+#: Task options that make the lock's name: no app setting, no per-call override.
+KEY_OPTIONS = ("lock_key", "lock_args")
+#: Every task option of a LockedTask.
+TASK_OPTIONS: frozenset[str] = frozenset(SETTINGS) | frozenset(KEY_OPTIONS)
+#: Options no call may override, and why.
+NOT_PER_CALL = {
+    **dict.fromkeys(
+        (*KEY_OPTIONS, "lock_prefix"),
+        "it names the lock, which every call (and the worker's main process, which "
+        "frees a dead child's lock, and celery dlock) must agree on"),
+    "lock_lost_action": "a lost lock is handled outside the call, from the task's "
+                        "own settings",
+}
+#: Options one call may override in its message headers.
+CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)
+#: The ``app.conf`` keys that are not a task option's app-wide value.
+OTHER_CONF = {
+    "dlock_url": "the Redis of the locks",
+    "dlock_client": "a callable returning a redis-py client",
+    "dlock_redis_options": "extra redis.Redis.from_url keyword arguments",
+    "dlock_record_events": "keep a history of contention for celery dlock top",
+}
+#: Every ``app.conf.dlock_*`` key celery-dlock reads.
+CONF_KEYS: frozenset[str] = frozenset(s.conf for s in SETTINGS.values()) | \
+    frozenset(OTHER_CONF)
+
+
+def _closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _unbound(task: Any, value: Any) -> Any:
+    # A function given as a task option is a class attribute, so the instance gives
+    # it back bound to the task: the option is the function itself.
+    if inspect.ismethod(value) and value.__self__ is task:
+        return value.__func__
+    return value
+
+
 def read_setting(task: Any, option: str) -> Any:
-    """Task option > ``app.conf`` > default, validated."""
+    """Task option (annotations, class) > ``app.conf`` > default, validated.
+
+    Per-call values are merged on top by :func:`call_overrides`.
+    """
     setting = SETTINGS[option]
-    value = getattr(task, option, None)
+    value = _unbound(task, getattr(task, option, None))
     where = f"task {getattr(task, 'name', task)!r} option {option}"
     if value is None:
         app = getattr(task, "app", None)
@@ -127,92 +200,129 @@ def read_setting(task: Any, option: str) -> Any:
     return setting.check(where, value)
 
 
-# -- the Redis client -------------------------------------------------------------
+def call_overrides(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The options one call sets in its message headers, checked.
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def resolve_url(conf: Any) -> str:
-    """``dlock_url``, else the broker URL when that is a Redis URL."""
-    url = conf.get("dlock_url")
-    if url:
-        if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
-            raise InvalidLockConfig(f"app.conf.dlock_url must be a redis://, rediss:// "
-                                    f"or unix:// URL, got {url!r}")
-        return url
-    broker = conf.get("broker_url")
-    if isinstance(broker, str) and broker.startswith(_REDIS_SCHEMES) and \
-            ";" not in broker:
-        return broker
-    raise InvalidLockConfig(
-        "celery-dlock needs a Redis: set app.conf.dlock_url (for example "
-        "'redis://localhost:6379/0'), or dlock_client to a function returning a client; "
-        f"the broker URL {broker!r} is not a Redis URL it can use")
-
-
-def _default_client_options() -> dict[str, Any]:
-    return {
-        "socket_timeout": 5.0,
-        "socket_connect_timeout": 3.0,
-        "health_check_interval": 30,
-        # Fail over quickly to BackendUnavailable rather than hang a task.
-        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-    }
+    Headers named ``lock_*`` (and ``on_contention``) are options; an unknown one, one
+    that names the lock, or a bad value is an :class:`InvalidLockConfig` naming the
+    header.  A policy given per call is a name (a callable cannot travel in a message).
+    """
+    found: dict[str, Any] = {}
+    for name, value in (headers or {}).items():
+        if not isinstance(name, str) or \
+                not (name.startswith("lock_") or name == "on_contention"):
+            continue
+        where = f"per-call header {name}"
+        if name in NOT_PER_CALL:
+            raise InvalidLockConfig(f"{where}: {name} cannot be set per call: "
+                                    f"{NOT_PER_CALL[name]}; set it on the task")
+        if name not in CALL_OPTIONS:
+            raise InvalidLockConfig(f"{where} is not a celery-dlock option"
+                                    f"{_closest(name, CALL_OPTIONS)}")
+        if name == "on_contention" and not isinstance(value, str):
+            raise InvalidLockConfig(f"{where} must be a policy name (retry, wait, skip, "
+                                    f"raise), got a {type(value).__name__}")
+        found[name] = SETTINGS[name].check(where, value)
+    return found
 
 
-_clients: dict[tuple[int, str], Any] = {}
-# The hot path: the client of an app object, without reading its configuration.
-_by_app: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_clients_lock = threading.Lock()
+# -- unknown names --------------------------------------------------------------------
+
+_METHODS = (types.FunctionType, property, classmethod, staticmethod)
+
+
+def _defines(cls: type, name: str) -> bool:
+    # Not hasattr(): Task.app is a class property that binds the class to the
+    # current app when read.
+    return any(name in klass.__dict__ for klass in cls.__mro__)
+
+
+def check_task_options(cls: type, where: str, base: type) -> None:
+    """Refuse an unknown ``lock_*`` / ``dlock_*`` option set on ``cls`` itself.
+
+    ``base`` is the root task class: whatever it defines is known.  In a class made by
+    ``@app.task(...)`` every attribute is an option, so a name close to a known option
+    (``on_contension``) is refused too; in a hand-written subclass, methods and
+    properties are the class's own business.
+    """
+    decorated = bool(cls.__dict__.get("_decorated"))
+    for name, value in cls.__dict__.items():
+        if name in TASK_OPTIONS or name.startswith("_") or _defines(base, name):
+            continue
+        prefixed = name.startswith(("lock_", "dlock_"))
+        near = decorated and not _defines(Task, name) and \
+            bool(difflib.get_close_matches(name, TASK_OPTIONS, n=1, cutoff=0.85))
+        if not (prefixed or near):
+            continue
+        if not decorated and isinstance(value, _METHODS):
+            continue
+        raise InvalidLockConfig(f"{where}: unknown option {name}"
+                                f"{_closest(name, TASK_OPTIONS)}")
+    for option, setting in SETTINGS.items():
+        value = cls.__dict__.get(option)
+        if value is not None:
+            setting.check(f"{where} option {option}", value)
+
+
+def apply_annotations(cls: type, app: Any) -> None:
+    """Set ``task_annotations``' lock options on the task class ``cls``.
+
+    Celery annotates a class only on its first bind, and a class made from an already
+    bound base (``@app.task(base=SomeBoundTask)``) counts as bound: its annotations
+    would be skipped.  Setting ours again is harmless where Celery did apply them.
+    """
+    for found in resolve_all_annotations(app.annotations, cls):
+        for key, value in found.items():
+            if key in TASK_OPTIONS or key.startswith(("lock_", "dlock_")):
+                setattr(cls, key, value)
+
+
+def _conf_keys(conf: Any) -> list[str]:
+    try:
+        return [k for k in conf if isinstance(k, str)]
+    except (AttributeError, TypeError):
+        return []
+
+
+def check_conf(conf: Any) -> None:
+    """Check every ``app.conf.dlock_*`` setting: known names, good values, and that a
+    Redis can be found (masked URLs in every message)."""
+    for key in _conf_keys(conf):
+        if key.startswith("dlock_") and key not in CONF_KEYS:
+            raise InvalidLockConfig(f"app.conf.{key} is not a celery-dlock setting"
+                                    f"{_closest(key, CONF_KEYS)}")
+        if key.lower().startswith("dlock_") and key != key.lower():
+            raise InvalidLockConfig(f"app.conf.{key}: celery-dlock settings are lower "
+                                    f"case{_closest(key.lower(), CONF_KEYS)}")
+    for setting in SETTINGS.values():
+        value = conf.get(setting.conf)
+        if value is not None:
+            setting.check(f"app.conf.{setting.conf}", value)
+    record = conf.get("dlock_record_events")
+    if record is not None:
+        _bool("app.conf.dlock_record_events", record)
+    factory = conf.get("dlock_client")
+    if factory is not None:
+        if not callable(factory):
+            raise InvalidLockConfig("app.conf.dlock_client must be a callable returning "
+                                    f"a Redis client, got a {type(factory).__name__}")
+        return
+    options = connection.client_options(conf)
+    url = resolve_url(conf)
+    # Parse it as the client will (a bad port, an unknown query argument), without
+    # connecting: Redis may be down at this moment, which is not a configuration error.
+    client = connection.client_from_url(url, options)
+    try:
+        connection.check_client_options(client)
+    finally:
+        client.close()
 
 
 def get_client(app: Any) -> Any:
-    """This process's Redis client for ``app`` (one per process, rebuilt after fork).
-
-    The app's ``dlock_url`` / ``dlock_client`` are read when it is first asked for.
-
-    ``app.conf.dlock_client``, when set, is a callable returning a client (any
-    topology redis-py supports: Sentinel, Cluster, ...); otherwise a client is built
-    from :func:`resolve_url` with ``app.conf.dlock_redis_options`` merged over
-    timeouts suited to locking (5 s socket timeout, 3 s connect timeout, 2 quick
-    retries).
-    """
-    try:
-        return _by_app[app]
-    except (KeyError, TypeError):
-        pass
-    conf = app.conf
-    factory = conf.get("dlock_client")
-    cache_key = (id(app), "factory" if factory else resolve_url(conf))
-    client = _clients.get(cache_key)
-    if client is not None:
-        return client
-    with _clients_lock:
-        client = _clients.get(cache_key)
-        if client is None:
-            if factory is not None:
-                if not callable(factory):
-                    raise InvalidLockConfig("app.conf.dlock_client must be a callable "
-                                            "returning a Redis client")
-                client = factory()
-            else:
-                options = _default_client_options()
-                extra = conf.get("dlock_redis_options") or {}
-                if not isinstance(extra, dict):
-                    raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict")
-                options.update(extra)
-                client = redis.Redis.from_url(cache_key[1], **options)
-            _clients[cache_key] = client
-        with contextlib.suppress(TypeError):  # an app that takes no weak references
-            _by_app[app] = client
-        return client
-
-
-def _forget_clients() -> None:
-    global _clients_lock
-    _clients.clear()
-    _by_app.clear()
-    _clients_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_clients)
+    """This process's Redis client for ``app`` (see :func:`connection.get_client`);
+    the app's settings are checked (:func:`check_conf`) when it is first made."""
+    client = connection.cached_client(app)
+    if client is None:
+        check_conf(app.conf)
+        client = connection.get_client(app)
+    return client

@@ -3,11 +3,18 @@
 Every error carries the name of the lock it is about (``lock_name``) so that a log
 line or a task failure says *which* lock, not just *that* a lock misbehaved.
 Contention errors also carry what is known of the current holder.
+
+Errors travel through Celery's result backend.  The pickle serializer pickles them
+(:meth:`DLockError.__reduce__`); json, yaml and msgpack store ``exc.args`` and rebuild
+the error on the client with ``cls(*args)``.  So ``args`` is plain data that carries
+everything: ``(message, {"__dlock_error__": 1, "lock_name": ..., "holder": {...}})``,
+and ``cls(message, state)`` with such a state rebuilds the error as it was, for every
+class of the family (see :class:`_ErrorType`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = [
@@ -74,6 +81,18 @@ class Holder:
             parts.append(f"ttl left {self.ttl:.1f}s")
         return ", ".join(parts) if parts else "unknown holder"
 
+    def to_data(self) -> dict[str, Any]:
+        """Every field as plain data (``info`` nested); :meth:`from_data` reverses it."""
+        return {f.name: (dict(self.info) if f.name == "info" else getattr(self, f.name))
+                for f in fields(self)}
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Holder:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["info"] = {str(k): str(v) for k, v in (values.get("info") or {}).items()}
+        return cls(**values)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "owner": self.owner,
@@ -85,7 +104,50 @@ class Holder:
         }
 
 
-class DLockError(Exception):
+#: Marks the second item of ``DLockError.args``: the error's state, as plain data.
+_WIRE = "__dlock_error__"
+
+
+def _to_wire(value: Any) -> Any:
+    """``value`` as JSON-able data (None when it has no plain form)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, Holder):
+        return {"__holder__": value.to_data()}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return None
+
+
+def _from_wire(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__holder__"} and isinstance(value["__holder__"], dict):
+            return Holder.from_data(value["__holder__"])
+        return {k: _from_wire(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_wire(v) for v in value]
+    return value
+
+
+class _ErrorType(type):
+    """Rebuilds an error from its ``args`` when a result backend calls ``cls(*args)``.
+
+    Every class of the family, whatever its own ``__init__`` signature, accepts
+    ``cls(message, state)`` where ``state`` is the mapping that ``args`` carries.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 2 and not kwargs and isinstance(args[1], dict) and \
+                args[1].get(_WIRE) == 1:
+            message, state = args
+            restored = {k: _from_wire(v) for k, v in state.items() if k != _WIRE}
+            return _rebuild(cls, str(message), restored)  # type: ignore[arg-type]
+        return super().__call__(*args, **kwargs)
+
+
+class DLockError(Exception, metaclass=_ErrorType):
     """Base of every celery-dlock error; ``lock_name`` says which lock."""
 
     def __init__(self, message: str = "", *, lock_name: str | None = None) -> None:
@@ -98,16 +160,29 @@ class DLockError(Exception):
             return f"{self.message} (lock {self.lock_name!r})"
         return self.message
 
+    @property
+    def args(self) -> tuple[Any, ...]:
+        """``(message, state)``: plain data from which ``cls(*args)`` rebuilds the
+        error (every attribute, holder included), for Celery's json, yaml and msgpack
+        result serializers."""
+        state = {k: _to_wire(v) for k, v in self.__dict__.items() if k != "message"}
+        return (self.message, {_WIRE: 1, **state})
+
+    @args.setter
+    def args(self, value: tuple[Any, ...]) -> None:
+        BaseException.args.__set__(self, value)  # type: ignore[attr-defined]
+
     def __reduce__(self) -> tuple[Any, ...]:
-        # Errors travel through Celery's result backend: keep them picklable with
-        # their keyword-only context.
+        # The pickle serializer: keep the keyword-only context as it is.
         return (_rebuild, (type(self), self.message, self.__dict__.copy()))
 
 
 def _rebuild(cls: type[DLockError], message: str, state: dict[str, Any]) -> DLockError:
-    err = cls.__new__(cls)
+    err = Exception.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
+    err.__dict__.setdefault("message", message)
+    err.__dict__.setdefault("lock_name", None)
     return err
 
 

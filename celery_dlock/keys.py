@@ -12,6 +12,18 @@ The call is first bound to the task's signature with defaults applied, so ``f(1)
 A value that cannot be keyed reliably (an object whose text holds a memory address, a
 type with no stable serialisation) is refused with :class:`UnkeyableArgument` rather
 than producing a name that two equal calls would never share.
+
+**A value and its JSON text are one call.**  Arguments reach a worker through a
+serializer; the same call may be made with a ``UUID`` or with its string (by a client
+in another language, through ``send_task``, or after a JSON round trip).  So values are
+keyed as the default (JSON) serializer carries them as text, :func:`json_scalar`:
+``UUID`` -> ``str(u)``; ``datetime``, ``date``, ``time`` -> ``isoformat()`` (as kombu's
+JSON writes them); ``Decimal`` -> ``str(d)``; an ``IntEnum`` / ``StrEnum`` (an int or
+str enum) -> its value; tuples (namedtuples too) -> lists; dictionary keys -> their
+JSON object key text (``{1: x}`` is ``{"1": x}``).  Values JSON cannot carry keep a
+tag of their type (bytes, sets, timedelta, other enums, dataclasses), so they never
+collide with a string.  In a ``lock_key`` template a plain field (``{when}``, no format
+spec, attribute or index) is filled with the same text.
 """
 
 from __future__ import annotations
@@ -32,7 +44,8 @@ from typing import Any
 
 from .errors import InvalidLockConfig, UnkeyableArgument
 
-__all__ = ["KeyFunction", "canonical", "make_key_function"]
+__all__ = ["KeyFunction", "canonical", "json_scalar", "make_key_function",
+           "task_key_function"]
 
 KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
 
@@ -51,13 +64,52 @@ def _has_address(text: str) -> bool:
     return _ADDRESS.search(text) is not None
 
 
+_NO_SCALAR = object()
+
+
+def json_scalar(value: Any) -> Any:
+    """The JSON scalar a value travels as, when JSON carries it as text or a number:
+    ``UUID`` -> str, ``datetime``/``date``/``time`` -> ``isoformat()``, ``Decimal`` ->
+    str, int and str enums -> their value; any other value is returned as it is."""
+    if isinstance(value, enum.Enum):
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, str):
+            return str.__str__(value)
+        return value
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    return value
+
+
+def _object_key(value: Any, path: str) -> str:
+    """A dictionary key as JSON writes an object key: always text."""
+    value = json_scalar(value)
+    if isinstance(value, str):
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    return _sort_token(_normalise(value, path))
+
+
 def _normalise(value: Any, path: str) -> Any:
-    """A JSON-able, type-tagged form of ``value`` that equal values share."""
+    """A JSON-able form of ``value`` that equal values, and a value and its JSON
+    text, share; what JSON cannot carry keeps a tag of its type."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value  # the common case, first
+    if kind is list or kind is tuple:
+        return [_normalise(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    value = json_scalar(value)
     if value is None or isinstance(value, (bool, str)):
         return value
-    if isinstance(value, int):
-        return value if not isinstance(value, enum.Enum) else _normalise_enum(value, path)
-    if isinstance(value, float):
+    if isinstance(value, int) and not isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, float) and not isinstance(value, enum.Enum):
         if not math.isfinite(value):
             return {"__float__": repr(value)}
         return value
@@ -65,18 +117,12 @@ def _normalise(value: Any, path: str) -> Any:
         return _normalise_enum(value, path)
     if isinstance(value, (bytes, bytearray)):
         return {"__bytes__": bytes(value).hex()}
-    if isinstance(value, decimal.Decimal):
-        return {"__decimal__": str(value)}
-    if isinstance(value, (_dt.datetime, _dt.date, _dt.time)):
-        return {f"__{type(value).__name__}__": value.isoformat()}
     if isinstance(value, _dt.timedelta):
         return {"__timedelta__": value.total_seconds()}
-    if isinstance(value, uuid.UUID):
-        return {"__uuid__": str(value)}
     if isinstance(value, Mapping):
         items = []
         for k, v in value.items():
-            items.append((_sort_token(_normalise(k, f"{path} key")),
+            items.append((_sort_token(_object_key(k, f"{path} key")),
                           _normalise(v, f"{path}[{k!r}]")))
         items.sort(key=lambda kv: kv[0])
         return {"__map__": [[k, v] for k, v in items]}
@@ -145,6 +191,21 @@ def _template_fields(template: str) -> list[str]:
     return fields
 
 
+def _plain_fields(template: str) -> set[str]:
+    """Fields used as they are (``{x}``: no format spec, conversion, attribute or
+    index): these are filled with the value's JSON text (:func:`json_scalar`)."""
+    plain, other = set(), set()
+    for _, field_name, spec, conversion in string.Formatter().parse(template):
+        if not field_name:
+            continue
+        root = re.split(r"[.\[]", field_name, maxsplit=1)[0]
+        if root == field_name and not spec and conversion is None:
+            plain.add(root)
+        else:
+            other.add(root)
+    return plain - other
+
+
 def make_key_function(
     task_name: str,
     fun: Callable[..., Any],
@@ -200,11 +261,15 @@ def make_key_function(
                     f"task {task_name}: lock_key {template!r} names {{{field}}}, but "
                     f"{task_name}{sig} has no argument {field!r}")
 
+        plain = _plain_fields(template)
+
         def template_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
             values = dict(bind(args, kwargs).arguments)
             for p in params.values():
                 if p.kind is inspect.Parameter.VAR_KEYWORD:
                     values.update(values.pop(p.name, {}))
+            for field in plain & values.keys():
+                values[field] = json_scalar(values[field])
             try:
                 name = template.format_map(values)
             except (KeyError, AttributeError, IndexError, TypeError) as exc:
@@ -251,3 +316,25 @@ def make_key_function(
         return f"{task_name}:{digest}"
 
     return hashed_key
+
+
+def task_key_function(task_cls: type, task_name: str) -> KeyFunction | None:
+    """The key function of a task class: its ``run`` and its ``lock_key`` /
+    ``lock_args`` as the class sees them (the most derived class's own, or what
+    ``task_annotations`` set).  None while the class has no ``run`` of its own making
+    (an abstract base)."""
+    run = inspect.getattr_static(task_cls, "run", None)
+    if run is None:
+        return None
+    for klass in task_cls.__mro__:
+        if "run" in klass.__dict__:
+            if klass.__dict__.get("abstract"):
+                return None  # celery.Task.run: nothing to bind a call to
+            break
+    fun = run.__func__ if isinstance(run, (staticmethod, classmethod)) else run
+    lock_key = inspect.getattr_static(task_cls, "lock_key", None)
+    if isinstance(lock_key, staticmethod):
+        lock_key = lock_key.__func__
+    return make_key_function(task_name, fun, lock_key,
+                             getattr(task_cls, "lock_args", None),
+                             drop_first=not isinstance(run, staticmethod))

@@ -53,7 +53,14 @@ from .attempt import (
     relation,
     requeue_duplicate,
 )
-from .config import SETTINGS, get_client, read_setting
+from .config import (
+    SETTINGS,
+    apply_annotations,
+    call_overrides,
+    check_task_options,
+    get_client,
+    read_setting,
+)
 from .contention import (
     ACQUIRED,
     CONTENTION_HEADER,
@@ -61,12 +68,19 @@ from .contention import (
     get_policy,
     policy_name,
 )
-from .errors import BackendUnavailable, DLockError, LockLost, LockNotAcquired
+from .errors import (
+    BackendUnavailable,
+    DLockError,
+    InvalidLockConfig,
+    LockLost,
+    LockNotAcquired,
+)
 from .hooks import install
-from .keys import KeyFunction, make_key_function
+from .keys import KeyFunction, task_key_function
 from .lock import RedisLock
 from .owner import owner_context
 from .request import LockedRequest
+from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
 
@@ -81,7 +95,9 @@ class LockedTask(Task):  # type: ignore[misc]
     """A task that holds a reentrant Redis lock while its body runs.
 
     Every option below may also be set app-wide as ``app.conf.dlock_*`` (see
-    :data:`celery_dlock.config.SETTINGS`); the task option wins.
+    :data:`celery_dlock.config.SETTINGS`).  Precedence, as for Celery's own options:
+    per call (message headers) > ``task_annotations`` > task class (most derived
+    first) > ``app.conf.dlock_*`` > default; see :mod:`celery_dlock.config`.
     """
 
     abstract = True
@@ -111,40 +127,43 @@ class LockedTask(Task):  # type: ignore[misc]
     #: The worker-side request: frees a dead child's locks from the main process.
     Request = "celery_dlock.task:LockedRequest"
 
-    _dlock_key_fn: ClassVar[KeyFunction | None] = None
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        run = cls.__dict__.get("run")
-        if run is None:
-            return  # an abstract base (options only); checked where run is defined
-        name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
-        fun = run.__func__ if isinstance(run, staticmethod) else run
-        cls._dlock_key_fn = make_key_function(
-            name, fun, cls.lock_key, cls.lock_args,
-            drop_first=not isinstance(run, staticmethod))
-        for option in SETTINGS:
-            value = getattr(cls, option, None)
-            if value is not None:
-                SETTINGS[option].check(f"task {name!r} option {option}", value)
+        cls._dlock_check_options()
+
+    @classmethod
+    def _dlock_check_options(cls) -> None:
+        """Refuse bad or unknown options (and a key that cannot fit ``run``) when the
+        class is declared, and again when it is bound: annotations land then."""
+        name = cls.__dict__.get("name") or cls.name or \
+            f"{cls.__module__}.{cls.__qualname__}"
+        check_task_options(cls, f"task {name!r}", LockedTask)
+        task_key_function(cls, name)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install()
+        install_startup_check()
+        apply_annotations(cls, app)
+        cls._dlock_check_options()
 
     # -- the lock of a call ---------------------------------------------------------
 
     def lock_name(self, args: tuple[Any, ...] = (),
                   kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock name (without prefix) a call with these arguments takes."""
-        key_fn = type(self)._dlock_key_fn
+        key_fn: KeyFunction | None = self.__dict__.get("_dlock_key_fn")
         if key_fn is None:
-            key_fn = type(self)._dlock_key_fn = make_key_function(
-                self.name, self.run, self.lock_key, self.lock_args)
+            # From this task's class as bound (annotations applied), most derived first.
+            key_fn = task_key_function(type(self), self.name)
+            if key_fn is None:
+                raise InvalidLockConfig(f"task {self.name!r} has no run() to key")
+            self.__dict__["_dlock_key_fn"] = key_fn
         return key_fn(tuple(args), kwargs or {})
 
-    def dlock_settings(self) -> Mapping[str, Any]:
-        """This task's resolved settings, read once per task instance and process.
+    def dlock_settings(self, request: Any = None) -> Mapping[str, Any]:
+        """This task's resolved settings, read once per task instance and process;
+        with ``request``, that call's per-call options (its headers) on top.
 
         ``app.conf.dlock_*`` changes made after a task first ran are not seen by it.
         """
@@ -153,8 +172,17 @@ class LockedTask(Task):  # type: ignore[misc]
             cached = MappingProxyType({option: read_setting(self, option)
                                        for option in SETTINGS})
             self._dlock_settings = cached
+        if request is not None:
+            overrides = call_overrides(getattr(request, "headers", None))
+            if overrides:
+                return MappingProxyType({**cached, **overrides})
         return cached
 
+    def apply_async(self, *args: Any, **options: Any) -> Any:
+        """``Task.apply_async``; per-call lock options (``headers={"lock_ttl": 5}``)
+        are checked here, so a bad one is refused where the call is made."""
+        call_overrides(options.get("headers"))
+        return super().apply_async(*args, **options)
 
     @property
     def lock(self) -> RedisLock | None:
@@ -188,7 +216,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     requeue: bool) -> Any:
-        settings = self.dlock_settings()
+        settings = self.dlock_settings(request)
         key = self.lock_name(args, kwargs)
         duplicate = requeue and header(request, DUPLICATE_HEADER) > 0
         if duplicate and first_run_ended(self, request.id):

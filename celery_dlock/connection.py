@@ -1,0 +1,248 @@
+"""Which Redis the locks live in, and this process's client for it.
+
+The Redis is found as Celery finds its own connections:
+
+1. ``app.conf.dlock_client``: a callable returning a client (any topology);
+2. ``app.conf.dlock_url``;
+3. the broker URL as Celery resolved it (``broker_url`` in code, or the
+   ``CELERY_BROKER_URL`` environment variable, which ``celery -b`` sets), when it is a
+   Redis URL;
+4. the result backend (``result_backend`` or ``CELERY_RESULT_BACKEND``), when it is a
+   Redis URL: so an AMQP or ``filesystem://`` broker with a Redis result backend works
+   without ``dlock_url``.
+
+No URL is ever shown with its password: every message goes through :func:`mask_url`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import weakref
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from .errors import InvalidLockConfig
+
+__all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "resolve_url"]
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# Celery's and kombu's spellings of a Redis unix socket.
+_SOCKET_SCHEMES = ("redis+socket://", "socket://")
+_AUTHORITY = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/?#]*)@")
+_SECRET_PARAMS = re.compile(r"pass|secret|token|auth", re.IGNORECASE)
+
+
+def _mask_one(url: str) -> str:
+    match = _AUTHORITY.match(url)
+    if match is not None:
+        user, colon, _ = match["userinfo"].partition(":")
+        shown = f"{user}:**" if colon else "**"
+        url = f"{match['scheme']}{shown}@{url[match.end():]}"
+    base, question, query = url.partition("?")
+    if question:
+        fragment = ""
+        if "#" in query:
+            query, fragment = query.split("#", 1)
+            fragment = "#" + fragment
+        pairs = [(k, "**" if _SECRET_PARAMS.search(k) else v)
+                 for k, v in parse_qsl(query, keep_blank_values=True)]
+        url = f"{base}?{urlencode(pairs, safe='*/')}{fragment}"
+    return url
+
+
+def mask_url(value: Any) -> str:
+    """``value`` fit for a message: a URL (or ``;``-separated URLs) with every password
+    and secret query parameter replaced by ``**``; not a string: its type only."""
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(repr(mask_url(v)) for v in value) + "]"
+    if not isinstance(value, str):
+        return f"<a {type(value).__name__}>"
+    return ";".join(_mask_one(part) for part in value.split(";"))
+
+
+def _celery_query(url: str) -> str:
+    """Celery's spellings in a Redis URL's query, as redis-py takes them:
+    ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's documented form) -> ``required``."""
+    base, question, query = url.partition("?")
+    if not question or "CERT_" not in query:
+        return url
+    pairs = [(k, v[len("CERT_"):].lower() if k == "ssl_cert_reqs" and
+              v.startswith("CERT_") else v)
+             for k, v in parse_qsl(query, keep_blank_values=True)]
+    return f"{base}?{urlencode(pairs)}"
+
+
+def redis_url_of(url: Any) -> str | None:
+    """``url`` as a URL redis-py opens, when it names one Redis server; else None.
+
+    Accepts ``redis://``, ``rediss://``, ``unix://`` and Celery's unix socket spellings
+    ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db);
+    ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's spelling) becomes redis-py's
+    ``required``.  A list, or several URLs separated by ``;`` (broker failover,
+    Sentinel), is not one server: None.
+    """
+    if not isinstance(url, str) or ";" in url:
+        return None
+    if url.startswith(_REDIS_SCHEMES):
+        return _celery_query(url)
+    for scheme in _SOCKET_SCHEMES:
+        if url.startswith(scheme):
+            rest = url[len(scheme):]
+            path, _, query = rest.partition("?")
+            pairs = [("db" if k == "virtual_host" else k, v)
+                     for k, v in parse_qsl(query, keep_blank_values=True)]
+            return f"unix://{path}" + (f"?{urlencode(pairs)}" if pairs else "")
+    return None
+
+
+def _conf_value(conf: Any, name: str) -> Any:
+    """A Celery setting as Celery resolves it (``app.conf.broker_url`` reads the
+    environment too); plain mappings by key."""
+    if hasattr(type(conf), name):
+        return getattr(conf, name)
+    return conf.get(name)
+
+
+def resolve_url(conf: Any) -> str:
+    """The Redis URL for the locks: ``dlock_url``, else a Redis broker URL (code or
+    environment), else a Redis result backend.  Raises :class:`InvalidLockConfig`
+    naming ``dlock_url``, with every URL masked."""
+    url = conf.get("dlock_url")
+    if url:
+        found = redis_url_of(url)
+        if found is None:
+            raise InvalidLockConfig(
+                f"app.conf.dlock_url must be one redis://, rediss:// or unix:// URL, "
+                f"got {mask_url(url)!r}")
+        return found
+    broker = _conf_value(conf, "broker_url")
+    found = redis_url_of(broker)
+    if found is not None:
+        return found
+    backend = _conf_value(conf, "result_backend")
+    found = redis_url_of(backend)
+    if found is not None:
+        return found
+    raise InvalidLockConfig(
+        "celery-dlock needs a Redis: set app.conf.dlock_url (for example "
+        "'redis://localhost:6379/0'), or dlock_client to a function returning a client; "
+        f"neither the broker URL {mask_url(broker)!r} nor the result backend "
+        f"{mask_url(backend)!r} is one Redis URL it can use")
+
+
+def _default_client_options() -> dict[str, Any]:
+    return {
+        "socket_timeout": 5.0,
+        "socket_connect_timeout": 3.0,
+        "health_check_interval": 30,
+        # Fail over quickly to BackendUnavailable rather than hang a task.
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+    }
+
+
+def client_options(conf: Any) -> dict[str, Any]:
+    """The keyword arguments of ``redis.Redis.from_url``: the defaults above with
+    ``app.conf.dlock_redis_options`` merged over them."""
+    options = _default_client_options()
+    extra = conf.get("dlock_redis_options") or {}
+    if not isinstance(extra, dict):
+        raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict, got "
+                                f"a {type(extra).__name__}")
+    options.update(extra)
+    return options
+
+
+def client_from_url(url: str, options: dict[str, Any]) -> Any:
+    """``redis.Redis.from_url`` whose errors name ``dlock_url`` and mask the URL."""
+    try:
+        return redis.Redis.from_url(url, **options)
+    except (ValueError, TypeError) as exc:
+        text = str(exc).replace(url, mask_url(url))
+        raise InvalidLockConfig(f"cannot use the Redis URL {mask_url(url)!r} "
+                                f"(app.conf.dlock_url, or the broker/result backend "
+                                f"it defaults to): {text}") from None
+
+
+def check_client_options(client: Any) -> None:
+    """Make (not open) one connection of ``client``'s pool, so an unknown keyword in
+    ``dlock_redis_options`` or in the URL's query is found now, not at the first
+    command."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or not hasattr(pool, "make_connection"):
+        return
+    try:
+        conn = pool.make_connection()
+    except (TypeError, ValueError, redis.RedisError) as exc:
+        raise InvalidLockConfig(f"app.conf.dlock_redis_options (or the query of the "
+                                f"Redis URL) is refused by redis-py: {exc}") from None
+    conn.disconnect()
+
+
+_clients: dict[tuple[int, str], Any] = {}
+# The hot path: the client of an app object, without reading its configuration.
+_by_app: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_clients_lock = threading.Lock()
+
+
+def cached_client(app: Any) -> Any:
+    """The client :func:`get_client` made for ``app`` in this process, or None."""
+    try:
+        return _by_app[app]
+    except (KeyError, TypeError):
+        return None
+
+
+def get_client(app: Any) -> Any:
+    """This process's Redis client for ``app`` (one per process, rebuilt after fork).
+
+    The app's Redis is found when it is first asked for.
+
+    ``app.conf.dlock_client``, when set, is a callable returning a client (any
+    topology redis-py supports: Sentinel, Cluster, ...); otherwise a client is built
+    from :func:`resolve_url` with ``app.conf.dlock_redis_options`` merged over
+    timeouts suited to locking (5 s socket timeout, 3 s connect timeout, 2 quick
+    retries).
+    """
+    try:
+        return _by_app[app]
+    except (KeyError, TypeError):
+        pass
+    conf = app.conf
+    factory = conf.get("dlock_client")
+    cache_key = (id(app), "factory" if factory else resolve_url(conf))
+    client = _clients.get(cache_key)
+    if client is not None:
+        return client
+    with _clients_lock:
+        client = _clients.get(cache_key)
+        if client is None:
+            if factory is not None:
+                if not callable(factory):
+                    raise InvalidLockConfig("app.conf.dlock_client must be a callable "
+                                            "returning a Redis client")
+                client = factory()
+            else:
+                client = client_from_url(cache_key[1], client_options(conf))
+            _clients[cache_key] = client
+        with contextlib.suppress(TypeError):  # an app that takes no weak references
+            _by_app[app] = client
+        return client
+
+
+def _forget_clients() -> None:
+    global _clients_lock
+    _clients.clear()
+    _by_app.clear()
+    _clients_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_clients)

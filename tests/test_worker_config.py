@@ -1,0 +1,134 @@
+"""A ``celery worker`` refuses a configuration that cannot work, at start, with one
+line naming the setting and a non-zero exit (issue 11, items 9 and 10); and finds
+Redis as Celery does (item 5: ``CELERY_BROKER_URL``, which ``celery -b`` sets).
+
+Real worker subprocesses (solo pool: what is checked happens in the main process)
+configured through :mod:`config_app`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery_helpers import close_app
+from config_app import ENV_CONF, ENV_OPTIONS
+from dlock_helpers import wait_until
+
+from celery_dlock.lock import LockKeys
+
+TESTS_DIR = Path(__file__).resolve().parent
+#: Seconds a refused worker gets to exit; it exits during start-up, in about one.
+EXIT_TIMEOUT = 60
+
+pytestmark = pytest.mark.slow
+
+
+def _env(conf: dict[str, Any], options: dict[str, Any] | None = None,
+         **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")}
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH"))
+                           if p)
+    env.update({ENV_CONF: json.dumps(conf), ENV_OPTIONS: json.dumps(options or {}),
+                "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def _worker_args(queue: str) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "config_app", "worker", "--pool=solo",
+            "-Q", queue, "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-l", "info"]
+
+
+def _refused(conf: dict[str, Any], options: dict[str, Any] | None = None
+             ) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(_worker_args(f"q-{uuid.uuid4().hex[:8]}"),
+                          env=_env(conf, options), cwd=TESTS_DIR, capture_output=True,
+                          text=True, timeout=EXIT_TIMEOUT, check=False)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "ready." not in proc.stdout + proc.stderr
+    return proc
+
+
+def _base_conf(redis_url: str) -> dict[str, Any]:
+    return {"broker_url": redis_url, "result_backend": redis_url,
+            "broker_transport_options": {"polling_interval": 0.1},
+            "broker_connection_retry_on_startup": True}
+
+
+def test_bad_dlock_url_stops_the_worker_with_the_password_masked(redis_url):
+    conf = {**_base_conf(redis_url), "dlock_url": "http://:S3cretPW@nope"}
+    proc = _refused(conf)
+    output = proc.stdout + proc.stderr
+    assert "S3cretPW" not in output
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("celery-dlock: app.conf.dlock_url must be"), output
+    assert "'http://:**@nope'" in last
+
+
+def test_misspelt_setting_stops_the_worker(redis_url):
+    proc = _refused({**_base_conf(redis_url), "dlock_tll": 5})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "app.conf.dlock_tll" in last and "did you mean dlock_ttl?" in last, last
+
+
+def test_bad_setting_value_stops_the_worker(redis_url):
+    proc = _refused({**_base_conf(redis_url), "dlock_on_contention": "sometimes"})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "app.conf.dlock_on_contention must be one of" in last, last
+
+
+def test_misspelt_task_option_stops_the_worker(redis_url):
+    proc = _refused(_base_conf(redis_url), {"lock_tll": 5})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "unknown option lock_tll (did you mean lock_ttl?)" in last, last
+
+
+def test_no_redis_anywhere_stops_the_worker(redis_url, tmp_path):
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    conf = {"broker_url": "filesystem://", "result_backend": "rpc://",
+            "broker_transport_options": {"data_folder_in": str(folder),
+                                         "data_folder_out": str(folder),
+                                         "control_folder": str(tmp_path / "control")}}
+    proc = _refused(conf)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "celery-dlock needs a Redis: set app.conf.dlock_url" in last, last
+
+
+def test_broker_from_the_environment_in_a_worker(redis_url, r, prefix):
+    """No broker in code: ``CELERY_BROKER_URL`` names Redis, for Celery and the locks."""
+    queue = f"q-{prefix}"
+    conf = {"result_backend": redis_url, "dlock_key_prefix": prefix,
+            "broker_transport_options": {"polling_interval": 0.1},
+            "task_default_queue": queue}
+    log = subprocess.DEVNULL
+    worker = subprocess.Popen(_worker_args(queue),
+                              env=_env(conf, CELERY_BROKER_URL=redis_url),
+                              cwd=TESTS_DIR, stdin=subprocess.DEVNULL, stdout=log,
+                              stderr=log, start_new_session=True)
+    client = Celery("client", broker=redis_url, backend=redis_url, set_as_current=False)
+    client.conf.update(task_default_queue=queue)
+    try:
+        out = client.send_task("cfgapp.locked", ("7",)).get(timeout=60)
+        assert out["key"] == "cfg:7" and out["held"] is True
+        fence_key = LockKeys.for_name(prefix, "cfg:7").fence
+        assert int(r.get(fence_key) or 0) == out["fence"] >= 1
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, 9)
+            worker.wait(timeout=30)
+        close_app(client)
+    assert wait_until(lambda: worker.returncode is not None, timeout=5)
+
