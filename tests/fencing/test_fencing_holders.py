@@ -185,3 +185,43 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
     print(f"\n{db.kind}/{pause}: paused holder's fence {fence} refused "
           f"(row at fence {late['found']}); {accepted} writes by {WRITERS} others, "
           f"{sum(loop['stale'] for loop in loops)} of theirs refused")
+
+
+def test_a_fence_counter_that_went_back_is_refused_not_trusted(
+        db: Db, conn: Any, r: Any, redis_url: str, prefix: str, name: str) -> None:
+    """Fencing fails closed: if Redis loses the fence counter (eviction, a restart
+    without persistence), the next holder's lower fence is refused, not trusted; the
+    row accepts writes again once the counter is set past its fence."""
+    import redis
+
+    from celery_dlock import RedisLock
+    from celery_dlock.fencing import StaleFence, fenced_update
+
+    table = db.table(conn)
+    cur = conn.cursor()
+    cur.execute(f"INSERT INTO {table} (sku, qty) VALUES ('A', 1)")
+    cur.close()
+    conn.commit()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for _ in range(3):
+            with RedisLock(client, name, ttl=5, prefix=prefix) as lock:
+                fenced_update(conn, table, {"sku": "A"}, lock.fence, {"qty": lock.fence})
+                conn.commit()
+                high = lock.fence
+        assert high is not None and high >= 3
+        fence_key = lock.keys.fence
+        assert r.delete(fence_key) == 1  # the counter is lost
+        with RedisLock(client, name, ttl=5, prefix=prefix) as lock:
+            assert lock.fence is not None and lock.fence < high
+            with pytest.raises(StaleFence) as caught:
+                fenced_update(conn, table, {"sku": "A"}, lock.fence, {"qty": 0})
+            conn.rollback()
+            assert (caught.value.fence, caught.value.found) == (lock.fence, high)
+        r.set(fence_key, high)  # the documented recovery
+        with RedisLock(client, name, ttl=5, prefix=prefix) as lock:
+            assert lock.fence == high + 1
+            fenced_update(conn, table, {"sku": "A"}, lock.fence, {"qty": 0})
+            conn.commit()
+    finally:
+        client.close()
