@@ -13,10 +13,11 @@ locking version column remembers a version) can refuse a lower one::
     the row    last_fence 7                          last_fence 8  REFUSED (7 < 8)
 
 The write is one statement, ``UPDATE t SET ..., last_fence = :fence WHERE <key> AND
-last_fence <= :fence``: ``<=`` and not ``<``, because every write of one hold (and of a
-re-entered hold) carries the same fence and must pass, while no two holders ever share
-one.  When it matches no row the helper reads the row's fence and raises
-:class:`StaleFence` (a newer holder wrote) or :class:`FencedRowMissing` (no such row).
+last_fence <= :fence`` (a NULL ``last_fence`` counts as 0): ``<=`` and not ``<``,
+because every write of one hold (and of a re-entered hold) carries the same fence and
+must pass, while no two holders ever share one.  When it matches no row the helper
+reads the row's fence and raises :class:`StaleFence` (a newer holder wrote) or
+:class:`FencedRowMissing` (no such row).
 
 For read-modify-write, :func:`claim` the row (raise its fence to yours) *before* reading
 it: an older holder that resumes after your claim can no longer write, so what you read
@@ -117,9 +118,12 @@ def fenced_update(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
                   column: str = DEFAULT_COLUMN, paramstyle: str | None = None) -> int:
     """Set ``values`` on the row(s) under ``key`` if no newer holder wrote them.
 
-    One statement: ``UPDATE table SET <values>, column = fence WHERE <key> AND column
-    <= fence``.  Returns the number of rows written (a driver that counts only changed
-    rows may say 0 for a write that changed nothing; it is not an error).  Raises
+    One statement: ``UPDATE table SET <values>, column = fence WHERE <key> AND
+    COALESCE(column, 0) <= fence`` (a NULL fence column counts as 0: never fenced).
+    ``key`` should name one row (its primary key): with several, the rows a newer
+    holder wrote are skipped and the others written.  Returns the number of rows
+    written as the driver counts them (one that counts only changed rows may say 0 for
+    a write that changed nothing; that is no error).  Raises
     :class:`StaleFence` when the row carries a higher fence, :class:`FencedRowMissing`
     when there is no row.  Does not commit.
     """
@@ -130,7 +134,7 @@ def fenced_update(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
     sets = f"{sets}, {column} = {sql.param(fence)}" if sets else (
         f"{column} = {sql.param(fence)}")
     where = _where(sql, key)
-    text = (f"UPDATE {table} SET {sets} WHERE {where} AND {column} <= "
+    text = (f"UPDATE {table} SET {sets} WHERE {where} AND COALESCE({column}, 0) <= "
             f"{sql.param(fence)}")
     written = _run(conn, text, sql.params())
     if written > 0:
@@ -155,8 +159,9 @@ def fenced_upsert(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
                   column: str = DEFAULT_COLUMN, paramstyle: str | None = None) -> int:
     """Insert the row under ``key``, or update it if no newer holder wrote it.
 
-    ``INSERT ... ON CONFLICT (<key columns>) DO UPDATE SET ... WHERE table.column <=
-    excluded.column`` (SQLite 3.24+, PostgreSQL 9.5+): the key columns need a primary
+    ``INSERT ... ON CONFLICT (<key columns>) DO UPDATE SET ... WHERE
+    COALESCE(table.column, 0) <= excluded.column`` (SQLite 3.24+, PostgreSQL 9.5+): the
+    key columns need a primary
     key or unique constraint.  Raises :class:`StaleFence` when the existing row carries a
     higher fence.  Does not commit.
     """
@@ -170,7 +175,7 @@ def fenced_upsert(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
     bare = table.rsplit(".", 1)[-1]
     text = (f"INSERT INTO {table} ({names}) VALUES ({params}) "
             f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates} "
-            f"WHERE {bare}.{column} <= excluded.{column}")
+            f"WHERE COALESCE({bare}.{column}, 0) <= excluded.{column}")
     written = _run(conn, text, sql.params())
     if written > 0:
         return written
@@ -274,7 +279,7 @@ def _explain_nothing_written(conn: Any, table: str, key: Mapping[str, Any], fenc
                        sql.params())
     if found is None:
         raise FencedRowMissing(table=table, key=key, fence=fence)
-    if found[0] is not None and int(found[0]) > fence:
+    if int(found[0] or 0) > fence:
         raise StaleFence(table=table, key=key, fence=fence, found=int(found[0]))
 
 

@@ -8,9 +8,12 @@ recipe work on both databases; names are validated and values are always paramet
 
 from __future__ import annotations
 
+import ast
 import pickle
 import sqlite3
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -239,3 +242,46 @@ def test_stale_fence_travels_through_pickle() -> None:
     assert isinstance(back, StaleFence)
     assert (back.table, back.key, back.fence, back.found) == ("stock", {"sku": "A"}, 3, 4)
     assert str(back) == str(err)
+
+
+def test_the_module_imports_neither_celery_nor_redis_and_sqlalchemy_only_on_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import celery_dlock.errors
+    import celery_dlock.fencing
+
+    for module in (celery_dlock.fencing, celery_dlock.errors):
+        tree = ast.parse(Path(str(module.__file__)).read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and not node.level}
+        assert not imported & {"celery", "kombu", "redis"}, (module.__name__, imported)
+        top_level = {(n.module or "") for n in tree.body
+                     if isinstance(n, ast.ImportFrom)}
+        assert "sqlalchemy" not in top_level
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # as if not installed
+    c = sqlite3.connect(":memory:")
+    c.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT, last_fence BIGINT)")
+    assert fenced_upsert(c, "t", {"k": 1}, 1, {"v": "x"}) == 1
+    with pytest.raises(StaleFence):
+        fenced_update(c, "t", {"k": 1}, 0, {"v": "y"})
+    c.close()
+
+
+def test_a_null_fence_column_counts_as_never_fenced(db: Db, conn: Any) -> None:
+    """A column added without a default holds NULL: the first fenced write passes (no
+    silent non-write), and from then on the row refuses older fences."""
+    table = db.table(conn, "id INTEGER PRIMARY KEY, body TEXT")
+    cur = conn.cursor()
+    cur.execute(f"INSERT INTO {table} (id, body) VALUES (1, 'old'), (2, 'old')")
+    cur.execute(f"ALTER TABLE {table} ADD COLUMN last_fence BIGINT")
+    conn.commit()
+    assert fenced_update(conn, table, {"id": 1}, 4, {"body": "new"}) == 1
+    assert fenced_upsert(conn, table, {"id": 2}, 4, {"body": "new"}) == 1
+    conn.commit()
+    with pytest.raises(StaleFence):
+        fenced_update(conn, table, {"id": 1}, 3, {"body": "stale"})
+    conn.rollback()
+    cur.execute(f"SELECT id, body, last_fence FROM {table} ORDER BY id")
+    assert [tuple(r) for r in cur.fetchall()] == [(1, "new", 4), (2, "new", 4)]
+    cur.close()
