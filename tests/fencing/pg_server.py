@@ -32,16 +32,20 @@ class Unavailable(RuntimeError):
 def find_bindir() -> Path:
     """The directory holding ``initdb`` and ``pg_ctl``."""
     wanted = os.environ.get("DLOCK_PG_BINDIR")
-    candidates = [wanted] if wanted else []
-    candidates += sorted(glob.glob("/usr/lib/postgresql/*/bin"),
-                         key=lambda p: int(Path(p).parent.name)
-                         if Path(p).parent.name.isdigit() else 0, reverse=True)
-    on_path = shutil.which("pg_ctl")
-    if on_path:
-        candidates.append(str(Path(on_path).parent))
+    if wanted:
+        candidates = [wanted]
+    else:
+        candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"),
+                            key=lambda p: int(Path(p).parent.name)
+                            if Path(p).parent.name.isdigit() else 0, reverse=True)
+        on_path = shutil.which("pg_ctl")
+        if on_path:
+            candidates.append(str(Path(on_path).parent))
     for c in candidates:
         if (Path(c) / "initdb").exists() and (Path(c) / "pg_ctl").exists():
             return Path(c)
+    if wanted:
+        raise Unavailable(f"DLOCK_PG_BINDIR={wanted} holds no initdb and pg_ctl")
     raise Unavailable("no PostgreSQL server binaries (initdb, pg_ctl): "
                       "apt-get install postgresql, or set DLOCK_PG_BINDIR")
 
