@@ -115,7 +115,8 @@ def fence_column_ddl(table: str, column: str = DEFAULT_COLUMN) -> str:
 
 def fenced_update(conn: Any, table: str, key: Mapping[str, Any], fence: int | None,
                   values: Mapping[str, Any] | None = None, *,
-                  column: str = DEFAULT_COLUMN, paramstyle: str | None = None) -> int:
+                  column: str = DEFAULT_COLUMN, paramstyle: str | None = None,
+                  lock_name: str | None = None) -> int:
     """Set ``values`` on the row(s) under ``key`` if no newer holder wrote them.
 
     One statement: ``UPDATE table SET <values>, column = fence WHERE <key> AND
@@ -125,7 +126,8 @@ def fenced_update(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
     written as the driver counts them (one that counts only changed rows may say 0 for
     a write that changed nothing; that is no error).  Raises
     :class:`StaleFence` when the row carries a higher fence, :class:`FencedRowMissing`
-    when there is no row.  Does not commit.
+    when there is no row; ``lock_name`` (``self.lock.name``), when given, is named in
+    them.  Does not commit.
     """
     values = dict(values or {})
     fence = _check(table, key, fence, values, column)
@@ -139,24 +141,27 @@ def fenced_update(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
     written = _run(conn, text, sql.params())
     if written > 0:
         return written
-    _explain_nothing_written(conn, table, key, fence, column, paramstyle)
+    _explain_nothing_written(conn, table, key, fence, column, paramstyle, lock_name)
     return written
 
 
 def claim(conn: Any, table: str, key: Mapping[str, Any], fence: int | None, *,
-          column: str = DEFAULT_COLUMN, paramstyle: str | None = None) -> None:
+          column: str = DEFAULT_COLUMN, paramstyle: str | None = None,
+          lock_name: str | None = None) -> None:
     """Raise the row's fence to ``fence`` without changing anything else.
 
     Do it first in the transaction of a read-modify-write: from then on a holder with
     an older fence can no longer write the row, so what this holder reads next stays
     true until it writes.  Raises like :func:`fenced_update`.
     """
-    fenced_update(conn, table, key, fence, None, column=column, paramstyle=paramstyle)
+    fenced_update(conn, table, key, fence, None, column=column, paramstyle=paramstyle,
+                  lock_name=lock_name)
 
 
 def fenced_upsert(conn: Any, table: str, key: Mapping[str, Any], fence: int | None,
                   values: Mapping[str, Any] | None = None, *,
-                  column: str = DEFAULT_COLUMN, paramstyle: str | None = None) -> int:
+                  column: str = DEFAULT_COLUMN, paramstyle: str | None = None,
+                  lock_name: str | None = None) -> int:
     """Insert the row under ``key``, or update it if no newer holder wrote it.
 
     ``INSERT ... ON CONFLICT (<key columns>) DO UPDATE SET ... WHERE
@@ -179,7 +184,7 @@ def fenced_upsert(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
     written = _run(conn, text, sql.params())
     if written > 0:
         return written
-    _explain_nothing_written(conn, table, key, fence, column, paramstyle)
+    _explain_nothing_written(conn, table, key, fence, column, paramstyle, lock_name)
     return written
 
 
@@ -271,16 +276,18 @@ def _where(sql: _Sql, key: Mapping[str, Any]) -> str:
 
 
 def _explain_nothing_written(conn: Any, table: str, key: Mapping[str, Any], fence: int,
-                             column: str, paramstyle: str | None) -> None:
+                             column: str, paramstyle: str | None,
+                             lock_name: str | None) -> None:
     """The conditional write matched nothing: say why, or accept a driver's count of
     changed rows (a row already at these values under this fence)."""
     sql = _Sql(_style_of(conn, paramstyle))
     found = _fetch_one(conn, f"SELECT {column} FROM {table} WHERE {_where(sql, key)}",
                        sql.params())
     if found is None:
-        raise FencedRowMissing(table=table, key=key, fence=fence)
+        raise FencedRowMissing(table=table, key=key, fence=fence, lock_name=lock_name)
     if int(found[0] or 0) > fence:
-        raise StaleFence(table=table, key=key, fence=fence, found=int(found[0]))
+        raise StaleFence(table=table, key=key, fence=fence, found=int(found[0]),
+                         lock_name=lock_name)
 
 
 # -- connections ----------------------------------------------------------------------

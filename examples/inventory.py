@@ -101,14 +101,15 @@ def buy(self: Any, sku: str) -> bool:
         with stock_db() as db:
             # Claim the row with this hold's fence before reading it: a buyer with
             # an older fence can no longer write it, so what we read stays true.
-            claim(db, "stock", {"sku": sku}, self.lock.fence)
+            row, fence, name = {"sku": sku}, self.lock.fence, self.lock.name
+            claim(db, "stock", row, fence, lock_name=name)
             units, sold = db.execute("SELECT units, sold FROM stock WHERE sku = ?",
                                      (sku,)).fetchone()
             if units <= 0:
                 return False
             time.sleep(THINK)
-            fenced_update(db, "stock", {"sku": sku}, self.lock.fence,
-                          {"units": units - 1, "sold": sold + 1})
+            fenced_update(db, "stock", row, fence,
+                          {"units": units - 1, "sold": sold + 1}, lock_name=name)
         return True
     finally:
         r.decr(_key(sku, "inside"))

@@ -285,3 +285,17 @@ def test_a_null_fence_column_counts_as_never_fenced(db: Db, conn: Any) -> None:
     cur.execute(f"SELECT id, body, last_fence FROM {table} ORDER BY id")
     assert [tuple(r) for r in cur.fetchall()] == [(1, "new", 4), (2, "new", 4)]
     cur.close()
+
+
+def test_errors_name_the_lock_when_told(db: Db, conn: Any) -> None:
+    table = stock(db, conn)
+    fenced_update(conn, table, {"sku": "A"}, 8, {"qty": 1})
+    conn.commit()
+    with pytest.raises(StaleFence) as stale:
+        claim(conn, table, {"sku": "A"}, 7, lock_name="stock:A")
+    conn.rollback()
+    with pytest.raises(FencedRowMissing) as missing:
+        fenced_update(conn, table, {"sku": "B"}, 9, {"qty": 1}, lock_name="stock:B")
+    conn.rollback()
+    assert stale.value.lock_name == "stock:A" and "(lock 'stock:A')" in str(stale.value)
+    assert missing.value.lock_name == "stock:B" and "'stock:B'" in str(missing.value)
