@@ -19,6 +19,7 @@ RUN pip install -e ".${EXTRAS:+[$EXTRAS]}" flower
 
 COPY examples ./examples
 
-# Workers should not run as root; beat keeps its schedule file in /tmp.
-RUN useradd --create-home --uid 1000 app
+# Workers should not run as root; beat keeps its schedule file in /tmp; /data holds
+# the inventory example's SQLite file (a volume shared by the workers and the producer).
+RUN useradd --create-home --uid 1000 app && mkdir /data && chown app /data
 USER app

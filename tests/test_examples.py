@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: script -> lines its output must contain.
 EXAMPLES = {
-    "inventory.py": ["sold 40, left 0", "OK: exactly 40 units sold with the lock"],
+    "inventory.py": ["sold 40, left 0", "OK: exactly 40 units sold with the lock",
+                     "the stock row was last written with fence 100 "],
     "once_per_period.py": ["OK: every period ran exactly once", "sent by all 2 beats"],
     "long_task_fencing.py": ["late write with fence 1: REFUSED",
                              "ensure_held(): LockLost",
