@@ -49,7 +49,7 @@ from .errors import (
     LockNotAcquired,
     LockNotOwned,
 )
-from .heartbeat import Heartbeat, get_heartbeat
+from .heartbeat import Heartbeat, get_heartbeat, lease_end
 from .renewal import renew_target
 from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, RELEASE, LuaScript
 from .server_checks import check_server
@@ -340,11 +340,21 @@ class RedisLock:
                 sent_at = heartbeat.now()
                 reply = self._run(ACQUIRE, key_list, args)
                 if reply[0] == 1:
-                    acquired = True
-                    self._acquired(owner, int(reply[1]), int(reply[2]), sent_at)
-                    return True
-                pttl = int(reply[1])
-                self.last_holder = parse_holder(reply[3:], pttl, int(reply[2]))
+                    if int(reply[2]) > 1 or heartbeat.now() < lease_end(sent_at,
+                                                                        self.ttl_ms):
+                        acquired = True
+                        self._acquired(owner, int(reply[1]), int(reply[2]), sent_at)
+                        return True
+                    # A fresh hold confirmed after its own deadline may be gone
+                    # already: nobody can vouch for it, so give it back and go on
+                    # as if it had not been granted.
+                    self._give_back(owner)
+                    pttl = -1
+                    self.last_holder = None
+                    args[3] = _op_id()
+                else:
+                    pttl = int(reply[1])
+                    self.last_holder = parse_holder(reply[3:], pttl, int(reply[2]))
                 if not blocking:
                     return False
                 queued = True
@@ -362,6 +372,14 @@ class RedisLock:
         finally:
             if queued and not acquired:
                 self._leave_queue(owner)
+
+    def _give_back(self, owner: str) -> None:
+        logger.warning("lock %r was confirmed after its deadline (a slow link or a "
+                       "paused process): giving it back", self.name)
+        try:
+            self._run(RELEASE, (self.keys.lock,), (owner, _op_id()))
+        except DLockError as exc:  # it expires by itself
+            logger.debug("could not give back %r: %s", self.name, exc)
 
     def _leave_queue(self, owner: str) -> None:
         keys = self.keys

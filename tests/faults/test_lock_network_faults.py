@@ -16,6 +16,7 @@ import pytest
 import redis
 import redis.backoff
 import redis.retry
+from dlock_helpers import wait_until
 
 from celery_dlock import BackendUnavailable, LockLost, RedisLock
 from celery_dlock.embedded import EmbeddedRedis
@@ -228,3 +229,26 @@ def test_loss_is_told_once_and_checks_need_no_redis(own_server, proxy, prefix, n
     with pytest.raises(LockLost):
         lock.release()
     proxy.heal()
+
+
+# -- a grant that arrives after its own deadline -----------------------------------------
+
+
+def test_grant_confirmed_after_its_deadline_is_given_back(own_server, proxy, prefix,
+                                                          name):
+    client = _client(proxy.url, timeout=5)
+    _load_scripts(client, prefix)
+    lost = _LossRecorder()
+    lock = RedisLock(client, name, ttl=0.5, prefix=prefix, on_lost=lost)
+    proxy.delay(0.35)  # each way: the reply comes 0.7 s after the request, past 0.5 s
+    try:
+        assert lock.acquire(blocking=False) is False, \
+            "acquire returned a hold that may already have expired"
+        assert lock.depth == 0 and lock.fence is None
+    finally:
+        proxy.heal()
+    assert not lost.times
+    direct = _direct(own_server)
+    assert wait_until(lambda: not direct.exists(lock.keys.lock), timeout=3)
+    assert lock.acquire(blocking=False)  # a prompt link: granted as usual
+    lock.release()
