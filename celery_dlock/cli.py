@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import click
-import redis
 from celery import current_app
 from kombu.utils.url import maybe_sanitize_url
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -50,6 +49,8 @@ from .inspect import (
     iter_locks,
     waiting_counts,
 )
+from .lock import LockKeys
+from .topology import client_from_url
 
 __all__ = ["dlock"]
 
@@ -74,8 +75,11 @@ class _Target:
     def client(self) -> Any:
         if self._client is None:
             if self.url:
-                self._client = redis.Redis.from_url(self.url,
-                                                    **_default_client_options())
+                conf = getattr(self.app, "conf", None)
+                extra = (conf.get("dlock_transport_options") if conf is not None
+                         else None) or {}
+                self._client = client_from_url(self.url, _default_client_options(),
+                                               extra)
             else:
                 self._client = get_client(self.app)
         return self._client
@@ -264,7 +268,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         else:
             fields.append((name, _cell(value)))
     fields.append(("waiting", str(waiting)))
-    fields.append(("redis_key", f"{target.prefix}:{{{key}}}"))
+    fields.append(("redis_key", LockKeys.for_name(target.prefix, key).lock))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(f"{name + ':':<{size}} {text}")

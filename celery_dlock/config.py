@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from .errors import InvalidLockConfig
+from .topology import client_from_url, is_broker_url, is_lock_url, transport_options
 
 __all__ = ["SETTINGS", "Setting", "get_client", "read_setting", "resolve_url"]
 
@@ -128,21 +128,19 @@ def read_setting(task: Any, option: str) -> Any:
 
 # -- the Redis client -------------------------------------------------------------
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
 def resolve_url(conf: Any) -> str:
-    """``dlock_url``, else the broker URL when that is a Redis URL."""
+    """``dlock_url``, else the broker URL when that is a Redis URL (see
+    :mod:`celery_dlock.topology` for the spellings)."""
     url = conf.get("dlock_url")
     if url:
-        if not isinstance(url, str) or not url.startswith(_REDIS_SCHEMES):
-            raise InvalidLockConfig(f"app.conf.dlock_url must be a redis://, rediss:// "
-                                    f"or unix:// URL, got {url!r}")
-        return url
+        if not is_lock_url(url):
+            raise InvalidLockConfig(f"app.conf.dlock_url must be a redis://, rediss://, "
+                                    f"unix://, redis+cluster:// or sentinel:// URL, "
+                                    f"got {url!r}")
+        return str(url)
     broker = conf.get("broker_url")
-    if isinstance(broker, str) and broker.startswith(_REDIS_SCHEMES) and \
-            ";" not in broker:
-        return broker
+    if is_broker_url(broker):
+        return str(broker)
     raise InvalidLockConfig(
         "celery-dlock needs a Redis: set app.conf.dlock_url (for example "
         "'redis://localhost:6379/0'), or dlock_client to a function returning a client; "
@@ -200,7 +198,8 @@ def get_client(app: Any) -> Any:
                 if not isinstance(extra, dict):
                     raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict")
                 options.update(extra)
-                client = redis.Redis.from_url(cache_key[1], **options)
+                client = client_from_url(cache_key[1], options,
+                                         transport_options(conf))
             _clients[cache_key] = client
         with contextlib.suppress(TypeError):  # an app that takes no weak references
             _by_app[app] = client

@@ -1,0 +1,276 @@
+"""Throwaway Redis topologies for the deployment tests: a cluster, a Sentinel group.
+
+Every server is a ``redis-server`` child process on 127.0.0.1 (free ports, no
+persistence, a temporary directory), started and stopped by the tests themselves.
+Sentinels run as ``redis-server CONFIG --sentinel`` (Debian ships no separate
+``redis-sentinel`` binary in the server package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from celery_dlock.embedded import find_redis_server
+
+__all__ = ["Cluster", "SentinelGroup", "Server", "free_port", "supports_cluster"]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free loopback port below 45536 whose cluster bus port (+10000) is free too
+    (a cluster node refuses ports above 55535)."""
+    for _ in range(200):
+        port = random.randrange(20000, 45536)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair found")
+
+
+def _bounded_wait(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():  # type: ignore[operator]
+                return
+        except (redis.RedisError, OSError):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+class Server:
+    """One ``redis-server`` process with a config file of its own."""
+
+    def __init__(self, directory: str, lines: Sequence[str], *, sentinel: bool = False,
+                 binary: str | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.dir = Path(directory) / str(self.port)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.sentinel = sentinel
+        self.binary = binary or find_redis_server()
+        self.config = self.dir / ("sentinel.conf" if sentinel else "redis.conf")
+        base = [f"port {self.port}", "bind 127.0.0.1", f"dir {self.dir}",
+                "save \"\"", "appendonly no", "loglevel warning",
+                f"logfile {self.dir / 'server.log'}", "daemonize no"]
+        if sentinel:
+            base = [b for b in base if not b.startswith(("save", "appendonly"))]
+        self.config.write_text("\n".join([*base, *lines]) + "\n")
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> Server:
+        args = [self.binary, str(self.config)] + (["--sentinel"] if self.sentinel else [])
+        self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        client = self.client(socket_timeout=1)
+        try:
+            _bounded_wait(client.ping, timeout, f"redis-server on port {self.port}")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {self.log()[-800:]}") from None
+        finally:
+            client.close()
+        return self
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.dir / "server.log").read_text(errors="replace")
+        return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                proc.wait(10)
+
+    def stop(self) -> None:
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def supports_cluster(binary: str | None = None) -> str | None:
+    """None when this redis-server can run a cluster, else why not."""
+    try:
+        binary = binary or find_redis_server()
+    except Exception as exc:
+        return str(exc)
+    with tempfile.TemporaryDirectory(prefix="dlock-probe-") as tmp:
+        server = Server(tmp, ["cluster-enabled yes", "cluster-config-file nodes.conf"],
+                        binary=binary)
+        try:
+            server.start(timeout=5)
+        except RuntimeError as exc:
+            return f"{binary} cannot run in cluster mode: {exc}"
+        finally:
+            server.stop()
+    return None
+
+
+class Cluster:
+    """``masters`` cluster-enabled servers with the 16384 slots split between them."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="dlock-cluster-")
+        self.servers = [
+            Server(self._tmp.name, ["cluster-enabled yes",
+                                    "cluster-config-file nodes.conf",
+                                    "cluster-node-timeout 2000",
+                                    "cluster-require-full-coverage no"])
+            for _ in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.servers[0].port}/0"
+
+    def start(self) -> Cluster:
+        try:
+            for server in self.servers:
+                server.start()
+            clients = [s.client(socket_timeout=5) for s in self.servers]
+            per = 16384 // len(clients)
+            for i, c in enumerate(clients):
+                end = 16384 if i == len(clients) - 1 else (i + 1) * per
+                c.execute_command("CLUSTER ADDSLOTSRANGE", i * per, end - 1)
+            for c in clients[1:]:
+                c.execute_command("CLUSTER MEET", "127.0.0.1", self.servers[0].port)
+
+            def ready() -> bool:
+                for c in clients:
+                    info = c.execute_command("CLUSTER INFO")
+                    state = (info.get("cluster_state") if isinstance(info, dict)
+                             else info.decode())
+                    nodes = c.execute_command("CLUSTER NODES")
+                    if "ok" not in str(state) or len(nodes) != len(clients):
+                        return False
+                return True
+
+            _bounded_wait(ready, 20, "the cluster to agree on its slots")
+            for c in clients:
+                c.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def client(self, **kwargs: object) -> redis.cluster.RedisCluster:
+        import redis.cluster
+
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.servers[0].port,
+                                          **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self._tmp.cleanup()
+
+
+class SentinelGroup:
+    """One master, one replica and three sentinels watching them (``down_after`` ms)."""
+
+    def __init__(self, master_name: str = "dlockmaster", down_after: int = 1000,
+                 sentinel_password: str | None = None) -> None:
+        self.master_name = master_name
+        self._tmp = tempfile.TemporaryDirectory(prefix="dlock-sentinel-")
+        self.master = Server(self._tmp.name, [])
+        self.replica = Server(self._tmp.name,
+                              [f"replicaof 127.0.0.1 {self.master.port}"])
+        auth = [f"requirepass {sentinel_password}"] if sentinel_password else []
+        self.sentinels = [
+            Server(self._tmp.name, [
+                f"sentinel monitor {master_name} 127.0.0.1 {self.master.port} 2",
+                f"sentinel down-after-milliseconds {master_name} {down_after}",
+                f"sentinel failover-timeout {master_name} 10000",
+                f"sentinel parallel-syncs {master_name} 1",
+                *auth], sentinel=True)
+            for _ in range(3)]
+        self.sentinel_password = sentinel_password
+
+    @property
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", s.port) for s in self.sentinels]
+
+    def start(self) -> SentinelGroup:
+        try:
+            self.master.start()
+            self.replica.start()
+            master = self.master.client(socket_timeout=5)
+            _bounded_wait(lambda: master.info("replication")["connected_slaves"] >= 1,
+                          20, "the replica to connect")
+            master.close()
+            for s in self.sentinels:
+                s.start()
+            _bounded_wait(self._sentinels_know_everything, 30,
+                          "the sentinels to find the replica and each other")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _sentinel_client(self, server: Server) -> redis.Redis:
+        return server.client(socket_timeout=2, password=self.sentinel_password)
+
+    def _sentinels_know_everything(self) -> bool:
+        for s in self.sentinels:
+            c = self._sentinel_client(s)
+            try:
+                info = c.execute_command("SENTINEL", "MASTER", self.master_name)
+                fields = dict(zip(info[::2], info[1::2], strict=True)) \
+                    if isinstance(info, list) else info
+                replicas = int(fields.get(b"num-slaves", fields.get("num-slaves", 0)))
+                others = int(fields.get(b"num-other-sentinels",
+                                        fields.get("num-other-sentinels", 0)))
+                if replicas < 1 or others < len(self.sentinels) - 1:
+                    return False
+            finally:
+                c.close()
+        return True
+
+    def current_master_port(self) -> int:
+        for s in self.sentinels:
+            c = self._sentinel_client(s)
+            try:
+                with contextlib.suppress(redis.RedisError):
+                    _, port = c.execute_command(
+                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
+                    return int(port)
+            finally:
+                c.close()
+        raise RuntimeError("no sentinel answers")
+
+    def stop(self) -> None:
+        for server in (*self.sentinels, self.replica, self.master):
+            server.stop()
+        self._tmp.cleanup()
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
