@@ -385,7 +385,8 @@ class RedisLock:
                 self._hold_owner = owner
                 self._fence = fence
                 self._lost_reason = None
-                target = renew_target(self.client) if self.auto_renew else None
+                target = (renew_target(self.client, self.keys.lock) if self.auto_renew
+                          else None)
                 heartbeat.register(self, self._hold_id, target, self.keys.lock, owner,
                                    self.ttl_ms, sent_at)
             else:
