@@ -202,3 +202,60 @@ def test_a_cluster_client_is_what_the_url_gives(cluster, prefix):
     assert isinstance(client, redis.cluster.RedisCluster)
     with RedisLock(client, "}", prefix=prefix) as lock:
         assert lock.holder() is not None
+
+
+# -- LockedTask ---------------------------------------------------------------------
+
+def _task_app(redis_url: str, prefix: str, **conf: object) -> Celery:
+    app = Celery(f"dlc{prefix}", broker=redis_url, backend=redis_url,
+                 set_as_current=False)
+    app.conf.update(
+        broker_transport_options={"polling_interval": 0.1},
+        result_backend_transport_options={"retry_policy": {
+            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
+        task_default_queue=f"q-{prefix}",
+        dlock_key_prefix=prefix,
+        **conf,
+    )
+    return app
+
+
+@pytest.mark.parametrize("how", ["dlock_url", "dlock_client"])
+def test_locked_task_on_a_cluster(how, cluster, redis_url, prefix):
+    from celery.contrib.testing.worker import start_worker
+    from celery_helpers import close_app
+
+    from celery_dlock import LockedTask, is_skipped
+
+    url = f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"
+    conf: dict[str, object] = (
+        {"dlock_url": url} if how == "dlock_url"
+        else {"dlock_client": lambda: redis.cluster.RedisCluster.from_url(
+            url.replace("redis+cluster", "redis"), socket_timeout=5)})
+    app = _task_app(redis_url, prefix, **conf)
+    probe = redis.cluster.RedisCluster.from_url(url.replace("redis+cluster", "redis"))
+
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="{x}",
+              on_contention="skip", lock_ttl=3)
+    def hold(self, x, seconds):
+        holder = RedisLock(probe, x, prefix=prefix).holder()
+        time.sleep(seconds)
+        return {"fence": self.lock.fence, "owned": self.lock.owned(),
+                "holder_fence": holder.fence if holder else None}
+
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
+                          shutdown_timeout=20):
+            first = hold.delay("}锁{", 4.0)  # longer than its ttl: renewed
+            assert wait_until(lambda: RedisLock(probe, "}锁{", prefix=prefix)
+                              .holder() is not None, 10)
+            second = hold.delay("}锁{", 0)
+            skipped = second.get(timeout=30)
+            done = first.get(timeout=30)
+            assert done["owned"] and done["fence"] == done["holder_fence"]
+            assert is_skipped(skipped), skipped
+            third = hold.delay("}锁{", 0).get(timeout=30)
+            assert third["owned"] and third["fence"] > done["fence"]
+    finally:
+        close_app(app)
+        probe.close()
