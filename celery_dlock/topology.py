@@ -124,8 +124,9 @@ def _sentinel_master(url: str, options: Mapping[str, Any],
     sentinel_kwargs = transport.get("sentinel_kwargs")
     if sentinel_kwargs is not None and not isinstance(sentinel_kwargs, Mapping):
         raise InvalidLockConfig("transport option sentinel_kwargs must be a dict")
-    # The sentinels get the timeouts of the lock's client unless told otherwise.
-    ask = {k: v for k, v in options.items() if k.startswith("socket_")}
+    # The sentinels get the timeouts and retries of the lock's client unless told
+    # otherwise (redis-py's own default re-tries for seconds).
+    ask = {k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}
     ask.update(sentinel_kwargs or {})
     min_other = transport.get("min_other_sentinels", 0)
     sentinel_class: Any = redis.sentinel.Sentinel  # (untyped in redis-py)

@@ -61,8 +61,10 @@ class Server:
     """One ``redis-server`` process with a config file of its own."""
 
     def __init__(self, directory: str, lines: Sequence[str], *, sentinel: bool = False,
-                 binary: str | None = None, port: int | None = None) -> None:
+                 binary: str | None = None, port: int | None = None,
+                 password: str | None = None) -> None:
         self.port = port or free_port()
+        self.password = password
         self.dir = Path(directory) / str(self.port)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.sentinel = sentinel
@@ -91,6 +93,7 @@ class Server:
         return self
 
     def client(self, **kwargs: object) -> redis.Redis:
+        kwargs.setdefault("password", self.password)
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)  # type: ignore[arg-type]
 
     def log(self) -> str:
@@ -194,25 +197,46 @@ class Cluster:
 
 
 class SentinelGroup:
-    """One master, one replica and three sentinels watching them (``down_after`` ms)."""
+    """A master, ``replicas`` replicas and ``sentinels`` sentinels watching them (quorum:
+    a majority), marking the master down after ``down_after`` ms.  ``password`` is the
+    master's (and replicas') ``requirepass``, ``sentinel_password`` the sentinels'."""
 
-    def __init__(self, master_name: str = "dlockmaster", down_after: int = 1000,
+    def __init__(self, master_name: str = "dlockmaster", down_after: int = 1000, *,
+                 replicas: int = 1, sentinels: int = 3, password: str | None = None,
                  sentinel_password: str | None = None) -> None:
         self.master_name = master_name
         self._tmp = tempfile.TemporaryDirectory(prefix="dlock-sentinel-")
-        self.master = Server(self._tmp.name, [])
-        self.replica = Server(self._tmp.name,
-                              [f"replicaof 127.0.0.1 {self.master.port}"])
-        auth = [f"requirepass {sentinel_password}"] if sentinel_password else []
+        auth = [f"requirepass {password}", f"masterauth {password}"] if password else []
+        self.master = Server(self._tmp.name, auth, password=password)
+        self.replicas = [Server(self._tmp.name,
+                                [f"replicaof 127.0.0.1 {self.master.port}", *auth],
+                                password=password)
+                         for _ in range(replicas)]
+        quorum = sentinels // 2 + 1
+        sentinel_auth = ([f"requirepass {sentinel_password}"] if sentinel_password
+                         else [])
+        if password:
+            sentinel_auth.append(f"sentinel auth-pass {master_name} {password}")
         self.sentinels = [
             Server(self._tmp.name, [
-                f"sentinel monitor {master_name} 127.0.0.1 {self.master.port} 2",
+                f"sentinel monitor {master_name} 127.0.0.1 {self.master.port} {quorum}",
                 f"sentinel down-after-milliseconds {master_name} {down_after}",
                 f"sentinel failover-timeout {master_name} 10000",
                 f"sentinel parallel-syncs {master_name} 1",
-                *auth], sentinel=True)
-            for _ in range(3)]
+                *sentinel_auth], sentinel=True, password=sentinel_password)
+            for _ in range(sentinels)]
+        self.password = password
         self.sentinel_password = sentinel_password
+
+    @property
+    def servers(self) -> list[Server]:
+        return [self.master, *self.replicas]
+
+    def url(self) -> str:
+        """Celery's spelling of this group (the master's password in the first URL)."""
+        auth = f":{self.password}@" if self.password else ""
+        return ";".join(f"sentinel://{auth if i == 0 else ''}127.0.0.1:{s.port}"
+                        for i, s in enumerate(self.sentinels))
 
     @property
     def sentinel_addresses(self) -> list[tuple[str, int]]:
@@ -220,23 +244,23 @@ class SentinelGroup:
 
     def start(self) -> SentinelGroup:
         try:
-            self.master.start()
-            self.replica.start()
-            master = self.master.client(socket_timeout=5)
-            _bounded_wait(lambda: master.info("replication")["connected_slaves"] >= 1,
-                          20, "the replica to connect")
+            for server in self.servers:
+                server.start()
+            master = self.master.client(socket_timeout=5, password=self.password)
+            _bounded_wait(lambda: master.info("replication")["connected_slaves"]
+                          >= len(self.replicas), 20, "the replicas to connect")
             master.close()
             for s in self.sentinels:
                 s.start()
             _bounded_wait(self._sentinels_know_everything, 30,
-                          "the sentinels to find the replica and each other")
+                          "the sentinels to find the replicas and each other")
         except BaseException:
             self.stop()
             raise
         return self
 
     def _sentinel_client(self, server: Server) -> redis.Redis:
-        return server.client(socket_timeout=2, password=self.sentinel_password)
+        return server.client(socket_timeout=2)
 
     def _sentinels_know_everything(self) -> bool:
         for s in self.sentinels:
@@ -248,11 +272,14 @@ class SentinelGroup:
                 replicas = int(fields.get(b"num-slaves", fields.get("num-slaves", 0)))
                 others = int(fields.get(b"num-other-sentinels",
                                         fields.get("num-other-sentinels", 0)))
-                if replicas < 1 or others < len(self.sentinels) - 1:
+                if replicas < len(self.replicas) or others < len(self.sentinels) - 1:
                     return False
             finally:
                 c.close()
         return True
+
+    def server_on(self, port: int) -> Server:
+        return next(s for s in self.servers if s.port == port)
 
     def current_master_port(self) -> int:
         for s in self.sentinels:
@@ -267,7 +294,7 @@ class SentinelGroup:
         raise RuntimeError("no sentinel answers")
 
     def stop(self) -> None:
-        for server in (*self.sentinels, self.replica, self.master):
+        for server in (*self.sentinels, *self.servers):
             server.stop()
         self._tmp.cleanup()
 
