@@ -294,7 +294,12 @@ class SentinelGroup:
         raise RuntimeError("no sentinel answers")
 
     def stop(self) -> None:
-        for server in (*self.sentinels, *self.servers):
+        everyone = (*self.sentinels, *self.servers)
+        for server in everyone:  # all at once: each takes a moment to shut down
+            if server.process is not None and server.process.poll() is None:
+                server.process.send_signal(signal.SIGCONT)
+                server.process.terminate()
+        for server in everyone:
             server.stop()
         self._tmp.cleanup()
 
