@@ -306,3 +306,18 @@ class SentinelGroup:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
+
+
+def tls_unsupported(binary: str | None = None) -> str | None:
+    """None when this redis-server was built with TLS, else why not (a server without
+    TLS refuses the ``tls-port`` directive; one with TLS asks for a certificate)."""
+    binary = binary or find_redis_server()
+    try:
+        out = subprocess.run([binary, "--port", "0", "--tls-port", "1", "--save", "",
+                              "--daemonize", "no"], capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{binary} could not be probed for TLS: {exc}"
+    if "Bad directive" in out.stdout + out.stderr:
+        return f"{binary} was built without TLS (it refuses tls-port)"
+    return None

@@ -16,7 +16,8 @@ from celery_helpers import close_app
 from celery_dlock import LockedTask, RedisLock
 
 
-def run_locked_task(broker_url: str, probe: Any, **dlock_conf: Any) -> list[dict[str, Any]]:
+def run_locked_task(broker_url: str, probe: Any,
+                    **dlock_conf: Any) -> list[dict[str, Any]]:
     """Run a LockedTask twice on one lock; each result has the task's fence and what
     ``probe`` (a client of the lock's server) saw of the hold while the body ran."""
     prefix = f"dlt{uuid.uuid4().hex[:8]}"

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 from celery import Celery
-from servers import free_port
+from servers import free_port, tls_unsupported
 from task_helpers import check_runs, run_locked_task
 
 from celery_dlock import BackendUnavailable, RedisLock
@@ -40,6 +40,9 @@ def _make_certificates(directory: Path) -> None:
 def tls() -> Iterator[SimpleNamespace]:
     if shutil.which("openssl") is None:
         pytest.skip("no openssl binary to make a test certificate with")
+    why = tls_unsupported()
+    if why:
+        pytest.skip(why)
     with tempfile.TemporaryDirectory(prefix="dlock-tls-") as tmp:
         directory = Path(tmp)
         _make_certificates(directory)
@@ -49,10 +52,7 @@ def tls() -> Iterator[SimpleNamespace]:
             "--tls-key-file", str(directory / "server.key"),
             "--tls-ca-cert-file", str(directory / "ca.crt"),
             "--tls-auth-clients", "no"))
-        try:
-            server.start()
-        except RuntimeError as exc:
-            pytest.skip(f"this redis-server has no TLS support: {exc}")
+        server.start()
         try:
             yield SimpleNamespace(
                 url=f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={directory / 'ca.crt'}",
