@@ -89,17 +89,21 @@ class ClusterNodeRenewTarget:
                  groups: list[list[int]]) -> list[Any]:
         if self._node is None:
             self._node = _node_client(self.cluster, self.node_name, self._socket_timeout)
-        for attempt in range(2):
+        pipe = self._node.pipeline(transaction=False)
+        for group in groups:
+            keys, args = self._call(items, group)
+            pipe.evalsha(RENEW_MANY.sha, len(keys), *keys, *args)
+        replies = list(pipe.execute(raise_on_error=False))
+        missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+        if missing:  # a restarted or promoted master: EVAL caches it again
             pipe = self._node.pipeline(transaction=False)
-            for group in groups:
-                keys, args = self._call(items, group)
-                pipe.evalsha(RENEW_MANY.sha, len(keys), *keys, *args)
-            replies = pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                self._node.script_load(RENEW_MANY.source)
-                continue
-            return list(replies)
-        raise AssertionError("unreachable")
+            for i in missing:
+                keys, args = self._call(items, groups[i])
+                pipe.eval(RENEW_MANY.source, len(keys), *keys, *args)
+            for i, reply in zip(missing, pipe.execute(raise_on_error=False),
+                                strict=True):
+                replies[i] = reply
+        return replies
 
     def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
         groups = self._groups(items)
