@@ -9,12 +9,19 @@ cannot run the topology.
 from __future__ import annotations
 
 import functools
+import shutil
+import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis.cluster
-from servers import Cluster, SentinelGroup, supports_cluster
+from servers import Cluster, SentinelGroup, free_port, supports_cluster, tls_unsupported
+
+from celery_dlock.embedded import EmbeddedRedis
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,3 +55,49 @@ def sentinel_group() -> Iterator[SentinelGroup]:
         pytest.skip(f"could not start a Sentinel group with this redis-server: {exc}")
     yield group
     group.stop()
+
+
+def _make_certificates(directory: Path) -> None:
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True,
+                       capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+        "-out", "ca.crt", "-days", "2", "-subj", "/CN=celery-dlock test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key",
+        "-out", "server.csr", "-subj", "/CN=localhost")
+    (directory / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "ext", "-out", "server.crt")
+
+
+@pytest.fixture(scope="module")
+def tls() -> Iterator[SimpleNamespace]:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary to make a test certificate with")
+    why = tls_unsupported()
+    if why:
+        pytest.skip(why)
+    with tempfile.TemporaryDirectory(prefix="dlock-tls-") as tmp:
+        directory = Path(tmp)
+        _make_certificates(directory)
+        port = free_port()
+        server = EmbeddedRedis(extra_args=(
+            "--tls-port", str(port), "--tls-cert-file", str(directory / "server.crt"),
+            "--tls-key-file", str(directory / "server.key"),
+            "--tls-ca-cert-file", str(directory / "ca.crt"),
+            "--tls-auth-clients", "no"))
+        server.start()
+        try:
+            yield SimpleNamespace(
+                port=port, ca=str(directory / "ca.crt"),
+                url=f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={directory / 'ca.crt'}",
+                bare_url=f"rediss://127.0.0.1:{port}/0", plain=server.url)
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def unix_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(unix_socket=True) as s:
+        yield s
