@@ -167,12 +167,24 @@ class Cluster:
                 c.execute_command("CLUSTER MEET", "127.0.0.1", self.servers[0].port)
 
             def ready() -> bool:
+                # every node sees every slot served by one of the three, none of them
+                # still in handshake
                 for c in clients:
                     info = c.execute_command("CLUSTER INFO")
                     state = (info.get("cluster_state") if isinstance(info, dict)
                              else info.decode())
+                    if "ok" not in str(state):
+                        return False
+                    covered, owners = 0, set()
+                    for start, end, master, *_ in c.execute_command("CLUSTER SLOTS"):
+                        covered += int(end) - int(start) + 1
+                        owners.add(int(master[1]))
+                    if covered != 16384 or len(owners) != len(clients):
+                        return False
                     nodes = c.execute_command("CLUSTER NODES")
-                    if "ok" not in str(state) or len(nodes) != len(clients):
+                    text = str(nodes)
+                    if len(nodes) != len(clients) or "handshake" in text or \
+                            "fail" in text:
                         return False
                 return True
 
@@ -280,6 +292,42 @@ class SentinelGroup:
 
     def server_on(self, port: int) -> Server:
         return next(s for s in self.servers if s.port == port)
+
+    def replicas_ready(self) -> bool:
+        """Every replica is in sync with the current master and every sentinel
+        counts it as a healthy replica (so it can be promoted)."""
+        try:
+            return self._replicas_ready()
+        except (redis.RedisError, RuntimeError, StopIteration):
+            return False
+
+    def _replicas_ready(self) -> bool:
+        master = self.server_on(self.current_master_port()).client(socket_timeout=2)
+        try:
+            info = master.info("replication")
+            online = [v for k, v in info.items() if k.startswith("slave")
+                      and isinstance(v, dict) and v.get("state") == "online"]
+            if len(online) < len(self.replicas):
+                return False
+        finally:
+            master.close()
+        for s in self.sentinels:
+            c = self._sentinel_client(s)
+            try:
+                replicas = c.execute_command("SENTINEL", "REPLICAS", self.master_name)
+            finally:
+                c.close()
+            healthy = 0
+            for entry in replicas:
+                fields = (dict(zip(entry[::2], entry[1::2], strict=True))
+                          if isinstance(entry, list) else entry)
+                flags = fields.get(b"flags", fields.get("flags", b""))
+                flags = flags.decode() if isinstance(flags, bytes) else str(flags)
+                if "down" not in flags and "disconnected" not in flags:
+                    healthy += 1
+            if healthy < len(self.replicas):
+                return False
+        return True
 
     def current_master_port(self) -> int:
         for s in self.sentinels:

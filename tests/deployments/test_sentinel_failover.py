@@ -61,13 +61,8 @@ def _bring_back(group: SentinelGroup, port: int) -> None:
     replica = back.client(socket_timeout=2)
     replica.execute_command("REPLICAOF", "127.0.0.1", master_port)
     replica.close()
-    new_master = group.server_on(master_port).client(socket_timeout=2)
-    try:
-        assert wait_until(
-            lambda: new_master.info("replication")["connected_slaves"] >= 1, 30, 0.1), \
-            "the old master never became a replica of the new one"
-    finally:
-        new_master.close()
+    assert wait_until(group.replicas_ready, 30, 0.1), \
+        "the old master never became a healthy replica of the new one"
 
 
 def _try(lock: RedisLock) -> bool:
