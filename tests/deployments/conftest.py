@@ -9,6 +9,7 @@ cannot run the topology.
 from __future__ import annotations
 
 import functools
+import logging
 import shutil
 import subprocess
 import tempfile
@@ -101,3 +102,16 @@ def tls() -> Iterator[SimpleNamespace]:
 def unix_server() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis(unix_socket=True) as s:
         yield s
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _keep_the_root_logger() -> Iterator[None]:
+    """An in-process Celery worker sets the root logger to ERROR; put it back, so that
+    tests after these (which listen for celery-dlock's warnings) still hear them."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    for handler in list(root.handlers):
+        if handler not in handlers:
+            root.removeHandler(handler)
