@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from .scripts import RENEW_MANY
 
-__all__ = ["ClusterNodeRenewTarget", "is_cluster_client", "node_name_of"]
+__all__ = ["ClusterNodeRenewTarget", "is_cluster_client", "node_clients", "node_name_of"]
 
 #: Replies that mean "ask the cluster where this slot lives now".
 _REDIRECTS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
@@ -37,6 +37,16 @@ def is_cluster_client(client: Any) -> bool:
     """Whether ``client`` is a (synchronous) redis-py Cluster client."""
     cluster = getattr(redis, "cluster", None)
     return cluster is not None and isinstance(client, cluster.RedisCluster)
+
+
+def node_clients(client: Any) -> list[Any]:
+    """A plain client of each master of a Redis Cluster client; ``[client]`` for any
+    other client."""
+    primaries = getattr(client, "get_primaries", None)
+    connection = getattr(client, "get_redis_connection", None)
+    if callable(primaries) and callable(connection):
+        return [connection(node) for node in primaries()]
+    return [client]
 
 
 def node_name_of(client: Any, key: str) -> str:

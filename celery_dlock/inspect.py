@@ -14,7 +14,8 @@ server, and reads each page of keys with one non-transactional pipeline (``HGETA
 ``PTTL`` per key, one ``TIME``): listing 10,000 locks costs a few dozen round trips, not
 20,000.  ``SCAN`` may return a key more than once; :func:`iter_locks` yields it once.
 A lock that expires between ``SCAN`` and the read is left out.  On Redis Cluster each
-master is scanned in turn, with a plain client of its own (:func:`node_clients`).
+master is scanned in turn, with a plain client of its own (:func:`node_clients`), so
+each page is read with one pipeline (and one TIME) on the server that has its keys.
 
 Ages come from the server's clock (``TIME`` minus the hold's ``acquired_at``), so they
 are right whatever the clock of the machine that asks.
@@ -29,6 +30,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .cluster import node_clients
 from .errors import BackendUnavailable, DLockError
 from .hashtag import name_of_key
 from .hashtag import scan_pattern as _scan_pattern
@@ -200,17 +202,6 @@ def _read_hold(client: Any, key: str) -> tuple[dict[str, str], int, int]:
     reply = READ_HOLD(client, (key,), ())
     return _as_fields(reply[3:]), int(reply[0]), int(reply[1]) * 1000 + \
         int(reply[2]) // 1000
-
-
-def node_clients(client: Any) -> list[Any]:
-    """A plain client of each master of a Redis Cluster client; ``[client]`` for any
-    other client.  Listing scans each master with its own client, so each page is read
-    with one pipeline (and one TIME) on the server that has its keys."""
-    primaries = getattr(client, "get_primaries", None)
-    connection = getattr(client, "get_redis_connection", None)
-    if callable(primaries) and callable(connection):
-        return [connection(node) for node in primaries()]
-    return [client]
 
 
 def _read_page(client: Any, page: list[tuple[str, str]]) -> list[LockInfo]:

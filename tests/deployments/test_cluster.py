@@ -259,3 +259,42 @@ def test_locked_task_on_a_cluster(how, cluster, redis_url, prefix):
     finally:
         close_app(app)
         probe.close()
+
+
+def test_blocking_acquire_with_a_short_socket_timeout(cluster):
+    # A blocked acquirer sleeps in BLPOP: each sleep must end before the socket
+    # timeout of the cluster client's connections, or it reads as an outage.
+    client = cluster.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+    prefix = f"dlc{uuid.uuid4().hex[:8]}"
+    try:
+        a = RedisLock(client, "w", ttl=1.5, owner="A", prefix=prefix, auto_renew=False)
+        b = RedisLock(client, "w", ttl=5, owner="B", prefix=prefix)
+        assert a.acquire()
+        started = time.monotonic()
+        assert b.acquire(timeout=5)  # gets it when a's hold expires
+        assert 1.0 < time.monotonic() - started < 4
+        b.release()
+    finally:
+        client.close()
+
+
+def test_an_evicting_master_is_named_whichever_node_the_client_asks(cluster, caplog):
+    client = cluster.client(socket_timeout=5)
+    default = client.get_default_node().port
+    others = [s.client() for s in cluster.servers if s.port != default]
+    for other in others:
+        other.config_set("maxmemory", "1gb")
+        other.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with caplog.at_level("WARNING", logger="celery_dlock.server"):
+            with RedisLock(client, "evict", prefix=f"dlc{uuid.uuid4().hex[:8]}"):
+                pass
+        warnings = [r for r in caplog.records if "may evict" in r.getMessage()]
+        assert len(warnings) == len(others)
+        assert all("allkeys-lru" in r.getMessage() for r in warnings)
+    finally:
+        for other in others:
+            other.config_set("maxmemory", "0")
+            other.config_set("maxmemory-policy", "noeviction")
+            other.close()
+        client.close()
