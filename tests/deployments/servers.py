@@ -162,7 +162,8 @@ class Cluster:
             per = 16384 // len(clients)
             for i, c in enumerate(clients):
                 end = 16384 if i == len(clients) - 1 else (i + 1) * per
-                c.execute_command("CLUSTER ADDSLOTSRANGE", i * per, end - 1)
+                # (ADDSLOTS, not ADDSLOTSRANGE: that is Redis 7 only)
+                c.execute_command("CLUSTER ADDSLOTS", *range(i * per, end))
             for c in clients[1:]:
                 c.execute_command("CLUSTER MEET", "127.0.0.1", self.servers[0].port)
 
