@@ -267,6 +267,7 @@ class SentinelGroup:
                 s.start()
             _bounded_wait(self._sentinels_know_everything, 30,
                           "the sentinels to find the replicas and each other")
+            _bounded_wait(self.replicas_ready, 30, "the replicas to be in sync")
         except BaseException:
             self.stop()
             raise
@@ -312,6 +313,20 @@ class SentinelGroup:
                 return False
         finally:
             master.close()
+        # ...and each replica says so too: its initial sync is over (Valkey 9 shows a
+        # replica still loading it as "online" on the master's side, and counts it for
+        # WAIT)
+        for server in self.servers:
+            if server.port == self.current_master_port():
+                continue
+            c = server.client(socket_timeout=2)
+            try:
+                info = c.info("replication")
+            finally:
+                c.close()
+            if info.get("master_link_status") != "up" or \
+                    int(info.get("master_sync_in_progress", 0)):
+                return False
         for s in self.sentinels:
             c = self._sentinel_client(s)
             try:
@@ -367,6 +382,9 @@ def tls_unsupported(binary: str | None = None) -> str | None:
                              timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{binary} could not be probed for TLS: {exc}"
-    if "Bad directive" in out.stdout + out.stderr:
+    said = out.stdout + out.stderr
+    if "Bad directive" in said:
         return f"{binary} was built without TLS (it refuses tls-port)"
+    if "Failed finding TLS support" in said:  # Valkey without its TLS module
+        return f"{binary} was built without TLS (it has no TLS connection type)"
     return None

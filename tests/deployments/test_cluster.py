@@ -286,9 +286,9 @@ def test_an_evicting_master_is_named_whichever_node_the_client_asks(cluster, cap
         other.config_set("maxmemory", "1gb")
         other.config_set("maxmemory-policy", "allkeys-lru")
     try:
-        with caplog.at_level("WARNING", logger="celery_dlock.server"):
-            with RedisLock(client, "evict", prefix=f"dlc{uuid.uuid4().hex[:8]}"):
-                pass
+        with caplog.at_level("WARNING", logger="celery_dlock.server"), \
+                RedisLock(client, "evict", prefix=f"dlc{uuid.uuid4().hex[:8]}"):
+            pass
         warnings = [r for r in caplog.records if "may evict" in r.getMessage()]
         assert len(warnings) == len(others)
         assert all("allkeys-lru" in r.getMessage() for r in warnings)
