@@ -199,7 +199,7 @@ def get_client(app: Any) -> Any:
                     raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict")
                 options.update(extra)
                 client = client_from_url(cache_key[1], options,
-                                         transport_options(conf))
+                                         transport_options(conf, cache_key[1]))
             _clients[cache_key] = client
         with contextlib.suppress(TypeError):  # an app that takes no weak references
             _by_app[app] = client

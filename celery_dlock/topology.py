@@ -59,8 +59,11 @@ def is_broker_url(url: object) -> bool:
     return _scheme(url) == _SENTINEL or ";" not in url
 
 
-def transport_options(conf: Any) -> Mapping[str, Any]:
-    """``dlock_transport_options`` when ``dlock_url`` is set, else the broker's."""
+def transport_options(conf: Any, url: str) -> Mapping[str, Any]:
+    """For a ``sentinel://`` ``url``: ``dlock_transport_options`` when ``dlock_url`` is
+    set, else the broker's.  Other URLs take none."""
+    if _scheme(url) != _SENTINEL:
+        return {}
     setting = "dlock_transport_options" if conf.get("dlock_url") else \
         "broker_transport_options"
     options = conf.get(setting) or {}
