@@ -50,6 +50,7 @@ from .inspect import (
     iter_locks,
     waiting_counts,
 )
+from .lock import LockKeys
 
 __all__ = ["dlock"]
 
@@ -74,7 +75,11 @@ class _Target:
     def client(self) -> Any:
         if self._client is None:
             if self.url:
-                self._client = client_from_url(self.url, _default_client_options())
+                conf = getattr(self.app, "conf", None)
+                extra = (conf.get("dlock_transport_options") if conf is not None
+                         else None) or {}
+                self._client = client_from_url(self.url, _default_client_options(),
+                                               extra)
             else:
                 self._client = get_client(self.app)
         return self._client
@@ -263,7 +268,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         else:
             fields.append((name, _cell(value)))
     fields.append(("waiting", str(waiting)))
-    fields.append(("redis_key", f"{target.prefix}:{{{key}}}"))
+    fields.append(("redis_key", LockKeys.for_name(target.prefix, key).lock))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(f"{name + ':':<{size}} {text}")

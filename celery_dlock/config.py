@@ -35,6 +35,7 @@ from celery.app.annotations import resolve_all as resolve_all_annotations
 from . import connection
 from .connection import mask_url, redis_url_of, resolve_url
 from .errors import InvalidLockConfig
+from .topology import is_cluster_url, transport_options
 
 __all__ = [
     "CALL_OPTIONS",
@@ -162,6 +163,7 @@ OTHER_CONF = {
     "dlock_url": "the Redis of the locks",
     "dlock_client": "a callable returning a redis-py client",
     "dlock_redis_options": "extra redis.Redis.from_url keyword arguments",
+    "dlock_transport_options": "master_name and sentinel_kwargs for a sentinel:// URL",
     "dlock_record_events": "keep a history of contention for celery dlock top",
 }
 #: Every ``app.conf.dlock_*`` key celery-dlock reads.
@@ -309,9 +311,11 @@ def check_conf(conf: Any) -> None:
         return
     options = connection.client_options(conf)
     url = resolve_url(conf)
+    if is_cluster_url(url):
+        return  # a cluster client connects as it is made: checked at first use
     # Parse it as the client will (a bad port, an unknown query argument), without
     # connecting: Redis may be down at this moment, which is not a configuration error.
-    client = connection.client_from_url(url, options)
+    client = connection.client_from_url(url, options, transport_options(conf, url))
     try:
         connection.check_client_options(client)
     finally:

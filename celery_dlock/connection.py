@@ -28,6 +28,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from . import topology
 from .errors import InvalidLockConfig
 
 __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "resolve_url"]
@@ -84,13 +85,19 @@ def _celery_query(url: str) -> str:
 def redis_url_of(url: Any) -> str | None:
     """``url`` as a URL redis-py opens, when it names one Redis server; else None.
 
-    Accepts ``redis://``, ``rediss://``, ``unix://`` and Celery's unix socket spellings
+    Accepts ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and Celery's
+    ``sentinel://h1;sentinel://h2`` (see :mod:`celery_dlock.topology`), and Celery's
+    unix socket spellings
     ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db);
     ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's spelling) becomes redis-py's
     ``required``.  A list, or several URLs separated by ``;`` (broker failover,
     Sentinel), is not one server: None.
     """
-    if not isinstance(url, str) or ";" in url:
+    if not isinstance(url, str):
+        return None
+    if topology.is_cluster_url(url) or topology.is_sentinel_url(url):
+        return url  # several nodes by design (see celery_dlock.topology)
+    if ";" in url:
         return None
     if url.startswith(_REDIS_SCHEMES):
         return _celery_query(url)
@@ -121,8 +128,8 @@ def resolve_url(conf: Any) -> str:
         found = redis_url_of(url)
         if found is None:
             raise InvalidLockConfig(
-                f"app.conf.dlock_url must be one redis://, rediss:// or unix:// URL, "
-                f"got {mask_url(url)!r}")
+                f"app.conf.dlock_url must be a redis://, rediss://, unix://, "
+                f"redis+cluster:// or sentinel:// URL, got {mask_url(url)!r}")
         return found
     broker = _conf_value(conf, "broker_url")
     found = redis_url_of(broker)
@@ -161,10 +168,12 @@ def client_options(conf: Any) -> dict[str, Any]:
     return options
 
 
-def client_from_url(url: str, options: dict[str, Any]) -> Any:
-    """``redis.Redis.from_url`` whose errors name ``dlock_url`` and mask the URL."""
+def client_from_url(url: str, options: dict[str, Any],
+                    transport: Any = None) -> Any:
+    """A client for ``url`` (:func:`celery_dlock.topology.client_from_url`) whose
+    errors name ``dlock_url`` and mask the URL."""
     try:
-        return redis.Redis.from_url(url, **options)
+        return topology.client_from_url(url, options, transport)
     except (ValueError, TypeError) as exc:
         text = str(exc).replace(url, mask_url(url))
         raise InvalidLockConfig(f"cannot use the Redis URL {mask_url(url)!r} "
@@ -231,7 +240,8 @@ def get_client(app: Any) -> Any:
                                             "returning a Redis client")
                 client = factory()
             else:
-                client = client_from_url(cache_key[1], client_options(conf))
+                client = client_from_url(cache_key[1], client_options(conf),
+                                         topology.transport_options(conf, cache_key[1]))
             _clients[cache_key] = client
         with contextlib.suppress(TypeError):  # an app that takes no weak references
             _by_app[app] = client

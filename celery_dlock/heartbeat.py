@@ -15,9 +15,9 @@ process is not paused for longer than the margin.
 
 **Renewal.**  Every ``ttl/3`` a hold falls due; the watchdog hands all holds of one
 target that are due within half an interval to that target's own *renewer* thread, as
-one batch (one script call per server, per slot on a cluster).  Each target has its own
-renewer (and, for Redis, its own connection), so a stalled or starved server never
-delays the renewal of another.
+one batch (one script call per server; on a cluster, one target and one pipeline per
+master).  Each target has its own renewer (and, for Redis, its own connection), so a
+stalled or starved server never delays the renewal of another.
 
 Rules that keep renewal from ever outliving its holder:
 

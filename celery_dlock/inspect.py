@@ -8,12 +8,14 @@ Everything here reads (or, for :func:`force_release`, frees) the keys laid out i
     for info in iter_locks(client, "dlock"):
         print(info.key, info.task_name, info.held_for)
 
-Listing uses ``SCAN`` (never ``KEYS``) with ``MATCH P:{*}`` and ``TYPE hash``, so the
+Listing uses ``SCAN`` (never ``KEYS``) with ``MATCH P:[{#]*}`` and ``TYPE hash``, so the
 helper keys of a lock (fence counter, waiters' line, doorbells) are skipped by the
 server, and reads each page of keys with one non-transactional pipeline (``HGETALL`` and
 ``PTTL`` per key, one ``TIME``): listing 10,000 locks costs a few dozen round trips, not
 20,000.  ``SCAN`` may return a key more than once; :func:`iter_locks` yields it once.
-A lock that expires between ``SCAN`` and the read is left out.
+A lock that expires between ``SCAN`` and the read is left out.  On Redis Cluster each
+master is scanned in turn, with a plain client of its own (:func:`node_clients`), so
+each page is read with one pipeline (and one TIME) on the server that has its keys.
 
 Ages come from the server's clock (``TIME`` minus the hold's ``acquired_at``), so they
 are right whatever the clock of the machine that asks.
@@ -28,9 +30,12 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .cluster import node_clients
 from .errors import BackendUnavailable, DLockError
+from .hashtag import name_of_key
+from .hashtag import scan_pattern as _scan_pattern
 from .lock import LockKeys, decode
-from .scripts import FORCE_RELEASE
+from .scripts import FORCE_RELEASE, READ_HOLD
 
 __all__ = [
     "SUMMARY_FIELDS",
@@ -40,6 +45,7 @@ __all__ = [
     "get_lock",
     "iter_locks",
     "lock_name_of",
+    "node_clients",
     "scan_pattern",
     "waiting_counts",
 ]
@@ -175,25 +181,27 @@ def _server_ms(reply: Any) -> int:
     return int(secs) * 1000 + int(usecs) // 1000
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
 def scan_pattern(prefix: str) -> str:
     """The ``SCAN MATCH`` pattern of every lock hash under ``prefix``."""
-    return f"{_glob_escape(prefix)}:{{*}}"
+    return _scan_pattern(prefix)
 
 
 def lock_name_of(prefix: str, key: str) -> str | None:
-    """The lock name in a lock hash's key ``prefix:{name}`` (None for other keys)."""
-    head = f"{prefix}:{{"
-    if key.startswith(head) and key.endswith("}") and len(key) > len(head) + 1:
-        return key[len(head):-1]
-    return None
+    """The lock name in a lock hash's key (None for other keys); see
+    :mod:`celery_dlock.hashtag` for the two forms of key."""
+    return name_of_key(prefix, key)
 
 
 def _unavailable(exc: Exception, name: str | None = None) -> BackendUnavailable:
     return BackendUnavailable(f"Redis unavailable: {exc}", lock_name=name)
+
+
+def _read_hold(client: Any, key: str) -> tuple[dict[str, str], int, int]:
+    """One lock hash, its remaining ttl (ms) and the server's clock (ms), at one
+    moment (a script: a cluster client refuses TIME in a pipeline)."""
+    reply = READ_HOLD(client, (key,), ())
+    return _as_fields(reply[3:]), int(reply[0]), int(reply[1]) * 1000 + \
+        int(reply[2]) // 1000
 
 
 def _read_page(client: Any, page: list[tuple[str, str]]) -> list[LockInfo]:
@@ -223,21 +231,22 @@ def iter_locks(client: Any, prefix: str = "dlock", *,
     when Redis cannot be reached.  The order is Redis's (unsorted).
     """
     seen: set[str] = set()
-    page: list[tuple[str, str]] = []
     try:
-        for raw_key in client.scan_iter(match=scan_pattern(prefix), count=page_size,
-                                        _type="hash"):
-            key = decode(raw_key)
-            name = lock_name_of(prefix, key)
-            if name is None or key in seen:
-                continue
-            seen.add(key)
-            page.append((key, name))
-            if len(page) >= page_size:
-                yield from _read_page(client, page)
-                page = []
-        if page:
-            yield from _read_page(client, page)
+        for node in node_clients(client):
+            page: list[tuple[str, str]] = []
+            for raw_key in node.scan_iter(match=scan_pattern(prefix), count=page_size,
+                                          _type="hash"):
+                key = decode(raw_key)
+                name = lock_name_of(prefix, key)
+                if name is None or key in seen:
+                    continue
+                seen.add(key)
+                page.append((key, name))
+                if len(page) >= page_size:
+                    yield from _read_page(node, page)
+                    page = []
+            if page:
+                yield from _read_page(node, page)
     except _UNAVAILABLE as exc:
         raise _unavailable(exc) from exc
 
@@ -246,16 +255,12 @@ def get_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
     """The lock ``name`` under ``prefix`` (None when nobody holds it)."""
     key = LockKeys.for_name(prefix, name).lock
     try:
-        pipe = client.pipeline(transaction=False)
-        pipe.hgetall(key)
-        pipe.pttl(key)
-        pipe.time()
-        raw, pttl, now = pipe.execute()
+        fields, pttl, now_ms = _read_hold(client, key)
     except _UNAVAILABLE as exc:
         raise _unavailable(exc, name) from exc
-    if not raw:
+    if not fields:
         return None
-    return _lock_info(name, _as_fields(raw), int(pttl), _server_ms(now))
+    return _lock_info(name, fields, pttl, now_ms)
 
 
 def waiting_counts(client: Any, prefix: str, names: Iterable[str]) -> dict[str, int]:
@@ -291,11 +296,7 @@ def force_release(client: Any, prefix: str, name: str, *,
     try:
         # The remaining ttl and the server's clock, read just before: the script's
         # reply has the freed hash, not its ttl.
-        pipe = client.pipeline(transaction=False)
-        pipe.hget(keys.lock, "fence")
-        pipe.pttl(keys.lock)
-        pipe.time()
-        before_fence, pttl, now = pipe.execute()
+        before, pttl, now_ms = _read_hold(client, keys.lock)
         reply = FORCE_RELEASE(client, (keys.lock,), conditions)
     except _UNAVAILABLE as exc:
         raise _unavailable(exc, name) from exc
@@ -303,8 +304,8 @@ def force_release(client: Any, prefix: str, name: str, *,
     if status == 0:
         return None
     fields = _as_fields(reply[1:])
-    same_hold = before_fence is not None and decode(before_fence) == fields.get("fence")
-    info = _lock_info(name, fields, int(pttl) if same_hold else None, _server_ms(now))
+    same_hold = "fence" in before and before["fence"] == fields.get("fence")
+    info = _lock_info(name, fields, pttl if same_hold else None, now_ms)
     if status == -1:
         raise HoldChanged(
             f"the lock is now held by another hold (fence {fields.get('fence')}, "

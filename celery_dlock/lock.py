@@ -49,9 +49,10 @@ from .errors import (
     LockNotAcquired,
     LockNotOwned,
 )
+from .hashtag import lock_key
 from .heartbeat import Heartbeat, get_heartbeat, lease_end
 from .renewal import renew_target
-from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, RELEASE, LuaScript
+from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, READ_HOLD, RELEASE, LuaScript
 from .server_checks import check_server
 from .waiters import QUEUE_LEASE, WAKE_GRACE, doorbell_suffix, ring_wait, wait_slice
 
@@ -79,7 +80,8 @@ def _op_id() -> str:
 
 
 class LockKeys(NamedTuple):
-    """The Redis keys of one lock; all share the hash tag ``{name}``."""
+    """The Redis keys of one lock; all share one hash tag (see
+    :mod:`celery_dlock.hashtag`)."""
 
     lock: str
     fence: str
@@ -89,7 +91,7 @@ class LockKeys(NamedTuple):
 
     @classmethod
     def for_name(cls, prefix: str, name: str) -> LockKeys:
-        base = f"{prefix}:{{{name}}}"
+        base = lock_key(prefix, name)
         return cls(base, base + ":fence", base + ":q", base + ":ql", base + ":w:")
 
     def doorbell(self, owner: str) -> str:
@@ -401,7 +403,8 @@ class RedisLock:
                 self._hold_owner = owner
                 self._fence = fence
                 self._lost_reason = None
-                target = renew_target(self.client) if self.auto_renew else None
+                target = (renew_target(self.client, self.keys.lock) if self.auto_renew
+                          else None)
                 heartbeat.register(self, self._hold_id, target, self.keys.lock, owner,
                                    self.ttl_ms, sent_at)
             else:
@@ -553,20 +556,11 @@ class RedisLock:
 
     def holder(self) -> Holder | None:
         """Who holds the lock now (None when free)."""
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(self.keys.lock)
-            pipe.pttl(self.keys.lock)
-            pipe.time()
-            flat_map, pttl, (secs, usecs) = pipe.execute()
-        except RedisError as exc:
-            raise self._error(exc, "holder") from exc
-        if not flat_map:
+        reply = self._run(READ_HOLD, (self.keys.lock,), ())
+        if len(reply) <= 3:
             return None
-        flat: list[Any] = []
-        for k, v in flat_map.items():
-            flat += (k, v)
-        return parse_holder(flat, int(pttl), int(secs) * 1000 + int(usecs) // 1000)
+        pttl, secs, usecs = (int(x) for x in reply[:3])
+        return parse_holder(reply[3:], pttl, secs * 1000 + usecs // 1000)
 
     @property
     def fence(self) -> int | None:

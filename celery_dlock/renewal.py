@@ -1,5 +1,5 @@
 """Renewal of Redis holds: one :class:`RedisRenewTarget` per client, on its own
-connection.
+connection (on Redis Cluster, one target per master: :mod:`celery_dlock.cluster`).
 
 The heartbeat (:mod:`celery_dlock.heartbeat`) gives each target its own renewer thread;
 this module gives each target its own connection pool, a copy of the client's settings
@@ -21,6 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .cluster import ClusterNodeRenewTarget, is_cluster_client, node_name_of
 from .scripts import RENEW_MANY
 
 __all__ = ["RENEW_SOCKET_TIMEOUT", "RedisRenewTarget", "renew_target"]
@@ -81,11 +82,23 @@ class RedisRenewTarget:
 
 
 _targets: weakref.WeakKeyDictionary[Any, RedisRenewTarget] = weakref.WeakKeyDictionary()
+_node_targets: weakref.WeakKeyDictionary[Any, dict[str, ClusterNodeRenewTarget]] = \
+    weakref.WeakKeyDictionary()
 _targets_lock = threading.Lock()
 
 
-def renew_target(client: Any) -> RedisRenewTarget:
-    """The renew target of ``client`` (one per client object and process)."""
+def renew_target(client: Any, key: str | None = None) -> Any:
+    """The renew target of ``client`` (one per client object and process); for a
+    cluster client, the one of the master serving ``key``."""
+    if key is not None and is_cluster_client(client):
+        node = node_name_of(client, key)
+        with _targets_lock:
+            per_node = _node_targets.setdefault(client, {})
+            node_target = per_node.get(node)
+            if node_target is None:
+                node_target = per_node[node] = ClusterNodeRenewTarget(
+                    client, node, RENEW_SOCKET_TIMEOUT)
+            return node_target
     with _targets_lock:
         try:
             return _targets[client]
@@ -97,8 +110,9 @@ def renew_target(client: Any) -> RedisRenewTarget:
 
 
 def _after_fork_in_child() -> None:
-    global _targets, _targets_lock
+    global _targets, _node_targets, _targets_lock
     _targets = weakref.WeakKeyDictionary()
+    _node_targets = weakref.WeakKeyDictionary()
     _targets_lock = threading.Lock()
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "LEAVE_QUEUE",
     "OPS_KEPT",
     "OP_MEMORY_MS",
+    "READ_HOLD",
     "RELEASE",
     "RENEW_MANY",
     "LuaScript",
@@ -369,5 +370,21 @@ if head == owner and redis.call('EXISTS', lock) == 0 then
   wake_head(lock, now_ms())
 end
 return was
+""",
+)
+
+# KEYS[1] lock hash
+# Returns {pttl, server seconds, server microseconds, field, value, ...}: the hash
+#         (empty when nobody holds the lock), its remaining ttl and the server's clock.
+# Read-only.  One script rather than a pipeline of HGETALL, PTTL and TIME: a cluster
+# client refuses TIME in a pipeline, and the three answers come from one moment.
+READ_HOLD = LuaScript(
+    "read_hold",
+    """
+local t = redis.call('TIME')
+local reply = {redis.call('PTTL', KEYS[1]), t[1], t[2]}
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields do reply[i + 3] = fields[i] end
+return reply
 """,
 )

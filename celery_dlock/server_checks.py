@@ -3,7 +3,8 @@
 The guarantees need a server that never evicts a lock's keys: with ``maxmemory`` set
 and an evicting ``maxmemory-policy`` (``allkeys-lru``, ``volatile-ttl``, ...), Redis may
 drop a live hold (two holders) or a fence counter (fences go backwards).  The check
-reads ``INFO memory`` (allowed where ``CONFIG`` is not) and warns once per client.
+reads ``INFO memory`` (allowed where ``CONFIG`` is not), of every master on a cluster,
+and warns once per client.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import weakref
 from typing import Any
 
 from redis.exceptions import RedisError
+
+from .cluster import node_clients
 
 __all__ = ["check_server"]
 
@@ -42,6 +45,11 @@ def check_server(client: Any) -> None:
     """Warn (once per client) when the server may evict keys."""
     if not _first_time(client):
         return
+    for server in node_clients(client):  # every master of a cluster
+        _check_one(server)
+
+
+def _check_one(client: Any) -> None:
     try:
         info = client.info("memory")
     except (RedisError, AttributeError, TypeError) as exc:

@@ -58,7 +58,9 @@ def doorbell_suffix(owner: str) -> str:
 
 def wait_slice(client: Any) -> float:
     """The longest ``BLPOP`` that is safe on this client's sockets (seconds)."""
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if kwargs is None and callable(getattr(client, "get_connection_kwargs", None)):
+        kwargs = client.get_connection_kwargs()  # a cluster client: its nodes' settings
     socket_timeout = kwargs.get("socket_timeout") if isinstance(kwargs, dict) else None
     if socket_timeout:
         return max(0.01, min(WAIT_SLICE, float(socket_timeout) * 0.5))

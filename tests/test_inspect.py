@@ -113,8 +113,10 @@ def test_iter_locks_escapes_glob_characters_in_the_prefix(r, prefix):
     hold(r, odd, "mine")
     hold(r, prefix + "Z[x]!", "not-mine")
     assert [i.key for i in iter_locks(r, odd)] == ["mine"]
-    assert scan_pattern("a*b") == "a\\*b:{*}"
+    assert scan_pattern("a*b") == "a\\*b:[{#]*}"
     assert lock_name_of("p", "p:{x}") == "x"
+    assert lock_name_of("p", LockKeys.for_name("p", "}x{").lock) == "}x{"
+    assert lock_name_of("p", "p:#{0000000000000000}{}x{}") is None  # digest differs
     assert lock_name_of("p", "p:{x}:q") is None
     assert lock_name_of("p", "q:{x}") is None
 

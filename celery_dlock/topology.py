@@ -1,0 +1,153 @@
+"""Redis clients from URLs: one server, Redis Cluster, or a Sentinel-watched master.
+
+The spellings ``app.conf.dlock_url`` (and the broker URL) may take:
+
+``redis://[[user]:password@]host:port/db``, ``rediss://...`` (TLS), ``unix:///path``
+    one server (redis-py's own URL forms, query options included).
+``redis+cluster://[[user]:password@]host:port`` (``rediss+cluster://`` for TLS)
+    a Redis Cluster, found from that node; a ``redis.cluster.RedisCluster`` client.
+``sentinel://[[user]:password@]host:26379[/db];sentinel://host2:26379;...``
+    Celery's (kombu's) Sentinel spelling: the sentinels to ask, ``;``-separated; the
+    master's name comes from the transport options (``master_name``), and
+    ``sentinel_kwargs`` are the sentinels' own connection options (for a password on
+    the sentinels: ``{"password": ...}``).  The user, password and db of the first URL
+    are the master's, as in kombu.  The client asks the sentinels for the master on
+    every new connection, so it follows a failover.
+
+The transport options are ``app.conf.dlock_transport_options`` when ``dlock_url`` is
+set, else ``app.conf.broker_transport_options`` (the lock then follows the broker's
+Sentinel setup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.cluster
+import redis.sentinel
+
+from .errors import InvalidLockConfig
+
+__all__ = [
+    "LOCK_URL_SCHEMES",
+    "client_from_url",
+    "is_cluster_url",
+    "is_lock_url",
+    "is_sentinel_url",
+    "transport_options",
+]
+
+_CLUSTER = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_SENTINEL = "sentinel"
+#: Every scheme a lock URL may have.
+LOCK_URL_SCHEMES = ("redis", "rediss", "unix", *_CLUSTER, _SENTINEL)
+_SENTINEL_PORT = 26379
+
+
+def _scheme(url: str) -> str:
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep else ""
+
+
+def is_lock_url(url: object) -> bool:
+    """Whether ``url`` is spelled in one of :data:`LOCK_URL_SCHEMES`."""
+    return isinstance(url, str) and _scheme(url) in LOCK_URL_SCHEMES
+
+
+def is_cluster_url(url: object) -> bool:
+    return isinstance(url, str) and _scheme(url) in _CLUSTER
+
+
+def is_sentinel_url(url: object) -> bool:
+    return isinstance(url, str) and _scheme(url) == _SENTINEL
+
+
+def is_broker_url(url: object) -> bool:
+    """Whether a Celery broker URL names a Redis the lock can use: one Redis URL, or
+    the Sentinel spelling (a list of failover Redis URLs is not one server)."""
+    if not is_lock_url(url):
+        return False
+    assert isinstance(url, str)
+    return _scheme(url) == _SENTINEL or ";" not in url
+
+
+def transport_options(conf: Any, url: str) -> Mapping[str, Any]:
+    """For a ``sentinel://`` ``url``: ``dlock_transport_options`` when ``dlock_url`` is
+    set, else the broker's.  Other URLs take none."""
+    if _scheme(url) != _SENTINEL:
+        return {}
+    setting = "dlock_transport_options" if conf.get("dlock_url") else \
+        "broker_transport_options"
+    options = conf.get(setting) or {}
+    if not isinstance(options, Mapping):
+        raise InvalidLockConfig(f"app.conf.{setting} must be a dict, got {options!r}")
+    return options
+
+
+def client_from_url(url: str, options: Mapping[str, Any],
+                    transport: Mapping[str, Any] | None = None) -> Any:
+    """A client for ``url`` with ``options`` (redis-py keyword arguments)."""
+    scheme = _scheme(url)
+    if scheme in _CLUSTER:
+        plain = _CLUSTER[scheme] + url[len(scheme):]
+        cluster_options = {k: v for k, v in options.items()
+                           if k != "health_check_interval"}
+        return redis.cluster.RedisCluster.from_url(plain, **cluster_options)
+    if scheme == _SENTINEL:
+        return _sentinel_master(url, options, transport or {})
+    return redis.Redis.from_url(url, **options)
+
+
+def _sentinel_master(url: str, options: Mapping[str, Any],
+                     transport: Mapping[str, Any]) -> Any:
+    where = "the sentinel:// URL"
+    sentinels: list[tuple[str, int]] = []
+    master: dict[str, Any] = {}
+    for i, part in enumerate(p.strip() for p in url.split(";")):
+        if not part:
+            continue
+        if _scheme(part) != _SENTINEL:
+            raise InvalidLockConfig(f"{where}: every ';'-separated part must be a "
+                                    f"sentinel:// URL, got one with scheme "
+                                    f"{_scheme(part) or 'none'!r}")
+        parts = urlsplit(part)
+        try:
+            port = parts.port or _SENTINEL_PORT
+        except ValueError:
+            raise InvalidLockConfig(f"{where}: part {i + 1} has a bad port") from None
+        if not parts.hostname:
+            raise InvalidLockConfig(f"{where}: part {i + 1} names no host")
+        sentinels.append((parts.hostname, port))
+        if not master:
+            if parts.username:
+                master["username"] = unquote(parts.username)
+            if parts.password:
+                master["password"] = unquote(parts.password)
+            path = parts.path.strip("/")
+            if path:
+                if not path.isdigit():
+                    raise InvalidLockConfig(f"{where}: the database must be a number")
+                master["db"] = int(path)
+    if not sentinels:
+        raise InvalidLockConfig(f"{where} names no sentinel")
+    name = transport.get("master_name")
+    if not isinstance(name, str) or not name:
+        raise InvalidLockConfig(
+            "a sentinel:// URL needs the master's name: set dlock_transport_options "
+            "(or broker_transport_options, for the broker's URL) to "
+            "{'master_name': ...}")
+    sentinel_kwargs = transport.get("sentinel_kwargs")
+    if sentinel_kwargs is not None and not isinstance(sentinel_kwargs, Mapping):
+        raise InvalidLockConfig("transport option sentinel_kwargs must be a dict")
+    # The sentinels get the timeouts and retries of the lock's client unless told
+    # otherwise (redis-py's own default re-tries for seconds).
+    ask = {k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}
+    ask.update(sentinel_kwargs or {})
+    min_other = transport.get("min_other_sentinels", 0)
+    sentinel_class: Any = redis.sentinel.Sentinel  # (untyped in redis-py)
+    sentinel = sentinel_class(sentinels, min_other_sentinels=min_other,
+                              sentinel_kwargs=ask, **{**options, **master})
+    return sentinel.master_for(name)

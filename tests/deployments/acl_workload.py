@@ -1,0 +1,94 @@
+"""Everything celery-dlock sends to Redis, driven through its public faces.
+
+Used by test_acl.py twice: as the ACL user of docs/deployments.md (it must all work)
+and under ``MONITOR`` (every command the rule allows must be one it sent).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+from celery import Celery
+from celery.bin.base import CLIContext
+from celery.contrib.testing.worker import start_worker
+from celery_helpers import close_app
+from click.testing import CliRunner
+
+from celery_dlock import LockedTask, LockKeyConflict, RedisLock, is_skipped
+from celery_dlock.cli import dlock
+from celery_dlock.config import get_client
+from celery_dlock.inspect import force_release, get_lock, iter_locks, waiting_counts
+
+
+def run_workload(lock_url: str, broker_url: str, prefix: str,
+                 foreign_key_name: str) -> None:
+    """``foreign_key_name``: a lock name whose key another application holds (a
+    string), set up beforehand."""
+    app = Celery(f"acl{uuid.uuid4().hex[:6]}", broker=broker_url, backend=broker_url,
+                 set_as_current=False)
+    app.conf.update(broker_transport_options={"polling_interval": 0.1},
+                    task_default_queue=f"q-{prefix}", dlock_key_prefix=prefix,
+                    dlock_url=lock_url, dlock_record_events=True,
+                    # so that an idle connection's health check (PING) runs too
+                    dlock_redis_options={"health_check_interval": 1})
+    client = get_client(app)
+
+    # -- RedisLock: acquire, re-enter, contend, wait, hand off, extend, checks, renew
+    a = RedisLock(client, "job", ttl=1.2, owner="A", prefix=prefix)
+    b = RedisLock(client, "job", ttl=5, owner="B", prefix=prefix)
+    assert a.acquire() and a.acquire()
+    assert not b.acquire(blocking=False)
+    assert not b.acquire(timeout=0.2)
+    a.extend(1.2)
+    assert a.owned() and a.locked() and a.holder() is not None
+    a.ensure_held()
+    time.sleep(1.5)  # past the ttl: renewed; and past the health-check interval
+    assert a.owned()
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(b.acquire(timeout=10)))
+    waiter.start()
+    time.sleep(0.3)
+    a.release()
+    a.release()
+    waiter.join(15)
+    assert got == [True]
+    assert waiting_counts(client, prefix, ["job"]) == {"job": 0}
+    assert get_lock(client, prefix, "job") is not None
+    assert [i.key for i in iter_locks(client, prefix)] == ["job"]
+    assert force_release(client, prefix, "job", fence=b.fence) is not None
+    try:
+        RedisLock(client, foreign_key_name, prefix=prefix).acquire(blocking=False)
+    except LockKeyConflict:
+        pass
+    else:
+        raise AssertionError("foreign data went unnoticed")
+
+    # -- LockedTask on a worker, with contention recorded as an event
+    @app.task(base=LockedTask, shared=False, bind=True, lock_key="t:{x}",
+              on_contention="skip")
+    def hold(self: Any, x: str, seconds: float) -> int | None:
+        time.sleep(seconds)
+        return self.lock.fence
+
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
+                          shutdown_timeout=20):
+            long = hold.delay("x", 1.5)
+            time.sleep(0.5)
+            assert is_skipped(hold.delay("x", 0).get(timeout=30))
+            assert isinstance(long.get(timeout=30), int)
+    finally:
+        close_app(app)
+
+    # -- the CLI
+    held = RedisLock(client, "cli", ttl=10, prefix=prefix, owner="C")
+    assert held.acquire(blocking=False)
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    for args in (["ls"], ["ls", "--json"], ["show", "cli"], ["top", "--iterations", "1"],
+                 ["release", "cli", "--force"]):
+        out = CliRunner().invoke(dlock, args, obj=obj, catch_exceptions=False)
+        assert out.exit_code == 0, (args, out.output)
+    assert held.holder() is None

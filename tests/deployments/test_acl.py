@@ -1,0 +1,121 @@
+"""The least-privilege ACL rule of docs/deployments.md.
+
+1. The rule is read from the docs and given to a user; the whole workload
+   (acl_workload.py: RedisLock, inspect, LockedTask with events, the CLI) runs as that
+   user on a server of its own.
+2. The same workload runs under ``MONITOR`` as a user allowed every command (on the
+   same keys): every command the rule allows was sent (so none can go), and every
+   command sent is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from acl_workload import run_workload
+
+from celery_dlock.embedded import EmbeddedRedis
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deployments.md"
+USER, PASSWORD = "dlock", "dlock-secret"
+
+
+def acl_rule() -> str:
+    """The rule in the docs: the block after ``<!-- acl-rule -->``."""
+    found = re.search(r"<!-- acl-rule -->\s*```text\n(.*?)```", DOC.read_text(),
+                      re.DOTALL)
+    assert found, f"no ACL rule block in {DOC}"
+    return " ".join(found.group(1).split())
+
+
+def allowed_commands(rule: str) -> set[str]:
+    return {token[1:].lower() for token in rule.split() if token.startswith("+")}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as s:
+        admin = redis.Redis.from_url(s.url)
+        try:
+            admin.execute_command("ACL", "WHOAMI")
+        except redis.ResponseError as exc:  # Redis < 6
+            pytest.skip(f"this redis-server has no ACL: {exc}")
+        finally:
+            admin.close()
+        yield s
+
+
+def _setup(server: EmbeddedRedis, prefix: str, *,
+           everything: bool = False) -> tuple[str, str]:
+    """A user with the docs' rule (``everything``: with every command) on ``prefix``."""
+    admin = redis.Redis.from_url(server.url)
+    rule = acl_rule().replace("~dlock:*", f"~{prefix}:*")
+    assert rule != acl_rule(), "the rule should name the key prefix dlock:*"
+    if everything:
+        rule = f"resetkeys ~{prefix}:* resetchannels +@all"
+    admin.execute_command("ACL", "SETUSER", USER, "reset", "on", f">{PASSWORD}",
+                          *rule.split())
+    admin.script_flush()  # as after a restart: the lock falls back to EVAL
+    foreign = "foreign"
+    admin.set(f"{prefix}:{{{foreign}}}", "another application's data")
+    admin.close()
+    return f"redis://{USER}:{PASSWORD}@127.0.0.1:{server.port}/0", foreign
+
+
+def test_the_library_works_as_the_acl_user(server, redis_url):
+    prefix = f"dla{uuid.uuid4().hex[:8]}"
+    url, foreign = _setup(server, prefix)
+    run_workload(url, redis_url, prefix, foreign)
+    # and the user really is confined: other keys and other commands are refused
+    client = redis.Redis.from_url(url)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.get("elsewhere")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.flushall()
+    client.close()
+
+
+def _monitor(server: EmbeddedRedis, seen: set[str], stop: str,
+             ready: threading.Event) -> None:
+    admin = redis.Redis.from_url(server.url)
+    with admin.monitor() as monitor:
+        ready.set()
+        for entry in monitor.listen():
+            parts = entry["command"].split(" ", 1)
+            name = parts[0].lower()
+            if name == "echo" and stop in entry["command"]:
+                break
+            if entry.get("client_type") == "lua" or entry.get("client_address") != \
+                    "unknown":
+                seen.add(name)
+    admin.close()
+
+
+def test_the_rule_allows_only_what_the_library_sends(server, redis_url):
+    prefix = f"dla{uuid.uuid4().hex[:8]}"
+    url, foreign = _setup(server, prefix, everything=True)
+    seen: set[str] = set()
+    stop = uuid.uuid4().hex
+    ready = threading.Event()
+    recorder = threading.Thread(target=_monitor, args=(server, seen, stop, ready),
+                                daemon=True)
+    recorder.start()
+    assert ready.wait(10)
+    try:
+        run_workload(url, redis_url, prefix, foreign)
+    finally:
+        admin = redis.Redis.from_url(server.url)
+        admin.echo(stop)
+        admin.close()
+        recorder.join(10)
+    # the connection handshake's optional commands (refused and ignored by redis-py)
+    seen -= {"client", "auth", "hello"}
+    allowed = allowed_commands(acl_rule())
+    assert seen <= allowed, f"sent but not allowed: {sorted(seen - allowed)}"
+    assert allowed <= seen, f"allowed but never sent: {sorted(allowed - seen)}"
