@@ -28,7 +28,7 @@ from dlock_helpers import wait_until
 from servers import SentinelGroup
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.config import _default_client_options
+from celery_dlock.connection import _default_client_options
 from celery_dlock.topology import client_from_url
 
 pytestmark = pytest.mark.slow
