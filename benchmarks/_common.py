@@ -1,7 +1,7 @@
 """Shared plumbing for the lock-core benchmarks.
 
 Every benchmark script starts one throwaway ``redis-server`` (see
-:class:`celery_dlock.embedded.EmbeddedRedis`) for all of its variants, or uses
+:class:`celery_dlock.ops.embedded.EmbeddedRedis`) for all of its variants, or uses
 ``--redis-url``.  Results go to stdout as Markdown tables and, with ``--json`` (the
 default in full mode), to a JSON file that ``plot.py`` turns into the PNGs.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

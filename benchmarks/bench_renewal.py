@@ -28,7 +28,7 @@ from typing import Any
 import _common as c
 
 from celery_dlock import RedisLock
-from celery_dlock.heartbeat import Heartbeat
+from celery_dlock.core.heartbeat import Heartbeat
 
 NAME = "bench_renewal"
 TITLE = "### d. Renewal cost per pass against held locks"

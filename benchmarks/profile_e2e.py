@@ -55,8 +55,8 @@ PARTS_COLUMNS = [
 def make_parts(e2e_app: Any) -> dict[str, tuple[int, Callable[[], Any]]]:
     """``{label: (round trips, call)}``, each call made with fresh arguments."""
     from celery_dlock import RedisLock, signals
-    from celery_dlock.config import get_client
-    from celery_dlock.owner import owner_context
+    from celery_dlock.core.owner import owner_context
+    from celery_dlock.task.config import get_client
 
     app, plain, locked = e2e_app.app, e2e_app.plain, e2e_app.locked
     template = e2e_app.locked_template

@@ -15,9 +15,7 @@ The lock core (:class:`RedisLock`) works without Celery::
 
 from __future__ import annotations
 
-from . import signals
-from .contention import ACQUIRED, Contention, is_skipped
-from .errors import (
+from .core.errors import (
     BackendUnavailable,
     DLockError,
     Holder,
@@ -28,9 +26,11 @@ from .errors import (
     LockNotOwned,
     UnkeyableArgument,
 )
-from .lock import RedisLock
-from .owner import owner_context
-from .task import LockedTask, LockLostInterrupt
+from .core.owner import owner_context
+from .redis.lock import RedisLock
+from .task import signals
+from .task.contention import ACQUIRED, Contention, is_skipped
+from .task.locked_task import LockedTask, LockLostInterrupt
 
 __version__ = "0.1.0"
 

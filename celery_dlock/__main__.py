@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .demo import main as demo_main
+from .ops.demo import main as demo_main
 
 USAGE = """usage: celery-dlock COMMAND [options]
 

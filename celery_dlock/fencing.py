@@ -39,7 +39,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .errors import DLockError
+from .core.errors import DLockError
 
 __all__ = [
     "DEFAULT_COLUMN",

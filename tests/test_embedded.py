@@ -9,7 +9,11 @@ import sys
 import pytest
 import redis
 
-from celery_dlock.embedded import EmbeddedRedis, RedisBinaryNotFound, find_redis_server
+from celery_dlock.ops.embedded import (
+    EmbeddedRedis,
+    RedisBinaryNotFound,
+    find_redis_server,
+)
 
 
 def _port_open(port: int) -> bool:

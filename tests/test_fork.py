@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from celery_dlock import LockLost, LockNotOwned, RedisLock, owner_context
-from celery_dlock.heartbeat import get_heartbeat
+from celery_dlock.core.heartbeat import get_heartbeat
 
 # Python 3.12+ warns when forking a process that runs threads (the heartbeat does).
 pytestmark = pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")

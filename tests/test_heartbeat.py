@@ -15,8 +15,8 @@ import redis
 from dlock_helpers import wait_until
 
 from celery_dlock import LockLost, RedisLock
-from celery_dlock.embedded import EmbeddedRedis
-from celery_dlock.heartbeat import ERROR_RETRY_INTERVAL, Heartbeat, get_heartbeat
+from celery_dlock.core.heartbeat import ERROR_RETRY_INTERVAL, Heartbeat, get_heartbeat
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""Reading and freeing held locks (``celery_dlock.inspect``) on a real Redis."""
+"""Reading and freeing held locks (``celery_dlock.ops.inspect``) on a real Redis."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import redis
 from dlock_helpers import closed_port, fast_failing_client, wait_until
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.events import Event, events_key, recent_events
-from celery_dlock.inspect import (
+from celery_dlock.ops.inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
     LockInfo,
@@ -25,7 +24,8 @@ from celery_dlock.inspect import (
     scan_pattern,
     waiting_counts,
 )
-from celery_dlock.lock import LockKeys
+from celery_dlock.redis.lock import LockKeys
+from celery_dlock.task.events import Event, events_key, recent_events
 
 
 def hold(r: redis.Redis, prefix: str, name: str, owner: str = "me",

@@ -11,8 +11,8 @@ from collections import namedtuple
 
 import pytest
 
-from celery_dlock.errors import InvalidLockConfig, UnkeyableArgument
-from celery_dlock.keys import canonical, make_key_function
+from celery_dlock.core.errors import InvalidLockConfig, UnkeyableArgument
+from celery_dlock.task.keys import canonical, make_key_function
 
 
 def buy(product_id, qty=1, *, note=None):

@@ -4,7 +4,7 @@ A call with ``UUID(...)`` arguments and one with the same UUIDs as strings must 
 one lock: the JSON wire format (and so a client in another language, ``send_task``, a
 result passed down a chain) carries them as the same text.  The rule, for the default
 key (task name + hashed arguments) and for plain template fields: see
-:mod:`celery_dlock.keys`.
+:mod:`celery_dlock.task.keys`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from celery.contrib.testing.worker import start_worker
 from celery_helpers import close_app
 
 from celery_dlock import LockedTask, LockNotAcquired, RedisLock
-from celery_dlock.keys import canonical, make_key_function
+from celery_dlock.task.keys import canonical, make_key_function
 
 U = uuid.UUID("6f1c2b1e-8a51-4c1e-9a57-0c8a3f0e2d11")
 WHEN = dt.datetime(2026, 11, 23, 18, 30, 5, 123456, tzinfo=dt.timezone.utc)

@@ -23,7 +23,7 @@ from celery_dlock import (
     RedisLock,
     owner_context,
 )
-from celery_dlock.heartbeat import get_heartbeat
+from celery_dlock.core.heartbeat import get_heartbeat
 
 
 def _in_thread(fn):

@@ -17,7 +17,8 @@ from celery_helpers import close_app
 from dlock_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
-from celery_dlock import LockedTask, LockLost, RedisLock, is_skipped, metrics
+from celery_dlock import LockedTask, LockLost, RedisLock, is_skipped
+from celery_dlock.ops import metrics
 
 RESULT_TIMEOUT = 30
 

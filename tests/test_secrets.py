@@ -21,8 +21,8 @@ from click.testing import CliRunner
 from dlock_helpers import closed_port
 
 from celery_dlock import InvalidLockConfig, LockedTask
-from celery_dlock.cli import dlock
-from celery_dlock.config import get_client
+from celery_dlock.ops.cli import dlock
+from celery_dlock.task.config import get_client
 
 SECRET = "S3cretPW"
 RESULT_TIMEOUT = 30
@@ -120,6 +120,6 @@ def test_unreachable_redis_with_password_is_masked():
     (None, "None"),
 ])
 def test_mask_url(url, shown):
-    from celery_dlock.config import mask_url
+    from celery_dlock.task.config import mask_url
 
     assert mask_url(url) == shown

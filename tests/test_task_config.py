@@ -20,8 +20,9 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery_helpers import close_app
 
-from celery_dlock import InvalidLockConfig, LockedTask, LockNotAcquired, RedisLock, config
-from celery_dlock.config import get_client, resolve_url
+from celery_dlock import InvalidLockConfig, LockedTask, LockNotAcquired, RedisLock
+from celery_dlock.task import config
+from celery_dlock.task.config import get_client, resolve_url
 
 RESULT_TIMEOUT = 30
 

@@ -20,7 +20,7 @@ from task_env import TaskEnv, new_app, running
 from worker_harness import Harness, assert_disjoint, open_harness, spans, wait_for
 
 from celery_dlock import LockedTask, LockNotAcquired, RedisLock, signals
-from celery_dlock.contention import CONTENTION_HEADER
+from celery_dlock.task.contention import CONTENTION_HEADER
 
 RESULT_TIMEOUT = 60
 

@@ -18,9 +18,9 @@ from celery_helpers import close_app
 from click.testing import CliRunner
 
 from celery_dlock import LockedTask, LockKeyConflict, RedisLock, is_skipped
-from celery_dlock.cli import dlock
-from celery_dlock.config import get_client
-from celery_dlock.inspect import force_release, get_lock, iter_locks, waiting_counts
+from celery_dlock.ops.cli import dlock
+from celery_dlock.ops.inspect import force_release, get_lock, iter_locks, waiting_counts
+from celery_dlock.task.config import get_client
 
 
 def run_workload(lock_url: str, broker_url: str, prefix: str,

@@ -22,7 +22,7 @@ import pytest
 import redis.cluster
 from servers import Cluster, SentinelGroup, free_port, supports_cluster, tls_unsupported
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from celery_dlock.embedded import find_redis_server
+from celery_dlock.ops.embedded import find_redis_server
 
 __all__ = ["Cluster", "SentinelGroup", "Server", "free_port", "supports_cluster"]
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 from acl_workload import run_workload
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deployments.md"
 USER, PASSWORD = "dlock", "dlock-secret"

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from dlock_helpers import wait_until
 
 from celery_dlock import LockLost, RedisLock
-from celery_dlock.cli import dlock
-from celery_dlock.inspect import force_release, get_lock, iter_locks, lock_name_of
+from celery_dlock.ops.cli import dlock
+from celery_dlock.ops.inspect import force_release, get_lock, iter_locks, lock_name_of
 
 # Names that once broke (an empty hash tag: keys spread over slots) or that stress
 # the key: braces everywhere, unicode, 1000 characters.
@@ -194,7 +194,7 @@ def test_cli_ls_show_release_on_a_cluster(cluster, cluster_client, prefix):
 
 
 def test_a_cluster_client_is_what_the_url_gives(cluster, prefix):
-    from celery_dlock.config import get_client
+    from celery_dlock.task.config import get_client
 
     app = Celery("dlc2", set_as_current=False)
     app.conf.dlock_url = f"redis+cluster://127.0.0.1:{cluster.servers[0].port}"

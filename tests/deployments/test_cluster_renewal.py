@@ -14,7 +14,7 @@ import uuid
 from dlock_helpers import wait_until
 
 from celery_dlock import RedisLock
-from celery_dlock.heartbeat import get_heartbeat
+from celery_dlock.core.heartbeat import get_heartbeat
 
 
 def _by_node(client, locks):

@@ -22,7 +22,7 @@ import pytest
 import redis
 from servers import SentinelGroup
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deployments.md"
 FENCE_KEY = "dlock:{stock:42}:fence"

@@ -16,7 +16,7 @@ from celery import Celery
 from servers import SentinelGroup
 
 from celery_dlock import BackendUnavailable, InvalidLockConfig, RedisLock
-from celery_dlock.config import get_client
+from celery_dlock.task.config import get_client
 
 MASTER_PW = "m-secret-1"
 SENTINEL_PW = "s-secret-2"

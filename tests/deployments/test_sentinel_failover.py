@@ -28,8 +28,8 @@ from dlock_helpers import wait_until
 from servers import SentinelGroup
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.connection import _default_client_options
-from celery_dlock.topology import client_from_url
+from celery_dlock.redis.topology import client_from_url
+from celery_dlock.task.connection import _default_client_options
 
 pytestmark = pytest.mark.slow
 

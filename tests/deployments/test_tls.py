@@ -11,7 +11,7 @@ from celery import Celery
 from task_helpers import check_runs, run_locked_task
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.config import get_client
+from celery_dlock.task.config import get_client
 
 
 def _app(url: str) -> Celery:

@@ -11,8 +11,8 @@ from celery import Celery
 from task_helpers import check_runs, run_locked_task
 
 from celery_dlock import RedisLock
-from celery_dlock.config import get_client
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
+from celery_dlock.task.config import get_client
 
 
 @pytest.fixture(scope="module")

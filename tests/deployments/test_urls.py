@@ -6,7 +6,7 @@ import pytest
 from celery import Celery
 
 from celery_dlock import InvalidLockConfig
-from celery_dlock.config import get_client, resolve_url
+from celery_dlock.task.config import get_client, resolve_url
 
 
 def _app(**conf: object) -> Celery:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from proxy import FaultProxy
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 
 @pytest.fixture

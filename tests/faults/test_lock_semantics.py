@@ -16,7 +16,7 @@ import redis
 from dlock_helpers import queue_members, wait_in_line, wait_until
 
 from celery_dlock import DLockError, InvalidLockConfig, LockLost, LockNotOwned, RedisLock
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 # -- 1. re-entry never shortens --------------------------------------------------------
 
@@ -181,7 +181,7 @@ def test_ttl_beyond_the_bound_is_refused_up_front(r, prefix, name, ttl):
 
 
 def test_extend_beyond_the_bound_is_refused_and_writes_nothing(r, prefix, name):
-    from celery_dlock.lock import MAX_TTL
+    from celery_dlock.redis.lock import MAX_TTL
 
     lock = RedisLock(r, name, ttl=5, prefix=prefix)
     with lock:
@@ -197,7 +197,7 @@ def test_extend_beyond_the_bound_is_refused_and_writes_nothing(r, prefix, name):
 
 
 def test_the_longest_ttl_allowed_writes_a_whole_lock(r, prefix, name):
-    from celery_dlock.lock import MAX_TTL
+    from celery_dlock.redis.lock import MAX_TTL
 
     lock = RedisLock(r, name, ttl=MAX_TTL, prefix=prefix, auto_renew=False)
     with lock:

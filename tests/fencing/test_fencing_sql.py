@@ -246,10 +246,10 @@ def test_stale_fence_travels_through_pickle() -> None:
 
 def test_the_module_imports_neither_celery_nor_redis_and_sqlalchemy_only_on_use(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import celery_dlock.errors
+    import celery_dlock.core.errors
     import celery_dlock.fencing
 
-    for module in (celery_dlock.fencing, celery_dlock.errors):
+    for module in (celery_dlock.fencing, celery_dlock.core.errors):
         tree = ast.parse(Path(str(module.__file__)).read_text())
         imported = {alias.name.split(".")[0] for node in ast.walk(tree)
                     if isinstance(node, ast.Import) for alias in node.names}

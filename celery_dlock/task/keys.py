@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import InvalidLockConfig, UnkeyableArgument
+from ..core.errors import InvalidLockConfig, UnkeyableArgument
 
 __all__ = ["KeyFunction", "canonical", "json_scalar", "make_key_function",
            "task_key_function"]

@@ -33,7 +33,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from . import signals
+from ..task import signals
 
 __all__ = ["ACQUIRE_BUCKETS", "HOLD_BUCKETS", "Metrics", "install", "uninstall"]
 
@@ -45,10 +45,10 @@ HOLD_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
                 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 _UIDS = {
-    "acquired": "celery_dlock.metrics.acquired",
-    "contended": "celery_dlock.metrics.contended",
-    "released": "celery_dlock.metrics.released",
-    "lost": "celery_dlock.metrics.lost",
+    "acquired": "celery_dlock.ops.metrics.acquired",
+    "contended": "celery_dlock.ops.metrics.contended",
+    "released": "celery_dlock.ops.metrics.released",
+    "lost": "celery_dlock.ops.metrics.lost",
 }
 
 
@@ -74,7 +74,7 @@ def _prometheus() -> Any:
         import prometheus_client  # noqa: PLC0415 (an optional dependency)
     except ImportError as exc:
         raise ImportError(
-            "celery_dlock.metrics needs prometheus_client: "
+            "celery_dlock.ops.metrics needs prometheus_client: "
             "pip install 'celery-dlock[prometheus]'") from exc
     return prometheus_client
 
@@ -131,7 +131,7 @@ def install(registry: Any = None, namespace: str = "dlock") -> Metrics:
         if _metrics is not None:
             if _metrics.registry is registry and _metrics.namespace == namespace:
                 return _metrics
-            raise ValueError("celery_dlock.metrics is already installed with another "
+            raise ValueError("celery_dlock.ops.metrics is already installed with another "
                              "registry or namespace; call uninstall() first")
         metrics = Metrics(
             registry=registry,

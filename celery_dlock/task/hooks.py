@@ -9,10 +9,11 @@ bound to an app.
   process still has, so nothing waits for a ttl to run out.
 * The main process frees the lock of a child that died while running a locked task
   (SIGKILL, OOM, ``revoke(terminate=True)``, hard time limit): see
-  :class:`celery_dlock.task.LockedRequest`, which calls :func:`free_lock_after_exit`
-  when Celery reports the death, and :func:`watch_child` when a child accepts a locked
-  request.  Celery's prefork pool may notice a SIGKILLed child only at its next pool
-  maintenance (every 5 s), so the watch checks those children itself, every
+  :class:`celery_dlock.task.request.LockedRequest`, which calls
+  :func:`free_lock_after_exit` when Celery reports the death, and :func:`watch_child`
+  when a child accepts a locked request.  Celery's prefork pool may notice a SIGKILLed
+  child only at its next pool maintenance (every 5 s), so the watch checks those
+  children itself, every
   :data:`CHILD_WATCH_INTERVAL`.  Only the hold of that task id in that pid is freed,
   and only once the pid is gone.
 """
@@ -29,11 +30,11 @@ from typing import Any
 from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
+from ..core.heartbeat import get_heartbeat
+from ..redis.lock import LockKeys
+from ..redis.scripts import FORCE_RELEASE
 from . import events
 from .config import get_client, read_setting
-from .heartbeat import get_heartbeat
-from .lock import LockKeys
-from .scripts import FORCE_RELEASE
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",

@@ -1,7 +1,7 @@
 """The per-process watchdog and renewal scheduler ("heartbeat") and its registry of holds.
 
 Backend-neutral: a hold is renewed through a :class:`RenewTarget` that the backend
-supplies (for Redis, one per server: :mod:`celery_dlock.renewal`).
+supplies (for Redis, one per server: :mod:`celery_dlock.redis.renewal`).
 
 **Deadlines.**  Every hold, renewed or not, has a *local deadline* on the monotonic
 clock: the send time of its last confirmed acquire, renewal or extend, plus its ttl,

@@ -17,8 +17,8 @@ from typing import Any
 
 from celery import signals as celery_signals
 
+from ..core.errors import DLockError
 from .config import SETTINGS, check_conf, read_setting
-from .errors import DLockError
 from .keys import task_key_function
 
 __all__ = ["check_app", "install"]

@@ -27,8 +27,8 @@ from typing import Any, TextIO
 import redis
 from celery import Celery
 
+from ..task.locked_task import LockedTask
 from .embedded import EmbeddedRedis
-from .task import LockedTask
 
 __all__ = ["app", "main", "run_demo"]
 
@@ -36,7 +36,7 @@ _URL = os.environ.get("DLOCK_DEMO_REDIS_URL", "redis://127.0.0.1:6379/0")
 _PREFIX = os.environ.get("DLOCK_DEMO_PREFIX", "dlock-demo")
 _QUEUE = os.environ.get("DLOCK_DEMO_QUEUE", "dlock-demo")
 
-app = Celery("celery_dlock.demo", broker=_URL, backend=_URL, set_as_current=False)
+app = Celery("celery_dlock.ops.demo", broker=_URL, backend=_URL, set_as_current=False)
 app.conf.update(
     task_default_queue=_QUEUE,
     broker_transport_options={"polling_interval": 0.1},
@@ -117,7 +117,7 @@ def _workers(url: str, prefix: str, queue: str, count: int, concurrency: int,
     try:
         for name in names:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "celery_dlock.demo", "worker",
+                [sys.executable, "-m", "celery", "-A", "celery_dlock.ops.demo", "worker",
                  "--pool=prefork", f"--concurrency={concurrency}", "-Q", queue,
                  "-n", name, "--without-gossip", "--without-mingle",
                  "--without-heartbeat", "--loglevel=WARNING"],
@@ -207,7 +207,7 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
         out.write(f"{redis_url}\n")
     tag = uuid.uuid4().hex[:8]
     prefix, queue = f"dlock-demo-{tag}", f"dlock-demo-{tag}"
-    demo_app = Celery("celery_dlock.demo.client", broker=redis_url, backend=redis_url,
+    demo_app = Celery("celery_dlock.ops.demo.client", broker=redis_url, backend=redis_url,
                       set_as_current=False)
     demo_app.conf.update(task_default_queue=queue,
                          broker_transport_options={"polling_interval": 0.1})

@@ -1,7 +1,7 @@
 """``LockedRequest``: the worker-side request of a :class:`~celery_dlock.LockedTask`.
 
 It lives in the worker's main process and frees the lock of a child process that died
-while running the task (see :mod:`celery_dlock.hooks`).
+while running the task (see :mod:`celery_dlock.task.hooks`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
-from .errors import DLockError, InvalidLockConfig, UnkeyableArgument
+from ..core.errors import DLockError, InvalidLockConfig, UnkeyableArgument
 from .hooks import free_lock_after_exit, unwatch_child, watch_child
 
 __all__ = ["LockedRequest"]

@@ -32,10 +32,10 @@ from typing import Any
 from celery import Task
 from celery.app.annotations import resolve_all as resolve_all_annotations
 
+from ..core.errors import InvalidLockConfig
+from ..redis.topology import is_cluster_url, transport_options
 from . import connection
 from .connection import mask_url, redis_url_of, resolve_url
-from .errors import InvalidLockConfig
-from .topology import is_cluster_url, transport_options
 
 __all__ = [
     "CALL_OPTIONS",

@@ -1,12 +1,12 @@
 """Renewal of Redis holds: one :class:`RedisRenewTarget` per client, on its own
-connection (on Redis Cluster, one target per master: :mod:`celery_dlock.cluster`).
+connection (on Redis Cluster, one target per master: :mod:`celery_dlock.redis.cluster`).
 
-The heartbeat (:mod:`celery_dlock.heartbeat`) gives each target its own renewer thread;
-this module gives each target its own connection pool, a copy of the client's settings
-with a bounded socket timeout and no client-side re-sends.  So renewal never waits for
-a connection of the user's pool (a ``BlockingConnectionPool`` busy in the user's own
-``BLPOP`` calls), and a server that hangs holds up only its own renewer, for at most
-:data:`RENEW_SOCKET_TIMEOUT`.
+The heartbeat (:mod:`celery_dlock.core.heartbeat`) gives each target its own renewer
+thread; this module gives each target its own connection pool, a copy of the client's
+settings with a bounded socket timeout and no client-side re-sends.  So renewal never
+waits for a connection of the user's pool (a ``BlockingConnectionPool`` busy in the
+user's own ``BLPOP`` calls), and a server that hangs holds up only its own renewer, for
+at most :data:`RENEW_SOCKET_TIMEOUT`.
 """
 
 from __future__ import annotations

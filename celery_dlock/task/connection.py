@@ -28,8 +28,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from . import topology
-from .errors import InvalidLockConfig
+from ..core.errors import InvalidLockConfig
+from ..redis import topology
 
 __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "resolve_url"]
 
@@ -86,7 +86,7 @@ def redis_url_of(url: Any) -> str | None:
     """``url`` as a URL redis-py opens, when it names one Redis server; else None.
 
     Accepts ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and Celery's
-    ``sentinel://h1;sentinel://h2`` (see :mod:`celery_dlock.topology`), and Celery's
+    ``sentinel://h1;sentinel://h2`` (see :mod:`celery_dlock.redis.topology`), and Celery's
     unix socket spellings
     ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db);
     ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's spelling) becomes redis-py's
@@ -96,7 +96,7 @@ def redis_url_of(url: Any) -> str | None:
     if not isinstance(url, str):
         return None
     if topology.is_cluster_url(url) or topology.is_sentinel_url(url):
-        return url  # several nodes by design (see celery_dlock.topology)
+        return url  # several nodes by design (see celery_dlock.redis.topology)
     if ";" in url:
         return None
     if url.startswith(_REDIS_SCHEMES):
@@ -170,7 +170,7 @@ def client_options(conf: Any) -> dict[str, Any]:
 
 def client_from_url(url: str, options: dict[str, Any],
                     transport: Any = None) -> Any:
-    """A client for ``url`` (:func:`celery_dlock.topology.client_from_url`) whose
+    """A client for ``url`` (:func:`celery_dlock.redis.topology.client_from_url`) whose
     errors name ``dlock_url`` and mask the URL."""
     try:
         return topology.client_from_url(url, options, transport)

@@ -35,8 +35,8 @@ from typing import Any
 from celery import signature
 from celery.exceptions import Ignore, Retry
 
-from .errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
-from .lock import RedisLock
+from ..core.errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
+from ..redis.lock import RedisLock
 
 __all__ = [
     "ACQUIRED",

@@ -18,7 +18,7 @@ Exit codes: 0 done, 1 nothing to do (an unknown lock, a release that was decline
 found the lock changed hands), 2 Redis unreachable or not configured.
 
 ``top`` shows recent contention only when the workers record it: set
-``app.conf.dlock_record_events = True`` (see :mod:`celery_dlock.events`).
+``app.conf.dlock_record_events = True`` (see :mod:`celery_dlock.task.events`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .config import get_client, mask_url, resolve_url
-from .connection import _default_client_options, client_from_url
-from .errors import BackendUnavailable, InvalidLockConfig
-from .events import Event, recent_events, recording_enabled
+from ..core.errors import BackendUnavailable, InvalidLockConfig
+from ..redis.lock import LockKeys
+from ..task.config import get_client, mask_url, resolve_url
+from ..task.connection import _default_client_options, client_from_url
+from ..task.events import Event, recent_events, recording_enabled
 from .inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
@@ -50,7 +51,6 @@ from .inspect import (
     iter_locks,
     waiting_counts,
 )
-from .lock import LockKeys
 
 __all__ = ["dlock"]
 

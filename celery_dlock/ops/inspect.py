@@ -1,9 +1,9 @@
 """Reading the locks held in Redis, for ``celery dlock`` and for metrics.
 
 Everything here reads (or, for :func:`force_release`, frees) the keys laid out in
-:mod:`celery_dlock.scripts`; nothing depends on a running worker::
+:mod:`celery_dlock.redis.scripts`; nothing depends on a running worker::
 
-    from celery_dlock.inspect import force_release, get_lock, iter_locks
+    from celery_dlock.ops.inspect import force_release, get_lock, iter_locks
 
     for info in iter_locks(client, "dlock"):
         print(info.key, info.task_name, info.held_for)
@@ -30,12 +30,12 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .cluster import node_clients
-from .errors import BackendUnavailable, DLockError
-from .hashtag import name_of_key
-from .hashtag import scan_pattern as _scan_pattern
-from .lock import LockKeys, decode
-from .scripts import FORCE_RELEASE, READ_HOLD
+from ..core.errors import BackendUnavailable, DLockError
+from ..redis.cluster import node_clients
+from ..redis.hashtag import name_of_key
+from ..redis.hashtag import scan_pattern as _scan_pattern
+from ..redis.lock import LockKeys, decode
+from ..redis.scripts import FORCE_RELEASE, READ_HOLD
 
 __all__ = [
     "SUMMARY_FIELDS",
@@ -188,7 +188,7 @@ def scan_pattern(prefix: str) -> str:
 
 def lock_name_of(prefix: str, key: str) -> str | None:
     """The lock name in a lock hash's key (None for other keys); see
-    :mod:`celery_dlock.hashtag` for the two forms of key."""
+    :mod:`celery_dlock.redis.hashtag` for the two forms of key."""
     return name_of_key(prefix, key)
 
 

@@ -38,6 +38,15 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
+from ..core.errors import (
+    BackendUnavailable,
+    DLockError,
+    InvalidLockConfig,
+    LockLost,
+    LockNotAcquired,
+)
+from ..core.owner import owner_context
+from ..redis.lock import RedisLock
 from . import signals
 from .attempt import (
     DUPLICATE,
@@ -68,17 +77,8 @@ from .contention import (
     get_policy,
     policy_name,
 )
-from .errors import (
-    BackendUnavailable,
-    DLockError,
-    InvalidLockConfig,
-    LockLost,
-    LockNotAcquired,
-)
 from .hooks import install
 from .keys import KeyFunction, task_key_function
-from .lock import RedisLock
-from .owner import owner_context
 from .request import LockedRequest
 from .startup import install as install_startup_check
 
@@ -95,9 +95,9 @@ class LockedTask(Task):  # type: ignore[misc]
     """A task that holds a reentrant Redis lock while its body runs.
 
     Every option below may also be set app-wide as ``app.conf.dlock_*`` (see
-    :data:`celery_dlock.config.SETTINGS`).  Precedence, as for Celery's own options:
+    :data:`celery_dlock.task.config.SETTINGS`).  Precedence, as for Celery's own options:
     per call (message headers) > ``task_annotations`` > task class (most derived
-    first) > ``app.conf.dlock_*`` > default; see :mod:`celery_dlock.config`.
+    first) > ``app.conf.dlock_*`` > default; see :mod:`celery_dlock.task.config`.
     """
 
     abstract = True
@@ -125,7 +125,7 @@ class LockedTask(Task):  # type: ignore[misc]
     lock_lost_action: ClassVar[str | None] = None
 
     #: The worker-side request: frees a dead child's locks from the main process.
-    Request = "celery_dlock.task:LockedRequest"
+    Request = "celery_dlock.task.request:LockedRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

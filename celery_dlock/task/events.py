@@ -34,9 +34,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from ..core.errors import BackendUnavailable, DLockError
 from . import signals
 from .config import get_client, read_setting
-from .errors import BackendUnavailable, DLockError
 
 __all__ = ["EVENTS_MAX", "EVENTS_TTL", "Event", "events_key", "install",
            "recent_events", "recording_enabled"]

@@ -34,9 +34,9 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore
 
+from ..core.errors import Holder, LockLost
+from ..redis.lock import RedisLock
 from .contention import backoff_delay
-from .errors import Holder, LockLost
-from .lock import RedisLock
 
 __all__ = [
     "DUPLICATE",

@@ -1,6 +1,6 @@
 """``RedisLock``: a reentrant, renewed, owner-checked lock on one Redis.
 
-Ownership, on a timeline (A and B are owners, see :mod:`celery_dlock.owner`)::
+Ownership, on a timeline (A and B are owners, see :mod:`celery_dlock.core.owner`)::
 
     t0  A.acquire()    hash {owner: A, count: 1, fence: 7}, expires at t0 + ttl
     t1  A.acquire()    re-entry: count 2, same fence 7
@@ -12,7 +12,7 @@ Ownership, on a timeline (A and B are owners, see :mod:`celery_dlock.owner`)::
     t6  A.release()    "not owner": raises LockNotOwned; B's hold is untouched
 
 While held, the process's heartbeat renews the hold every ``ttl/3`` and watches its
-local deadline (see :mod:`celery_dlock.heartbeat`); when the deadline passes without
+local deadline (see :mod:`celery_dlock.core.heartbeat`); when the deadline passes without
 a confirmed renewal, or the hold is found gone or taken, it is marked lost,
 ``on_lost(lock)`` is called, :meth:`owned` returns False and :meth:`ensure_held`
 raises :class:`LockLost`, all before any other owner can acquire it.
@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError, ResponseError
 
-from . import owner as _owner
-from .errors import (
+from ..core import owner as _owner
+from ..core.errors import (
     BackendUnavailable,
     DLockError,
     Holder,
@@ -49,8 +49,8 @@ from .errors import (
     LockNotAcquired,
     LockNotOwned,
 )
+from ..core.heartbeat import Heartbeat, get_heartbeat, lease_end
 from .hashtag import lock_key
-from .heartbeat import Heartbeat, get_heartbeat, lease_end
 from .renewal import renew_target
 from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, READ_HOLD, RELEASE, LuaScript
 from .server_checks import check_server
@@ -81,7 +81,7 @@ def _op_id() -> str:
 
 class LockKeys(NamedTuple):
     """The Redis keys of one lock; all share one hash tag (see
-    :mod:`celery_dlock.hashtag`)."""
+    :mod:`celery_dlock.redis.hashtag`)."""
 
     lock: str
     fence: str

@@ -1,0 +1,2 @@
+"""Reserved for shims of other lock libraries (celery-once, celery-singleton).
+"""

@@ -1,0 +1,2 @@
+"""Reserved for fixtures for users' own tests.
+"""
