@@ -36,7 +36,7 @@ if not __package__:  # run as a file, python examples/nested_reentry.py
 
 from celery_dlock import LockedTask, RedisLock, signals
 from celery_dlock.core.owner import current_owner
-from celery_dlock.redis.lock import LockKeys
+from celery_dlock.redis.keyspace import LockKeys
 from examples.celery_app import app, data, use_redis, wait_for_signal
 
 __all__ = ["app", "audit", "main", "transfer"]

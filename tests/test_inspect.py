@@ -24,7 +24,7 @@ from celery_dlock.ops.inspect import (
     scan_pattern,
     waiting_counts,
 )
-from celery_dlock.redis.lock import LockKeys
+from celery_dlock.redis.keyspace import LockKeys
 from celery_dlock.task.events import Event, events_key, recent_events
 
 

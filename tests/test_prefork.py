@@ -33,7 +33,7 @@ from worker_harness import (
     wait_for,
 )
 
-from celery_dlock.redis.lock import LockKeys
+from celery_dlock.redis.keyspace import LockKeys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

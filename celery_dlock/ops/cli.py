@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..core.errors import BackendUnavailable, InvalidLockConfig
-from ..redis.lock import LockKeys
+from ..redis.keyspace import LockKeys
 from ..task.config import get_client, mask_url, resolve_url
 from ..task.connection import _default_client_options, client_from_url
 from ..task.events import Event, recent_events, recording_enabled

@@ -34,7 +34,7 @@ from ..core.errors import BackendUnavailable, DLockError
 from ..redis.cluster import node_clients
 from ..redis.hashtag import name_of_key
 from ..redis.hashtag import scan_pattern as _scan_pattern
-from ..redis.lock import LockKeys, decode
+from ..redis.keyspace import LockKeys, decode
 from ..redis.scripts import FORCE_RELEASE, READ_HOLD
 
 __all__ = [

@@ -24,17 +24,15 @@ count, deadline) changes only after the server has confirmed.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
-import math
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -50,26 +48,20 @@ from ..core.errors import (
     LockNotOwned,
 )
 from ..core.heartbeat import Heartbeat, get_heartbeat, lease_end
-from .hashtag import lock_key
+from ..core.ttl import ttl_ms as _ttl_to_ms
+from .keyspace import LockKeys, check_client, decode, foreign_keys, parse_holder
 from .renewal import renew_target
 from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, READ_HOLD, RELEASE, LuaScript
 from .server_checks import check_server
-from .waiters import QUEUE_LEASE, WAKE_GRACE, doorbell_suffix, ring_wait, wait_slice
+from .waiters import QUEUE_LEASE, WAKE_GRACE, ring_wait, wait_slice
 
-__all__ = ["DEFAULT_PREFIX", "MAX_TTL", "LockKeys", "RedisLock", "decode", "parse_holder"]
+__all__ = ["DEFAULT_PREFIX", "RedisLock"]
 
 logger = logging.getLogger("celery_dlock.lock")
 
 DEFAULT_PREFIX = "dlock"
 _HOST = socket.gethostname()
 
-#: The longest ttl a hold may have (seconds): 30 days.  Longer holds are refused with
-#: InvalidLockConfig (Lua would print larger millisecond counts in a form PEXPIRE
-#: refuses, and a lock that must outlive a month is a record, not a lock).
-MAX_TTL = 30 * 86400.0
-
-#: What a key of a lock must be (TYPE), to name a key holding foreign data.
-_KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset"}
 _RESERVED = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid", "ops"})
 _hold_ids = itertools.count(1)
 
@@ -77,82 +69,6 @@ _hold_ids = itertools.count(1)
 def _op_id() -> str:
     """A fresh operation id: lets a script recognise a call it already ran."""
     return os.urandom(8).hex()
-
-
-class LockKeys(NamedTuple):
-    """The Redis keys of one lock; all share one hash tag (see
-    :mod:`celery_dlock.redis.hashtag`)."""
-
-    lock: str
-    fence: str
-    queue: str
-    leases: str
-    doorbell_prefix: str
-
-    @classmethod
-    def for_name(cls, prefix: str, name: str) -> LockKeys:
-        base = lock_key(prefix, name)
-        return cls(base, base + ":fence", base + ":q", base + ":ql", base + ":w:")
-
-    def doorbell(self, owner: str) -> str:
-        return self.doorbell_prefix + doorbell_suffix(owner)
-
-
-def decode(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def parse_holder(flat: Sequence[Any], pttl_ms: int | None, now_ms: int | None) -> Holder:
-    """Build a :class:`Holder` from a flat ``HGETALL`` reply."""
-    fields = {decode(flat[i]): decode(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
-    owner = fields.pop("owner", None)
-    count = int(fields.pop("count", "0") or 0)
-    fence_text = fields.pop("fence", None)
-    acquired_at = fields.pop("acquired_at", None)
-    fields.pop("ttl", None)
-    age = None
-    if acquired_at is not None and now_ms is not None:
-        age = max(0.0, (now_ms - int(acquired_at)) / 1000.0)
-    ttl = pttl_ms / 1000.0 if pttl_ms is not None and pttl_ms >= 0 else None
-    return Holder(
-        owner=owner,
-        count=count,
-        fence=int(fence_text) if fence_text else None,
-        age=age,
-        ttl=ttl,
-        info=fields,
-    )
-
-
-def _ttl_ms(ttl: float, what: str, name: str) -> int:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise InvalidLockConfig(f"{what} must be a number of seconds, got {ttl!r}",
-                                lock_name=name)
-    if not math.isfinite(ttl) or ttl <= 0:
-        raise InvalidLockConfig(f"{what} must be a positive number of seconds, "
-                                f"got {ttl!r}", lock_name=name)
-    if ttl > MAX_TTL:
-        raise InvalidLockConfig(f"{what} must be at most {MAX_TTL:g} seconds (30 days), "
-                                f"got {ttl!r}", lock_name=name)
-    return max(1, round(ttl * 1000))
-
-
-def _check_client(client: Any, name: str) -> None:
-    if client is None:
-        raise InvalidLockConfig("a lock needs a Redis client", lock_name=name)
-    if isinstance(client, (str, bytes)):
-        raise InvalidLockConfig(
-            "a lock needs a Redis client, not a URL: pass redis.Redis.from_url(url)",
-            lock_name=name)
-    if type(client).__module__.startswith("redis.asyncio") or \
-            inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
-        raise InvalidLockConfig("a lock needs a synchronous Redis client; got a "
-                                "redis.asyncio client", lock_name=name)
-    if not (callable(getattr(client, "evalsha", None))
-            and callable(getattr(client, "eval", None))):
-        raise InvalidLockConfig(
-            f"a lock needs a Redis client (redis.Redis or redis.cluster.RedisCluster), "
-            f"got {type(client).__name__}", lock_name=name)
 
 
 class RedisLock:
@@ -207,11 +123,11 @@ class RedisLock:
         if blocking_timeout is not None and not blocking_timeout >= 0:
             raise InvalidLockConfig("blocking_timeout must be >= 0 or None",
                                     lock_name=name)
-        _check_client(client, name)
+        check_client(client, name)
         self.client = client
         self.name = name
         self.prefix = prefix
-        self.ttl_ms = _ttl_ms(ttl, "ttl", name)
+        self.ttl_ms = _ttl_to_ms(ttl, "ttl", name)
         self.auto_renew = auto_renew
         self.on_lost = on_lost
         self.blocking_timeout = blocking_timeout
@@ -258,24 +174,10 @@ class RedisLock:
     def _error(self, exc: RedisError, what: str) -> DLockError:
         """The DLockError for a failed Redis call."""
         if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
-            return LockKeyConflict(self._foreign_keys(), lock_name=self.name)
+            return LockKeyConflict(foreign_keys(self.client, self.keys),
+                                   lock_name=self.name)
         return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
                                   lock_name=self.name)
-
-    def _foreign_keys(self) -> str:
-        found = []
-        for field, expected in _KEY_TYPES.items():
-            key = getattr(self.keys, field)
-            try:
-                kind = decode(self.client.type(key))
-            except RedisError:
-                continue
-            if kind not in ("none", expected):
-                found.append(f"{key!r} holds a {kind}, not a {expected}")
-        what = ("; ".join(found)
-                or f"a key of {self.keys.lock!r} holds another kind of data")
-        return (f"{what}: another application's data is under this lock's keys and was "
-                f"left untouched (use another prefix or lock name)")
 
     def _run(self, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
@@ -502,7 +404,7 @@ class RedisLock:
         The new ttl is kept: later renewals use it too.  Answers for the calling owner:
         :class:`LockNotOwned` when it does not hold the lock.
         """
-        ttl_ms = self.ttl_ms if ttl is None else _ttl_ms(ttl, "ttl", self.name)
+        ttl_ms = self.ttl_ms if ttl is None else _ttl_to_ms(ttl, "ttl", self.name)
         owner, held_here, hold_id, lost_reason = self._caller_view()
         if lost_reason is not None:
             raise LockLost(f"cannot extend: lock lost ({lost_reason})",

@@ -31,7 +31,7 @@ from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
 from ..core.heartbeat import get_heartbeat
-from ..redis.lock import LockKeys
+from ..redis.keyspace import LockKeys
 from ..redis.scripts import FORCE_RELEASE
 from . import events
 from .config import get_client, read_setting

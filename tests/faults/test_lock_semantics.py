@@ -181,7 +181,7 @@ def test_ttl_beyond_the_bound_is_refused_up_front(r, prefix, name, ttl):
 
 
 def test_extend_beyond_the_bound_is_refused_and_writes_nothing(r, prefix, name):
-    from celery_dlock.redis.lock import MAX_TTL
+    from celery_dlock.core.ttl import MAX_TTL
 
     lock = RedisLock(r, name, ttl=5, prefix=prefix)
     with lock:
@@ -197,7 +197,7 @@ def test_extend_beyond_the_bound_is_refused_and_writes_nothing(r, prefix, name):
 
 
 def test_the_longest_ttl_allowed_writes_a_whole_lock(r, prefix, name):
-    from celery_dlock.redis.lock import MAX_TTL
+    from celery_dlock.core.ttl import MAX_TTL
 
     lock = RedisLock(r, name, ttl=MAX_TTL, prefix=prefix, auto_renew=False)
     with lock:

@@ -1,0 +1,101 @@
+"""The Redis keys of one lock, what its hash says, and what may stand in for a client.
+
+See :mod:`celery_dlock.redis.scripts` for what each key holds and
+:mod:`celery_dlock.redis.hashtag` for how a name becomes a key.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from redis.exceptions import RedisError
+
+from ..core.errors import Holder, InvalidLockConfig
+from .hashtag import lock_key
+from .waiters import doorbell_suffix
+
+__all__ = ["LockKeys", "check_client", "decode", "foreign_keys", "parse_holder"]
+
+#: What a key of a lock must be (TYPE), to name a key holding foreign data.
+_KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset"}
+class LockKeys(NamedTuple):
+    """The Redis keys of one lock; all share one hash tag (see
+    :mod:`celery_dlock.redis.hashtag`)."""
+
+    lock: str
+    fence: str
+    queue: str
+    leases: str
+    doorbell_prefix: str
+
+    @classmethod
+    def for_name(cls, prefix: str, name: str) -> LockKeys:
+        base = lock_key(prefix, name)
+        return cls(base, base + ":fence", base + ":q", base + ":ql", base + ":w:")
+
+    def doorbell(self, owner: str) -> str:
+        return self.doorbell_prefix + doorbell_suffix(owner)
+
+
+def decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_holder(flat: Sequence[Any], pttl_ms: int | None, now_ms: int | None) -> Holder:
+    """Build a :class:`Holder` from a flat ``HGETALL`` reply."""
+    fields = {decode(flat[i]): decode(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+    owner = fields.pop("owner", None)
+    count = int(fields.pop("count", "0") or 0)
+    fence_text = fields.pop("fence", None)
+    acquired_at = fields.pop("acquired_at", None)
+    fields.pop("ttl", None)
+    age = None
+    if acquired_at is not None and now_ms is not None:
+        age = max(0.0, (now_ms - int(acquired_at)) / 1000.0)
+    ttl = pttl_ms / 1000.0 if pttl_ms is not None and pttl_ms >= 0 else None
+    return Holder(
+        owner=owner,
+        count=count,
+        fence=int(fence_text) if fence_text else None,
+        age=age,
+        ttl=ttl,
+        info=fields,
+    )
+
+
+def foreign_keys(client: Any, keys: LockKeys) -> str:
+    """A sentence naming the keys of ``keys`` that hold another kind of data."""
+    found = []
+    for field, expected in _KEY_TYPES.items():
+        key = getattr(keys, field)
+        try:
+            kind = decode(client.type(key))
+        except RedisError:
+            continue
+        if kind not in ("none", expected):
+            found.append(f"{key!r} holds a {kind}, not a {expected}")
+    what = ("; ".join(found)
+            or f"a key of {keys.lock!r} holds another kind of data")
+    return (f"{what}: another application's data is under this lock's keys and was "
+            f"left untouched (use another prefix or lock name)")
+
+
+def check_client(client: Any, name: str) -> None:
+    """InvalidLockConfig unless ``client`` is a synchronous redis-py client."""
+    if client is None:
+        raise InvalidLockConfig("a lock needs a Redis client", lock_name=name)
+    if isinstance(client, (str, bytes)):
+        raise InvalidLockConfig(
+            "a lock needs a Redis client, not a URL: pass redis.Redis.from_url(url)",
+            lock_name=name)
+    if type(client).__module__.startswith("redis.asyncio") or \
+            inspect.iscoroutinefunction(getattr(client, "execute_command", None)):
+        raise InvalidLockConfig("a lock needs a synchronous Redis client; got a "
+                                "redis.asyncio client", lock_name=name)
+    if not (callable(getattr(client, "evalsha", None))
+            and callable(getattr(client, "eval", None))):
+        raise InvalidLockConfig(
+            f"a lock needs a Redis client (redis.Redis or redis.cluster.RedisCluster), "
+            f"got {type(client).__name__}", lock_name=name)
