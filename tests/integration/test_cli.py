@@ -34,7 +34,7 @@ from celery_dlock.ops.cli import dlock
 from celery_dlock.ops.inspect import SUMMARY_FIELDS, get_lock
 
 RESULT_TIMEOUT = 30
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: script -> lines its output must contain.
 EXAMPLES = {

@@ -24,7 +24,7 @@ from dlock_helpers import wait_until
 
 from celery_dlock.redis.keyspace import LockKeys
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 #: Seconds a refused worker gets to exit; it exits during start-up, in about one.
 EXIT_TIMEOUT = 60
 
