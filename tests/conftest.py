@@ -7,7 +7,9 @@ never flush a shared database: each one gets its own key prefix.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 
@@ -68,6 +70,19 @@ def redis_url() -> Iterator[str]:
         return
     with EmbeddedRedis() as server:
         yield server.url
+
+
+@pytest.fixture
+def own_server() -> Iterator[EmbeddedRedis]:
+    """A redis-server of this test's own, to SIGSTOP, stop or reconfigure at will."""
+    server = EmbeddedRedis().start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
 
 
 @pytest.fixture

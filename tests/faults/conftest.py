@@ -1,30 +1,14 @@
-"""Fixtures for the fault tests: a redis-server of the test's own (to stop, freeze or
-reconfigure at will) and the fault proxy in front of it."""
+"""Fixtures for the fault tests: the fault proxy in front of the test's own server
+(``own_server``, from the root conftest)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 from collections.abc import Iterator
 
 import pytest
 from proxy import FaultProxy
 
 from celery_dlock.ops.embedded import EmbeddedRedis
-
-
-@pytest.fixture
-def own_server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of this test's own, to SIGSTOP or reconfigure at will."""
-    server = EmbeddedRedis().start()
-    try:
-        yield server
-    finally:
-        if server.process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(server.process.pid, signal.SIGCONT)
-        server.stop()
 
 
 @pytest.fixture

@@ -54,12 +54,12 @@ def test_renewal_does_not_undo_an_extend_by_another_object(r, prefix, name):
 # -- 5. a killed waiter does not reserve a free lock -----------------------------------
 
 
-@pytest.mark.slow
-def test_killed_waiter_does_not_reserve_the_freed_lock(redis_url, r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, prefix=prefix)
-    holder.acquire()
+def _kill_a_waiter_in_line(redis_url: str, r: redis.Redis, holder: RedisLock) -> None:
+    """Start a process that waits in ``holder``'s line, check the line's keys carry a
+    TTL, and SIGKILL it there."""
     ctx = multiprocessing.get_context("spawn")
-    waiter = ctx.Process(target=wait_in_line, args=(redis_url, prefix, name, "doomed"))
+    waiter = ctx.Process(target=wait_in_line,
+                         args=(redis_url, holder.prefix, holder.name, "doomed"))
     waiter.start()
     try:
         assert wait_until(lambda: queue_members(r, holder) == ["doomed"], timeout=20)
@@ -71,6 +71,13 @@ def test_killed_waiter_does_not_reserve_the_freed_lock(redis_url, r, prefix, nam
     finally:
         if waiter.is_alive():
             waiter.kill()
+
+
+@pytest.mark.slow
+def test_killed_waiter_does_not_reserve_the_freed_lock(redis_url, r, prefix, name):
+    holder = RedisLock(r, name, ttl=30, prefix=prefix)
+    holder.acquire()
+    _kill_a_waiter_in_line(redis_url, r, holder)
     holder.release()
     released = time.monotonic()
     newcomer = RedisLock(r, name, ttl=30, prefix=prefix, owner="newcomer")
@@ -84,15 +91,7 @@ def test_killed_waiter_does_not_reserve_the_freed_lock(redis_url, r, prefix, nam
 def test_wait_line_keys_expire_when_every_waiter_is_gone(redis_url, r, prefix, name):
     holder = RedisLock(r, name, ttl=30, prefix=prefix)
     holder.acquire()
-    ctx = multiprocessing.get_context("spawn")
-    waiter = ctx.Process(target=wait_in_line, args=(redis_url, prefix, name, "doomed"))
-    waiter.start()
-    try:
-        assert wait_until(lambda: queue_members(r, holder) == ["doomed"], timeout=20)
-        assert waiter.pid is not None
-        os.kill(waiter.pid, signal.SIGKILL)
-    finally:
-        waiter.join(10)
+    _kill_a_waiter_in_line(redis_url, r, holder)
     # Nobody releases or acquires: the line's keys still go away.
     assert wait_until(lambda: not r.exists(holder.keys.queue, holder.keys.leases),
                       timeout=15)

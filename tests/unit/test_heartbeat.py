@@ -8,7 +8,6 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -16,7 +15,6 @@ from dlock_helpers import wait_until
 
 from celery_dlock import LockLost, RedisLock
 from celery_dlock.core.heartbeat import ERROR_RETRY_INTERVAL, Heartbeat, get_heartbeat
-from celery_dlock.ops.embedded import EmbeddedRedis
 
 
 class FakeClock:
@@ -35,18 +33,6 @@ def clock() -> FakeClock:
 @pytest.fixture
 def hb(clock: FakeClock) -> Heartbeat:
     return Heartbeat(clock=clock, start_thread=False)
-
-
-@pytest.fixture
-def own_server() -> Iterator[EmbeddedRedis]:
-    """A redis-server of this test's own, to stop or freeze at will."""
-    server = EmbeddedRedis().start()
-    try:
-        yield server
-    finally:
-        if server.process is not None:
-            os.kill(server.process.pid, signal.SIGCONT)
-        server.stop()
 
 
 def _commandstat(r: redis.Redis, command: str) -> int:
