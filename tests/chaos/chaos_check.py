@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -144,23 +145,44 @@ def check(out: Path) -> dict[str, Any]:
     # -- the broker ---------------------------------------------------------------------
     sent = {r["task_id"] for r in driver if r["ev"] == "sent"}
     started = Counter(r["task_id"] for r in records if r["ev"] == "task_start")
-    succeeded = {r["task_id"] for r in records
-                 if r["ev"] == "task_end" and r.get("state") == "SUCCESS"}
+    states: dict[str, list[str]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["t"]):
+        if r["ev"] == "task_end":
+            states[r["task_id"]].append(str(r.get("state")))
     held_by_task: dict[str, set[Hold]] = defaultdict(set)
     for r in records:
         if r["ev"] == "acquired" and r.get("task_id"):
             held_by_task[r["task_id"]].add((r["pid"], r["fence"]))
     logs = "".join(p.read_text(errors="replace") for p in sorted(out.glob("worker*.log")))
+    unrun = [t for t in sent if "SUCCESS" not in states[t]]
+    broker_failed = set(re.findall(
+        r"chaos\.bump\[(\w+)\] raised unexpected: "
+        r"(?:OperationalError|ConnectionError|TimeoutError)", logs))
     broker = {
         "sent": len(sent),
         "send_failed": sum(1 for r in driver if r["ev"] == "send_failed"),
-        "succeeded": len(sent & succeeded),
-        "never_started": len(sent - set(started)),
-        "started_never_succeeded": len((sent & set(started)) - succeeded),
+        "succeeded": len(sent) - len(unrun),
+        # the message was taken off the queue (or never got there) and no worker
+        # ever started it
+        "never_started": sum(1 for t in unrun if not started[t]),
+        # a child was killed while running it; it was not run again by the end
+        "killed_not_redelivered": sum(1 for t in unrun if started[t]
+                                      and not states[t]),
+        # its retry (after its lock wait ran out) or its failure could not be
+        # published: the broker was down
+        "failed_broker_unreachable": sum(1 for t in unrun if t in broker_failed),
+        # its retry was published and never delivered
+        "retry_never_delivered": sum(1 for t in unrun if states[t]
+                                     and states[t][-1] == "RETRY"
+                                     and t not in broker_failed),
+        "other_unfinished": sum(1 for t in unrun if states[t]
+                                and states[t][-1] not in ("RETRY",)
+                                and t not in broker_failed),
+        # at-least-once delivery: acks_late + reject_on_worker_lost re-run a task
+        # whose child was killed (each run under its own hold)
         "bodies_run_more_than_once": sum(1 for t in sent if len(held_by_task[t]) > 1),
         "worker_main_exits": sum(1 for r in driver if r["ev"] == "worker_exit"),
         "hostname_attribute_errors": logs.count("has no attribute 'hostname'"),
-        "restored_unacked_lines": logs.count("Restoring"),
     }
 
     report = {
