@@ -29,7 +29,7 @@ from typing import Any
 
 from chaos_records import read_all
 
-Hold = tuple[int, int]  # (pid, fence)
+Hold = tuple[int, Any]  # (pid, fence)
 
 
 def _driver(out: Path) -> list[dict[str, Any]]:

@@ -83,4 +83,4 @@ def read(kind: str, dsn: str) -> tuple[int, int, list[tuple[int, str, int, int, 
     rows = [tuple(r) for r in cur.fetchall()]
     cur.close()
     conn.close()
-    return int(value), int(last), rows  # type: ignore[misc]
+    return int(value), int(last), rows

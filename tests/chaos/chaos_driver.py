@@ -207,12 +207,13 @@ class Run:
                 os.kill(pid, signal.SIGKILL)
             return {"target": pid}
         if kind == "stop_holder":
-            pid = self.fresh_holder(time.time(), 2 * self.cfg.ttl)
-            if pid is None:
+            holder = self.fresh_holder(time.time(), 2 * self.cfg.ttl)
+            if holder is None:  # nobody acquired meanwhile: any writer
                 kids = self.children() + ([self.client.pid] if self.client else [])
-                pid = kids[int(f.pick * len(kids))] if kids else None
-            if pid is None:
+                holder = kids[int(f.pick * len(kids))] if kids else None
+            if holder is None:
                 return {"target": None}
+            pid = holder
             self.stopped.add(pid)
             try:
                 os.kill(pid, signal.SIGSTOP)
