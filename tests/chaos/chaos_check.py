@@ -27,19 +27,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from chaos_records import read_all
+from chaos_records import read_all, read_lines
 
 Hold = tuple[int, Any]  # (pid, fence)
-
-
-def _driver(out: Path) -> list[dict[str, Any]]:
-    recs = []
-    for line in (out / "driver.jsonl").read_text(errors="replace").splitlines():
-        try:
-            recs.append(json.loads(line))
-        except ValueError:
-            continue
-    return recs
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -53,7 +43,7 @@ def check(out: Path) -> dict[str, Any]:
     meta = json.loads((out / "meta.json").read_text())
     cfg = meta["config"]
     records = list(read_all(out / "records"))
-    driver = _driver(out)
+    driver = read_lines(out / "driver.jsonl")
 
     # -- holds and writes, as the holders saw them -----------------------------------
     start: dict[Hold, float] = {}

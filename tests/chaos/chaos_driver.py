@@ -22,7 +22,7 @@ from typing import Any
 import chaos_db
 import redis
 from chaos_faults import Fault, schedule
-from chaos_records import Recorder, read_all
+from chaos_records import Recorder, Tail, read_all, read_lines
 
 from celery_dlock.embedded import EmbeddedRedis
 
@@ -69,7 +69,7 @@ class Run:
         self.client: subprocess.Popen[bytes] | None = None
         self.stopped: set[int] = set()
         self.t0 = time.time()
-        self.tail = _Tail(self.records)
+        self.tail = Tail(self.records)
         self.redis_dir = out / "redis"
         self.redis_dir.mkdir(exist_ok=True)
         self.redis_args = ("--appendonly", "yes", "--appendfsync", "always",
@@ -325,7 +325,7 @@ class Run:
         last_change, last = started, -1
         while time.monotonic() - started < self.cfg.drain:
             sent, ended = set(), set()
-            for rec in _driver_records(self.out):
+            for rec in read_lines(self.out / "driver.jsonl"):
                 if rec["ev"] == "sent":
                     sent.add(rec["task_id"])
             for rec in read_all(self.records):
@@ -380,48 +380,6 @@ class Run:
                     match=f"{self.prefix}:*", count=1000))}
         r.close()
         return info
-
-
-class _Tail:
-    """Follows the records files as they grow: which holds are open right now."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.offsets: dict[Path, int] = {}
-        self.open: dict[tuple[int, int | None], float] = {}
-
-    def read(self) -> None:
-        for path in self.directory.glob("*.jsonl"):
-            offset = self.offsets.get(path, 0)
-            with open(path, "rb") as fh:
-                fh.seek(offset)
-                data = fh.read()
-            complete = data.rfind(b"\n") + 1
-            self.offsets[path] = offset + complete
-            for line in data[:complete].splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                key = (rec["pid"], rec.get("fence"))
-                if rec["ev"] == "acquired":
-                    self.open[key] = rec["t"]
-                elif rec["ev"] in ("released", "lost"):
-                    self.open.pop(key, None)
-
-    def newest_open(self, since: float) -> int | None:
-        fresh = [(t, k[0]) for k, t in self.open.items()
-                 if t >= since and Path(f"/proc/{k[0]}").exists()]
-        return max(fresh)[1] if fresh else None
-
-
-def _driver_records(out: Path) -> list[dict[str, Any]]:
-    path = out / "driver.jsonl"
-    recs = []
-    for line in path.read_text(errors="replace").splitlines():
-        with contextlib.suppress(ValueError):
-            recs.append(json.loads(line))
-    return recs
 
 
 def run(cfg: Config, out: Path) -> Path:
