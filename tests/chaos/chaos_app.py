@@ -1,0 +1,117 @@
+"""The Celery app the chaos run's ``celery worker`` subprocesses run (prefork pool).
+
+Built from the environment the driver sets (see :data:`ENV`).  One task,
+``chaos.bump``: a :class:`~celery_dlock.LockedTask` on the lock ``chaos:{key}`` that
+makes a few fenced increments (:mod:`chaos_db`) with a pause between them.  The lock's
+traffic goes through the driver's fault proxy (``dlock_url``); the broker talks to the
+Redis server directly (restarts and ``CLIENT PAUSE`` reach both).
+
+Every process records, in its own file (:mod:`chaos_records`): each task it starts and
+ends (for the broker-level accounting), each hold (``acquired`` with the fence, ``lost``
+when told, ``released``) and each write with its fence and whether the database took it.
+A hold is named by (pid, fence): no two holds share a fence.
+``lock_lost_action="warn"``: a holder told of its loss keeps writing, as a careless body
+would; the database has to refuse it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import chaos_db
+from celery import Celery, signals
+from chaos_records import Recorder
+
+from celery_dlock import LockedTask
+from celery_dlock import signals as dlock_signals
+
+ENV = ("CHAOS_BROKER_URL", "CHAOS_LOCK_URL", "CHAOS_PREFIX", "CHAOS_QUEUE", "CHAOS_DB",
+       "CHAOS_DSN", "CHAOS_RECORDS", "CHAOS_TTL")
+
+_per_pid: dict[int, tuple[Recorder, Any]] = {}
+
+
+def _env(name: str) -> str:
+    return os.environ[name]
+
+
+def here() -> tuple[Recorder, Any]:
+    """This process's recorder and database connection (new ones after a fork)."""
+    pid = os.getpid()
+    found = _per_pid.get(pid)
+    if found is None:
+        rec = Recorder(Path(_env("CHAOS_RECORDS")) / f"worker-{pid}.jsonl")
+        conn = chaos_db.connect(_env("CHAOS_DB"), _env("CHAOS_DSN"))
+        found = _per_pid[pid] = (rec, conn)
+    return found
+
+
+app = Celery("chaos_app", set_as_current=False)
+app.conf.update(
+    broker_url=os.environ.get("CHAOS_BROKER_URL", "redis://127.0.0.1:1/0"),
+    dlock_url=os.environ.get("CHAOS_LOCK_URL", "redis://127.0.0.1:1/0"),
+    dlock_key_prefix=os.environ.get("CHAOS_PREFIX", "chaos"),
+    task_default_queue=os.environ.get("CHAOS_QUEUE", "chaos"),
+    task_ignore_result=True,
+    # The settings that narrow the broker's loss window (docs/chaos.md): the message is
+    # acknowledged after the task, a task whose child died is requeued, and a message a
+    # dead consumer took comes back after visibility_timeout.
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    broker_transport_options={"polling_interval": 0.1, "visibility_timeout": 30},
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    broker_connection_max_retries=None,
+    dlock_retry_backoff=0.05,
+    dlock_retry_backoff_max=0.5,
+    dlock_retry_max=10_000,
+    worker_hijack_root_logger=True,
+)
+TTL = float(os.environ.get("CHAOS_TTL", "2"))
+
+
+@app.task(name="chaos.bump", base=LockedTask, bind=True, lock_key="chaos:{key}",
+          lock_ttl=TTL, on_contention="wait", lock_wait=10, lock_lost_action="warn")
+def bump(self: Any, key: str, writes: int, gap: float) -> int:
+    rec, conn = here()
+    lock = self.lock
+    fence = lock.fence
+    rec("acquired", who="task", name=lock.name, fence=fence, task_id=self.request.id)
+    accepted = 0
+    for seq in range(writes):
+        out = chaos_db.increment(conn, f"task-{os.getpid()}", seq, fence)
+        rec("write", fence=fence, seq=seq, ok=out["ok"], t0=out["t0"], t=out["t"],
+            found=out.get("found"), value=out.get("value"))
+        accepted += bool(out["ok"])
+        time.sleep(gap)
+    return accepted
+
+
+@signals.task_prerun.connect(weak=False)
+def _started(task_id: str = "", **_: Any) -> None:
+    here()[0]("task_start", task_id=task_id)
+
+
+@signals.task_postrun.connect(weak=False)
+def _ended(task_id: str = "", state: str | None = None, **_: Any) -> None:
+    here()[0]("task_end", task_id=task_id, state=state)
+
+
+@dlock_signals.lock_lost.connect(weak=False)
+def _lost(sender: Any = None, fence: int | None = None, task_id: str | None = None,
+          reason: str | None = None, **_: Any) -> None:
+    here()[0]("lost", fence=fence, task_id=task_id, reason=str(reason))
+
+
+@dlock_signals.lock_released.connect(weak=False)
+def _released(sender: Any = None, fence: int | None = None, task_id: str | None = None,
+              state: str | None = None, **_: Any) -> None:
+    here()[0]("released", fence=fence, task_id=task_id, state=state)
+
+
+@signals.worker_process_init.connect(weak=False)
+def _child_up(**_: Any) -> None:
+    here()[0]("child_up")

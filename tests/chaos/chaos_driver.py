@@ -1,0 +1,388 @@
+"""One chaos run: Redis (AOF) behind the fault proxy, the database, ``celery worker``
+prefork subprocesses and the standalone client, a producer that keeps the queue fed,
+and the fault threads of :mod:`chaos_faults`.  Everything lands in a run directory:
+``records/*.jsonl`` (the processes' own records), ``driver.jsonl`` (faults, sent
+tasks, restarts) and ``meta.json``; :mod:`chaos_check` reads them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import chaos_db
+import redis
+from chaos_faults import Fault, schedule
+from chaos_records import Recorder, Tail, read_all, read_lines
+
+from celery_dlock.embedded import EmbeddedRedis
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
+REPO = TESTS.parent
+for extra in (TESTS / "faults", TESTS / "fencing", TESTS):
+    if str(extra) not in sys.path:
+        sys.path.append(str(extra))
+
+from dlock_helpers import release_marker  # noqa: E402
+from proxy import FaultProxy  # noqa: E402
+
+
+@dataclass
+class Config:
+    seed: int = 1
+    seconds: float = 60.0
+    db: str = "sqlite"  # or "postgresql"
+    workers: int = 1  # celery worker main processes
+    concurrency: int = 2  # prefork children each
+    ttl: float = 2.0
+    mean_gap: float = 0.6  # mean seconds between fault starts
+    writes: int = 4  # fenced increments per hold
+    gap: float = 0.1  # seconds between them
+    settle: float = 10.0  # fault-free seconds at the end, before draining
+    drain: float = 60.0  # at most this long waiting for sent tasks to end
+
+
+class Run:
+    def __init__(self, cfg: Config, out: Path) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.records = out / "records"
+        self.records.mkdir(parents=True, exist_ok=True)
+        self.log = Recorder(out / "driver.jsonl")
+        self.prefix = f"chaos{cfg.seed}x{uuid.uuid4().hex[:6]}"
+        self.queue = f"q-{self.prefix}"
+        self.lock_name = "chaos:counter"
+        self.stopping = threading.Event()
+        self.faults_over = threading.Event()
+        self.redis_lock = threading.Lock()  # held while the server is down
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.client: subprocess.Popen[bytes] | None = None
+        self.stopped: set[int] = set()
+        self.t0 = time.time()
+        self.tail = Tail(self.records)
+        self.redis_dir = out / "redis"
+        self.redis_dir.mkdir(exist_ok=True)
+        self.redis_args = ("--appendonly", "yes", "--appendfsync", "always",
+                           "--dir", str(self.redis_dir), "--maxmemory-policy",
+                           "noeviction")
+        self.server = EmbeddedRedis(extra_args=self.redis_args).start()
+        self.port = self.server.port
+        self.direct_url = f"redis://127.0.0.1:{self.port}/0"
+        self.proxy = FaultProxy(self.port)
+        self.pg: Any = None
+        if cfg.db == "postgresql":
+            from pg_server import PostgresServer
+
+            self.pg = PostgresServer().start()
+            self.dsn = self.pg.url
+        else:
+            self.dsn = str(out / "chaos.sqlite3")
+        chaos_db.create(cfg.db, self.dsn)
+        if cfg.db == "sqlite":
+            conn = chaos_db.connect("sqlite", self.dsn)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.close()
+
+    # -- processes --------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "CHAOS_BROKER_URL": self.direct_url, "CHAOS_LOCK_URL": self.proxy.url,
+            "CHAOS_PREFIX": self.prefix, "CHAOS_QUEUE": self.queue,
+            "CHAOS_DB": self.cfg.db, "CHAOS_DSN": self.dsn,
+            "CHAOS_RECORDS": str(self.records), "CHAOS_TTL": str(self.cfg.ttl),
+            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)]),
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def start_worker(self, n: int) -> subprocess.Popen[bytes]:
+        log = open(self.out / f"worker{n}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "chaos_app", "worker",
+             "--pool=prefork", "-c", str(self.cfg.concurrency), "-Q", self.queue,
+             "-n", f"chaos{n}-{self.prefix}@%h", "--without-gossip",
+             "--without-mingle", "--without-heartbeat", "-l", "warning"],
+            cwd=HERE, env=self.env(), stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.log("worker_start", n=n, worker_pid=proc.pid)
+        return proc
+
+    def start_client(self) -> subprocess.Popen[bytes]:
+        log = open(self.out / "client.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "chaos_client.py"), "--lock-url", self.proxy.url,
+             "--prefix", self.prefix, "--name", self.lock_name, "--ttl",
+             str(self.cfg.ttl), "--db", self.cfg.db, "--dsn", self.dsn, "--records",
+             str(self.records), "--writes", str(self.cfg.writes), "--gap",
+             str(self.cfg.gap)],
+            cwd=HERE, env=self.env(), stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.log("client_start", client_pid=proc.pid)
+        return proc
+
+    def children(self) -> list[int]:
+        pids: list[int] = []
+        for w in self.workers:
+            with contextlib.suppress(OSError):
+                text = Path(f"/proc/{w.pid}/task/{w.pid}/children").read_text()
+                pids += [int(x) for x in text.split()]
+        return pids
+
+    def supervise(self) -> None:
+        """Restart a worker whose main process exited (a broker reconnect can crash
+        it) and the client after a kill, until the run stops."""
+        while not self.stopping.wait(0.3):
+            for i, w in enumerate(self.workers):
+                if w.poll() is not None:
+                    self.log("worker_exit", n=i, worker_pid=w.pid, code=w.returncode)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(w.pid, signal.SIGKILL)  # orphaned children
+                    self.workers[i] = self.start_worker(i)
+            if self.client is not None and self.client.poll() is not None:
+                self.client = self.start_client()
+
+    # -- the producer -----------------------------------------------------------------
+
+    def produce(self, app: Any) -> None:
+        r = redis.Redis.from_url(self.direct_url, socket_timeout=2,
+                                 socket_connect_timeout=1)
+        target = 2 * (self.cfg.workers * self.cfg.concurrency)
+        while not self.stopping.is_set() and not self.faults_over.is_set():
+            try:
+                if r.llen(self.queue) < target:
+                    task_id = uuid.uuid4().hex
+                    app.send_task("chaos.bump", kwargs={
+                        "key": "counter", "writes": self.cfg.writes,
+                        "gap": self.cfg.gap}, task_id=task_id, queue=self.queue)
+                    self.log("sent", task_id=task_id)
+                    continue
+            except Exception as exc:  # the server is down or paused: try again
+                self.log("send_failed", error=type(exc).__name__)
+            time.sleep(0.1)
+        r.close()
+        self.log("producer_stopped")
+
+    # -- faults -----------------------------------------------------------------------
+
+    def fresh_holder(self, since: float, timeout: float) -> int | None:
+        """The pid of a hold acquired after ``since`` and not yet released or told
+        lost (waiting up to ``timeout`` for one): a holder with writes still to make."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.tail.read()
+            pid = self.tail.newest_open(since)
+            if pid is not None or time.monotonic() > deadline or self.stopping.is_set():
+                return pid
+            time.sleep(0.01)
+
+    def inject(self, f: Fault) -> dict[str, Any]:
+        """Start the fault, keep it on for its duration, end it; what it hit."""
+        kind = f.kind
+        if kind == "kill_child":
+            kids = self.children()
+            if not kids:
+                return {"target": None}
+            pid = kids[int(f.pick * len(kids))]
+            os.kill(pid, signal.SIGKILL)
+            return {"target": pid}
+        if kind == "kill_client":
+            if self.client is None:
+                return {"target": None}
+            pid = self.client.pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            return {"target": pid}
+        if kind == "stop_holder":
+            holder = self.fresh_holder(time.time(), 2 * self.cfg.ttl)
+            if holder is None:  # nobody acquired meanwhile: any writer
+                kids = self.children() + ([self.client.pid] if self.client else [])
+                holder = kids[int(f.pick * len(kids))] if kids else None
+            if holder is None:
+                return {"target": None}
+            pid = holder
+            self.stopped.add(pid)
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(f.duration)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                self.stopped.discard(pid)
+            return {"target": pid}
+        if kind == "redis_restart":
+            with self.redis_lock:
+                proc = self.server.process
+                assert proc is not None
+                proc.send_signal(signal.SIGKILL if f.amount else signal.SIGTERM)
+                proc.wait(timeout=30)
+                self.server.stop()
+                time.sleep(f.duration)
+                self.server = EmbeddedRedis(port=self.port,
+                                            extra_args=self.redis_args).start()
+            return {"target": "redis", "how": "SIGKILL" if f.amount else "SIGTERM"}
+        if kind == "client_pause":
+            with self.redis_lock:
+                r = redis.Redis.from_url(self.direct_url, socket_timeout=5)
+                r.execute_command("CLIENT", "PAUSE", int(f.duration * 1000), "ALL")
+                r.close()
+            time.sleep(f.duration)
+            return {"target": "redis"}
+        if kind == "latency":
+            self.proxy.delay(f.amount)
+            time.sleep(f.duration)
+            self.proxy.heal()
+            return {"target": "proxy"}
+        if kind == "black_hole":
+            self.proxy.black_hole()
+            time.sleep(f.duration)
+            self.proxy.heal()
+            return {"target": "proxy"}
+        raise ValueError(kind)
+
+    def channel(self, faults: list[Fault]) -> None:
+        for f in faults:
+            wait = self.t0 + f.at - time.time()
+            if wait > 0 and self.stopping.wait(wait):
+                return
+            start = time.time()
+            try:
+                hit = self.inject(f)
+                error = None
+            except Exception as exc:
+                hit, error = {}, f"{type(exc).__name__}: {exc}"
+            self.log("fault", **f.as_dict(), start=start, end=time.time(), error=error,
+                     **hit)
+
+    # -- the run ----------------------------------------------------------------------
+
+    def execute(self) -> None:
+        from celery import Celery
+
+        cfg = self.cfg
+        faults = schedule(cfg.seed, cfg.seconds, cfg.mean_gap, cfg.ttl)
+        meta: dict[str, Any] = {"config": asdict(cfg), "prefix": self.prefix,
+                                "lock_name": self.lock_name, "scheduled": len(faults),
+                                "t0": self.t0, "python": sys.version.split()[0]}
+        app = Celery("chaos_producer", set_as_current=False)
+        app.conf.update(broker_url=self.direct_url, task_ignore_result=True,
+                        broker_connection_retry_on_startup=True)
+        threads: list[threading.Thread] = []
+        try:
+            self.workers = [self.start_worker(i) for i in range(cfg.workers)]
+            self.client = self.start_client()
+            threads.append(threading.Thread(target=self.supervise, daemon=True))
+            threads.append(threading.Thread(target=self.produce, args=(app,),
+                                            daemon=True))
+            by_channel: dict[str, list[Fault]] = {}
+            for f in faults:
+                by_channel.setdefault(f.channel, []).append(f)
+            fault_threads = [threading.Thread(target=self.channel, args=(fs,),
+                                              daemon=True)
+                             for fs in by_channel.values()]
+            for t in threads + fault_threads:
+                t.start()
+            end = self.t0 + cfg.seconds + 60 * max(5.0, cfg.seconds / 10)
+            for t in fault_threads:
+                t.join(timeout=max(1.0, end - time.time()))
+            meta["faults_end"] = time.time()
+            self.log("faults_over")
+            time.sleep(cfg.settle)
+            self.faults_over.set()
+            meta["drain"] = self.drain()
+        finally:
+            self.stopping.set()
+            for t in threads:
+                t.join(timeout=10)
+            meta["stop"] = self.stop_processes()
+            meta["left"] = self.locks_left()
+            meta["end"] = time.time()
+            meta["db_read"] = chaos_db.read(cfg.db, self.dsn)
+            (self.out / "meta.json").write_text(json.dumps(meta, indent=1))
+            app.close()
+            self.proxy.close()
+            self.server.stop()
+            if self.pg is not None:
+                self.pg.stop()
+
+    def drain(self) -> dict[str, Any]:
+        """Wait until every task sent has ended, or nothing changes for 20 s, or
+        ``drain`` seconds have passed."""
+        started = time.monotonic()
+        last_change, last = started, -1
+        while time.monotonic() - started < self.cfg.drain:
+            sent, ended = set(), set()
+            for rec in read_lines(self.out / "driver.jsonl"):
+                if rec["ev"] == "sent":
+                    sent.add(rec["task_id"])
+            for rec in read_all(self.records):
+                if rec["ev"] == "task_end" and rec.get("state") == "SUCCESS":
+                    ended.add(rec["task_id"])
+            pending = len(sent - ended)
+            if pending == 0:
+                break
+            if pending != last:
+                last, last_change = pending, time.monotonic()
+            elif time.monotonic() - last_change > 20:
+                break
+            time.sleep(0.5)
+        return {"seconds": round(time.monotonic() - started, 1)}
+
+    def stop_processes(self) -> dict[str, Any]:
+        procs = [*self.workers, *([self.client] if self.client else [])]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        forced = 0
+        for p in procs:
+            if p.poll() is None:
+                forced += 1
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        return {"forced": forced, "stopped_at": time.time()}
+
+    def locks_left(self) -> dict[str, Any]:
+        """Lock keys under the run's prefix (not the fence counter, not the short-lived
+        release markers) once ttl + 5 s have passed: a holder killed at the very end
+        leaves its hold to expire within ttl."""
+        r = redis.Redis.from_url(self.direct_url, socket_timeout=5)
+        started = time.monotonic()
+
+        def keys() -> list[str]:
+            found = [k.decode() for k in r.scan_iter(match=f"{self.prefix}:*",
+                                                      count=1000)]
+            return sorted(k for k in found if not k.endswith(":fence")
+                          and not release_marker(k))
+
+        left = keys()
+        while left and time.monotonic() - started < self.cfg.ttl + 5:
+            time.sleep(0.1)
+            left = keys()
+        info = {"keys": left, "cleared_after": round(time.monotonic() - started, 2),
+                "all_keys": sorted(k.decode() for k in r.scan_iter(
+                    match=f"{self.prefix}:*", count=1000))}
+        r.close()
+        return info
+
+
+def run(cfg: Config, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    Run(cfg, out).execute()
+    return out

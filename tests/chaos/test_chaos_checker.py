@@ -1,0 +1,84 @@
+"""The chaos checker can fail: fed the records of a run in which an older holder's write
+was taken after a newer holder's, or an increment was lost, or a lock was left behind,
+it reports each (so the zeros of a real run mean something)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import chaos_check
+
+
+def write_run(out: Path, rows: list[list[Any]], counter: int,
+              records: dict[str, list[dict[str, Any]]], left: list[str]) -> Path:
+    (out / "records").mkdir(parents=True)
+    for name, recs in records.items():
+        (out / "records" / name).write_text(
+            "".join(json.dumps(r) + "\n" for r in recs))
+    (out / "driver.jsonl").write_text(json.dumps(
+        {"ev": "fault", "kind": "stop_holder", "start": 0.2, "end": 0.9, "n": 0,
+         "target": 1, "t": 0.9, "pid": 9}) + "\n")
+    meta = {"config": {"seed": 7, "db": "sqlite", "workers": 1, "concurrency": 1,
+                       "ttl": 2.0},
+            "scheduled": 1, "t0": 0.0, "end": 3.0,
+            "left": {"keys": left, "cleared_after": 7.0},
+            "db_read": [counter, max(r[3] for r in rows), rows]}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+def hold(pid: int, fence: int, start: float, end: float,
+         writes: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:
+    recs: list[dict[str, Any]] = [
+        {"ev": "acquired", "pid": pid, "fence": fence, "t": start,
+         "name": "chaos:counter"}]
+    for seq, (t0, t, ok) in enumerate(writes):
+        recs.append({"ev": "write", "pid": pid, "fence": fence, "seq": seq, "t0": t0,
+                     "t": t, "ok": ok})
+    recs.append({"ev": "released", "pid": pid, "fence": fence, "t": end})
+    return recs
+
+
+def test_a_stale_write_taken_after_a_newer_holders_is_reported(tmp_path: Path) -> None:
+    # A (fence 5) is paused; B (fence 6) acquires and writes; A wakes and its write is
+    # taken although B's came first: the database did not check the fence.
+    records = {
+        "worker-1.jsonl": hold(1, 5, 0.0, 2.0, [(0.1, 0.11, True), (1.5, 1.51, True)]),
+        "client-2.jsonl": hold(2, 6, 1.0, 1.2, [(1.0, 1.01, True)]),
+    }
+    rows = [[1, "task-1", 0, 5, 1], [2, "client-2", 0, 6, 2], [3, "task-1", 1, 5, 3]]
+    rep = chaos_check.check(write_run(tmp_path, rows, 3, records, []))
+    assert rep["stale_writes_accepted"] == 1
+    assert rep["unfenced_overlaps"] == 1
+    assert rep["unfenced_examples"][0]["older"] == (1, 5)
+    assert rep["overlapping_holds_holder_view"] == 1
+    assert rep["lost_increments"] == 0
+    assert rep["recovery_s"]["stop_holder"]["n"] == 1
+
+
+def test_the_same_run_fenced_is_clean(tmp_path: Path) -> None:
+    records = {
+        "worker-1.jsonl": hold(1, 5, 0.0, 2.0, [(0.1, 0.11, True), (1.5, 1.51, False)]),
+        "client-2.jsonl": hold(2, 6, 1.0, 1.2, [(1.0, 1.01, True)]),
+    }
+    rows = [[1, "task-1", 0, 5, 1], [2, "client-2", 0, 6, 2]]
+    rep = chaos_check.check(write_run(tmp_path, rows, 2, records, []))
+    assert rep["stale_writes_accepted"] == rep["unfenced_overlaps"] == 0
+    assert rep["stale_writes_refused"] == 1
+    assert rep["overlapping_holds_holder_view"] == 1
+    assert rep["lost_increments"] == 0 and rep["locks_left"] == []
+
+
+def test_lost_increments_and_a_lock_left_behind_are_reported(tmp_path: Path) -> None:
+    # Two writers read the same value (no lock at all), and a hold key stayed.
+    records = {
+        "worker-1.jsonl": hold(1, 5, 0.0, 1.0, [(0.1, 0.11, True)]),
+        "client-2.jsonl": hold(2, 6, 2.0, 3.0, [(2.1, 2.11, True), (2.2, 2.21, True)]),
+    }
+    rows = [[1, "task-1", 0, 5, 1], [2, "client-2", 0, 6, 1]]  # value 1 twice
+    rep = chaos_check.check(write_run(tmp_path, rows, 1, records, ["p:{x}:lock"]))
+    assert rep["lost_increments"] >= 2  # counter 1 for 2 rows; the missing seq 1
+    assert rep["accepted_writes_missing_from_db"] == 1
+    assert rep["locks_left"] == ["p:{x}:lock"]
