@@ -24,7 +24,7 @@ import redis
 from chaos_faults import Fault, schedule
 from chaos_records import Recorder, Tail, read_all, read_lines
 
-from celery_dlock.embedded import EmbeddedRedis
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
