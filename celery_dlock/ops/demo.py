@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import redis
 from celery import Celery
 
+from ..task.connection import mask_url
 from ..task.locked_task import LockedTask
 from .embedded import EmbeddedRedis
 
@@ -240,17 +241,62 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
             server.stop()
 
 
+# Bounds of the command's numbers: below them the demo would do nothing or hang (no
+# worker takes the tasks), above them it would only swamp this machine.
+_BOUNDS = {"workers": (1, 16), "concurrency": (1, 32), "stock": (1, 100_000),
+           "buyers": (1, 100_000)}
+
+
+def _out_of_bounds(args: argparse.Namespace) -> str | None:
+    for option, (low, high) in _BOUNDS.items():
+        value = getattr(args, option)
+        if not low <= value <= high:
+            return f"--{option} must be between {low} and {high}, got {value}"
+    return None
+
+
+def _unreachable(redis_url: str, timeout: float = 3.0) -> str | None:
+    """Why ``redis_url`` cannot be used (one line, password masked), or None."""
+    try:
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=timeout,
+                                      socket_timeout=timeout)
+    except ValueError as exc:
+        return f"--redis-url {mask_url(redis_url)} is not a Redis URL: {exc}"
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        reason = str(exc).replace(redis_url, mask_url(redis_url)).splitlines()
+        return (f"cannot reach Redis at {mask_url(redis_url)}: "
+                f"{reason[0] if reason else type(exc).__name__}")
+    finally:
+        client.close()
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="celery-dlock demo",
         description="Sell 200 units to 400 concurrent buyers on real Celery workers, "
                     "with and without LockedTask.")
     parser.add_argument("--redis-url", help="use this Redis instead of starting one")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--stock", type=int, default=200)
-    parser.add_argument("--buyers", type=int, default=400)
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes to start (1-16)")
+    parser.add_argument("--concurrency", type=int, default=4,
+                        help="prefork children per worker (1-32)")
+    parser.add_argument("--stock", type=int, default=200,
+                        help="units in stock (1-100000)")
+    parser.add_argument("--buyers", type=int, default=400,
+                        help="concurrent buyers (1-100000)")
     args = parser.parse_args(argv)
+    problem = _out_of_bounds(args)
+    if problem is not None:
+        sys.stderr.write(f"celery-dlock demo: {problem}\n")
+        return 2
+    if args.redis_url is not None:
+        problem = _unreachable(args.redis_url)
+        if problem is not None:
+            sys.stderr.write(f"celery-dlock demo: {problem}\n")
+            return 1
     _, locked = run_demo(args.redis_url, workers=args.workers,
                          concurrency=args.concurrency, stock=args.stock,
                          buyers=args.buyers)
