@@ -152,14 +152,19 @@ def _wait_ready(demo_app: Celery, names: Sequence[str], timeout: float) -> None:
 
 
 def _run_phase(demo_app: Celery, r: redis.Redis, prefix: str, phase: str, label: str,
-               stock: int, buyers: int, out: TextIO, timeout: float) -> PhaseResult:
+               stock: int, buyers: int, out: TextIO, timeout: float,
+               task_ids: list[str]) -> PhaseResult:
     product_id = 1
     r.set(f"{prefix}:{phase}:stock:{product_id}", stock)
     r.set(f"{prefix}:{phase}:sold", 0)
     r.set(f"{prefix}:{phase}:done", 0)
     name = "demo.buy_locked" if phase == "locked" else "demo.buy_plain"
     started = time.monotonic()
-    results = [demo_app.send_task(name, args=(product_id,)) for _ in range(buyers)]
+    results = []
+    for _ in range(buyers):
+        task_id = uuid.uuid4().hex
+        task_ids.append(task_id)  # before sending: an interrupt cleans it up too
+        results.append(demo_app.send_task(name, args=(product_id,), task_id=task_id))
     deadline = started + timeout
     done = 0
     while done < buyers:
@@ -195,6 +200,34 @@ def _table(plain: PhaseResult, locked: PhaseResult) -> str:
     return "\n".join(lines)
 
 
+_DEADLINES = "_kombu.binding_deadlines"
+
+
+def _deadline_members(r: redis.Redis) -> set[bytes]:
+    return {m for m in r.zrange(_DEADLINES, 0, -1) if isinstance(m, bytes)}
+
+
+def _cleanup(r: redis.Redis, prefix: str, queue: str, task_ids: Sequence[str],
+             deadlines_before: set[bytes]) -> int:
+    """Delete what this run created in Redis, and only that: the keys under its own
+    prefix (stock, counters, locks), its queue and kombu's bindings of it, the
+    results of the tasks it sent, and the entries kombu added for this run to its
+    binding-deadline index (the ping's pidbox exchanges included) when no binding
+    table is left that needs them.  Returns how many keys went."""
+    keys: list[Any] = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+    keys += [queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"]
+    keys += [f"{queue}\x06\x16{priority}" for priority in range(10)]
+    keys += [f"celery-task-meta-{task_id}" for task_id in task_ids]
+    deleted = 0
+    for start in range(0, len(keys), 500):
+        deleted += int(r.delete(*keys[start:start + 500]))
+    for member in _deadline_members(r):
+        if member not in deadlines_before and not r.exists(
+                b"_kombu.binding." + member):
+            r.zrem(_DEADLINES, member)
+    return deleted
+
+
 def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int = 4,
              stock: int = 200, buyers: int = 400, out: TextIO = sys.stdout,
              timeout: float = 180.0) -> tuple[PhaseResult, PhaseResult]:
@@ -213,15 +246,19 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
     demo_app.conf.update(task_default_queue=queue,
                          broker_transport_options={"polling_interval": 0.1})
     r = redis.Redis.from_url(redis_url)
+    task_ids: list[str] = []
+    deadlines_before: set[bytes] = set()
     try:
+        if server is None:
+            deadlines_before = _deadline_members(r)
         out.write(f"Starting {workers} workers x {concurrency} processes (prefork)...\n")
         with _workers(redis_url, prefix, queue, workers, concurrency, out) as names:
             _wait_ready(demo_app, names, timeout=60)
             out.write(f"Selling {stock} units to {buyers} concurrent buyers, twice:\n")
             plain = _run_phase(demo_app, r, prefix, "plain", "plain task", stock,
-                               buyers, out, timeout)
+                               buyers, out, timeout, task_ids)
             locked = _run_phase(demo_app, r, prefix, "locked", "LockedTask", stock,
-                                buyers, out, timeout)
+                                buyers, out, timeout, task_ids)
         out.write("\n" + _table(plain, locked) + "\n\n")
         if plain.oversold:
             out.write(f"Without a lock {plain.oversold} units were sold that did not "
@@ -235,6 +272,9 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
                   f"{locked.left} left.\n")
         return plain, locked
     finally:
+        if server is None:  # a Redis of the user's: leave it as it was found
+            with suppress(redis.RedisError):
+                _cleanup(r, prefix, queue, task_ids, deadlines_before)
         r.close()
         demo_app.close()
         if server is not None:
@@ -297,7 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem is not None:
             sys.stderr.write(f"celery-dlock demo: {problem}\n")
             return 1
-    _, locked = run_demo(args.redis_url, workers=args.workers,
-                         concurrency=args.concurrency, stock=args.stock,
-                         buyers=args.buyers)
+    try:
+        _, locked = run_demo(args.redis_url, workers=args.workers,
+                             concurrency=args.concurrency, stock=args.stock,
+                             buyers=args.buyers)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ncelery-dlock demo: interrupted; workers stopped and the "
+                         "demo's keys removed\n")
+        return 130
     return 0 if locked.sold == min(args.stock, args.buyers) else 1
