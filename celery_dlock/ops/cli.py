@@ -42,6 +42,7 @@ from ..redis.keyspace import LockKeys
 from ..task.config import get_client, mask_url, resolve_url
 from ..task.connection import _default_client_options, client_from_url
 from ..task.events import Event, recent_events, recording_enabled
+from .audit import record_release
 from .inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
@@ -277,9 +278,11 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
 @dlock.command()
 @click.argument("key")
 @click.option("-f", "--force", is_flag=True, help="Don't ask for confirmation.")
+@click.option("--reason", metavar="TEXT",
+              help="Why: recorded with who released it (event and log line).")
 @click.pass_context
 @_reports_redis_errors
-def release(ctx: click.Context, key: str, force: bool) -> None:
+def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> None:
     """Free the lock KEY whoever holds it, and wake the next waiter.
 
     The holder is not stopped: a task still running goes on without its lock (its
@@ -312,6 +315,7 @@ def release(ctx: click.Context, key: str, force: bool) -> None:
         _fail(ctx, f"No lock named {key!r} is held under prefix {target.prefix!r}.",
               EXIT_NOT_FOUND)
         return
+    record_release(client, target.prefix, key, freed, reason)
     click.echo(f"Released lock {key!r}: {_holder_text(freed)}.")
 
 
@@ -325,6 +329,9 @@ _TOP_WIDTHS = {"key": 40, "task_name": 40, "task_id": 36, "worker": 30}
 def _event_line(event: Event) -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(event.at))
     who = f"{event.task_name or '?'}[{event.task_id or '?'}]"
+    if event.kind == "released":
+        return (f"{stamp}  released   {event.key}  by {event.worker or '?'}: "
+                f"{event.detail or '?'}")
     if event.kind == "lost":
         return f"{stamp}  lost       {event.key}  {who}: {event.detail or 'lost'}"
     held = ""
