@@ -28,7 +28,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
@@ -42,10 +42,18 @@ from ..redis.keyspace import LockKeys
 from ..task.config import get_client, mask_url, resolve_url
 from ..task.connection import _default_client_options, client_from_url
 from ..task.events import Event, recent_events, recording_enabled
+from .audit import record_release
+from .formatting import (
+    cell_text,
+    duration_text,
+    fit_widths,
+    holder_text,
+    row_cells,
+    table_lines,
+)
 from .inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
-    LockInfo,
     force_release,
     get_lock,
     iter_locks,
@@ -141,64 +149,6 @@ def _reports_redis_errors(fun: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# -- formatting -----------------------------------------------------------------------
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value < 60:
-        return f"{value:.1f}s"
-    whole = int(value)
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-
-
-def _cell(value: Any) -> str:
-    return "-" if value is None or value == "" else str(value)
-
-
-_NUMERIC = {"pid", "count", "fence", "ttl", "held_for", "waiting"}
-
-
-def _table(columns: Sequence[str], rows: Iterable[Sequence[str]],
-           widths: dict[str, int] | None = None) -> list[str]:
-    """Aligned text columns; numbers right-aligned; ``widths`` caps (and cuts) some."""
-    cut = [list(row) for row in rows]
-    if widths:
-        for row in cut:
-            for i, name in enumerate(columns):
-                cap = widths.get(name)
-                if cap and len(row[i]) > cap:
-                    row[i] = row[i][:cap - 1] + "~"
-    sizes = [len(name) for name in columns]
-    for row in cut:
-        sizes = [max(size, len(cell)) for size, cell in zip(sizes, row, strict=True)]
-    lines = []
-    for row in [[name.upper() for name in columns], *cut]:
-        cells = [cell.rjust(size) if name in _NUMERIC else cell.ljust(size)
-                 for name, cell, size in zip(columns, row, sizes, strict=True)]
-        lines.append("  ".join(cells).rstrip())
-    return lines
-
-
-def _row(info: LockInfo, columns: Sequence[str], extra: dict[str, Any] | None = None
-         ) -> list[str]:
-    values = {**info.as_dict(), **(extra or {})}
-    out = []
-    for name in columns:
-        value = values.get(name)
-        out.append(_seconds(value) if name in ("ttl", "held_for") else _cell(value))
-    return out
-
-
-def _holder_text(info: LockInfo) -> str:
-    if info.task_name or info.task_id:
-        return (f"task {info.task_name or '?'}[{info.task_id or '?'}], "
-                f"owner {info.owner}, fence {_cell(info.fence)}")
-    return f"owner {info.owner}, fence {_cell(info.fence)}"
-
-
 # -- the group ------------------------------------------------------------------------
 
 @click.group(name="dlock")
@@ -237,7 +187,8 @@ def ls(ctx: click.Context, as_json: bool) -> None:
     if not infos:
         click.echo(f"No locks held under prefix {target.prefix!r}.")
         return
-    for line in _table(SUMMARY_FIELDS, (_row(info, SUMMARY_FIELDS) for info in infos)):
+    rows = (row_cells(info, SUMMARY_FIELDS) for info in infos)
+    for line in table_lines(SUMMARY_FIELDS, rows):
         click.echo(line)
 
 
@@ -266,7 +217,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         elif name in ("ttl", "held_for"):
             fields.append((name, "-" if value is None else f"{value:.3f}s"))
         else:
-            fields.append((name, _cell(value)))
+            fields.append((name, cell_text(value)))
     fields.append(("waiting", str(waiting)))
     fields.append(("redis_key", LockKeys.for_name(target.prefix, key).lock))
     size = max(len(name) for name, _ in fields) + 1
@@ -277,9 +228,11 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
 @dlock.command()
 @click.argument("key")
 @click.option("-f", "--force", is_flag=True, help="Don't ask for confirmation.")
+@click.option("--reason", metavar="TEXT",
+              help="Why: recorded with who released it (event and log line).")
 @click.pass_context
 @_reports_redis_errors
-def release(ctx: click.Context, key: str, force: bool) -> None:
+def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> None:
     """Free the lock KEY whoever holds it, and wake the next waiter.
 
     The holder is not stopped: a task still running goes on without its lock (its
@@ -296,15 +249,16 @@ def release(ctx: click.Context, key: str, force: bool) -> None:
                        f"{target.prefix!r}.", EXIT_NOT_FOUND)
             return
         click.confirm(
-            f"Lock {key!r} is held by {info.describe()} for {_seconds(info.held_for)} "
-            f"(owner {info.owner}, fence {_cell(info.fence)}).\n"
+            f"Lock {key!r} is held by {info.describe()} for "
+            f"{duration_text(info.held_for)} "
+            f"(owner {info.owner}, fence {cell_text(info.fence)}).\n"
             "Releasing it lets another run take it while this one may still be "
             "running.\n(to skip this prompt use --force)\nRelease it?", abort=True)
         expected = info.fence
     try:
         freed = force_release(client, target.prefix, key, fence=expected)
     except HoldChanged as exc:
-        now = f": now {_holder_text(exc.current)}" if exc.current else ""
+        now = f": now {holder_text(exc.current)}" if exc.current else ""
         _fail(ctx, f"Lock {key!r} changed hands since it was shown{now}. "
                    "Nothing was released.", EXIT_NOT_FOUND)
         return
@@ -312,7 +266,8 @@ def release(ctx: click.Context, key: str, force: bool) -> None:
         _fail(ctx, f"No lock named {key!r} is held under prefix {target.prefix!r}.",
               EXIT_NOT_FOUND)
         return
-    click.echo(f"Released lock {key!r}: {_holder_text(freed)}.")
+    record_release(client, target.prefix, key, freed, reason)
+    click.echo(f"Released lock {key!r}: {holder_text(freed)}.")
 
 
 # -- top ------------------------------------------------------------------------------
@@ -325,6 +280,9 @@ _TOP_WIDTHS = {"key": 40, "task_name": 40, "task_id": 36, "worker": 30}
 def _event_line(event: Event) -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(event.at))
     who = f"{event.task_name or '?'}[{event.task_id or '?'}]"
+    if event.kind == "released":
+        return (f"{stamp}  released   {event.key}  by {event.worker or '?'}: "
+                f"{event.detail or '?'}")
     if event.kind == "lost":
         return f"{stamp}  lost       {event.key}  {who}: {event.detail or 'lost'}"
     held = ""
@@ -352,9 +310,12 @@ def _top_screen(target: _Target, max_events: int) -> list[str]:
     lines = [f"celery dlock top - {target.where()} - prefix {target.prefix!r} - "
              f"{time.strftime('%H:%M:%S')} - {len(infos)} held", ""]
     if shown:
-        rows = (_row(i, _TOP_COLUMNS, {"waiting": waiting.get(i.key, 0)})
-                for i in shown)
-        lines += _table(_TOP_COLUMNS, rows, _TOP_WIDTHS)
+        rows = [row_cells(i, _TOP_COLUMNS, {"waiting": waiting.get(i.key, 0)})
+                for i in shown]
+        # Narrow terminals: one space between columns rather than cut them.
+        gap = 2 if size.columns >= 100 else 1
+        widths = fit_widths(_TOP_COLUMNS, rows, _TOP_WIDTHS, size.columns, gap)
+        lines += table_lines(_TOP_COLUMNS, rows, widths, gap)
         if len(infos) > len(shown):
             lines.append(f"... and {len(infos) - len(shown)} more (celery dlock ls)")
     else:

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import redis
 from celery import Celery
 
+from ..task.connection import mask_url
 from ..task.locked_task import LockedTask
 from .embedded import EmbeddedRedis
 
@@ -151,14 +152,19 @@ def _wait_ready(demo_app: Celery, names: Sequence[str], timeout: float) -> None:
 
 
 def _run_phase(demo_app: Celery, r: redis.Redis, prefix: str, phase: str, label: str,
-               stock: int, buyers: int, out: TextIO, timeout: float) -> PhaseResult:
+               stock: int, buyers: int, out: TextIO, timeout: float,
+               task_ids: list[str]) -> PhaseResult:
     product_id = 1
     r.set(f"{prefix}:{phase}:stock:{product_id}", stock)
     r.set(f"{prefix}:{phase}:sold", 0)
     r.set(f"{prefix}:{phase}:done", 0)
     name = "demo.buy_locked" if phase == "locked" else "demo.buy_plain"
     started = time.monotonic()
-    results = [demo_app.send_task(name, args=(product_id,)) for _ in range(buyers)]
+    results = []
+    for _ in range(buyers):
+        task_id = uuid.uuid4().hex
+        task_ids.append(task_id)  # before sending: an interrupt cleans it up too
+        results.append(demo_app.send_task(name, args=(product_id,), task_id=task_id))
     deadline = started + timeout
     done = 0
     while done < buyers:
@@ -194,6 +200,34 @@ def _table(plain: PhaseResult, locked: PhaseResult) -> str:
     return "\n".join(lines)
 
 
+_DEADLINES = "_kombu.binding_deadlines"
+
+
+def _deadline_members(r: redis.Redis) -> set[bytes]:
+    return {m for m in r.zrange(_DEADLINES, 0, -1) if isinstance(m, bytes)}
+
+
+def _cleanup(r: redis.Redis, prefix: str, queue: str, task_ids: Sequence[str],
+             deadlines_before: set[bytes]) -> int:
+    """Delete what this run created in Redis, and only that: the keys under its own
+    prefix (stock, counters, locks), its queue and kombu's bindings of it, the
+    results of the tasks it sent, and the entries kombu added for this run to its
+    binding-deadline index (the ping's pidbox exchanges included) when no binding
+    table is left that needs them.  Returns how many keys went."""
+    keys: list[Any] = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+    keys += [queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"]
+    keys += [f"{queue}\x06\x16{priority}" for priority in range(10)]
+    keys += [f"celery-task-meta-{task_id}" for task_id in task_ids]
+    deleted = 0
+    for start in range(0, len(keys), 500):
+        deleted += int(r.delete(*keys[start:start + 500]))
+    for member in _deadline_members(r):
+        if member not in deadlines_before and not r.exists(
+                b"_kombu.binding." + member):
+            r.zrem(_DEADLINES, member)
+    return deleted
+
+
 def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int = 4,
              stock: int = 200, buyers: int = 400, out: TextIO = sys.stdout,
              timeout: float = 180.0) -> tuple[PhaseResult, PhaseResult]:
@@ -212,15 +246,19 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
     demo_app.conf.update(task_default_queue=queue,
                          broker_transport_options={"polling_interval": 0.1})
     r = redis.Redis.from_url(redis_url)
+    task_ids: list[str] = []
+    deadlines_before: set[bytes] = set()
     try:
+        if server is None:
+            deadlines_before = _deadline_members(r)
         out.write(f"Starting {workers} workers x {concurrency} processes (prefork)...\n")
         with _workers(redis_url, prefix, queue, workers, concurrency, out) as names:
             _wait_ready(demo_app, names, timeout=60)
             out.write(f"Selling {stock} units to {buyers} concurrent buyers, twice:\n")
             plain = _run_phase(demo_app, r, prefix, "plain", "plain task", stock,
-                               buyers, out, timeout)
+                               buyers, out, timeout, task_ids)
             locked = _run_phase(demo_app, r, prefix, "locked", "LockedTask", stock,
-                                buyers, out, timeout)
+                                buyers, out, timeout, task_ids)
         out.write("\n" + _table(plain, locked) + "\n\n")
         if plain.oversold:
             out.write(f"Without a lock {plain.oversold} units were sold that did not "
@@ -234,10 +272,45 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
                   f"{locked.left} left.\n")
         return plain, locked
     finally:
+        if server is None:  # a Redis of the user's: leave it as it was found
+            with suppress(redis.RedisError):
+                _cleanup(r, prefix, queue, task_ids, deadlines_before)
         r.close()
         demo_app.close()
         if server is not None:
             server.stop()
+
+
+# Bounds of the command's numbers: below them the demo would do nothing or hang (no
+# worker takes the tasks), above them it would only swamp this machine.
+_BOUNDS = {"workers": (1, 16), "concurrency": (1, 32), "stock": (1, 100_000),
+           "buyers": (1, 100_000)}
+
+
+def _out_of_bounds(args: argparse.Namespace) -> str | None:
+    for option, (low, high) in _BOUNDS.items():
+        value = getattr(args, option)
+        if not low <= value <= high:
+            return f"--{option} must be between {low} and {high}, got {value}"
+    return None
+
+
+def _unreachable(redis_url: str, timeout: float = 3.0) -> str | None:
+    """Why ``redis_url`` cannot be used (one line, password masked), or None."""
+    try:
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=timeout,
+                                      socket_timeout=timeout)
+    except ValueError as exc:
+        return f"--redis-url {mask_url(redis_url)} is not a Redis URL: {exc}"
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        reason = str(exc).replace(redis_url, mask_url(redis_url)).splitlines()
+        return (f"cannot reach Redis at {mask_url(redis_url)}: "
+                f"{reason[0] if reason else type(exc).__name__}")
+    finally:
+        client.close()
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,12 +319,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Sell 200 units to 400 concurrent buyers on real Celery workers, "
                     "with and without LockedTask.")
     parser.add_argument("--redis-url", help="use this Redis instead of starting one")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--stock", type=int, default=200)
-    parser.add_argument("--buyers", type=int, default=400)
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes to start (1-16)")
+    parser.add_argument("--concurrency", type=int, default=4,
+                        help="prefork children per worker (1-32)")
+    parser.add_argument("--stock", type=int, default=200,
+                        help="units in stock (1-100000)")
+    parser.add_argument("--buyers", type=int, default=400,
+                        help="concurrent buyers (1-100000)")
     args = parser.parse_args(argv)
-    _, locked = run_demo(args.redis_url, workers=args.workers,
-                         concurrency=args.concurrency, stock=args.stock,
-                         buyers=args.buyers)
+    problem = _out_of_bounds(args)
+    if problem is not None:
+        sys.stderr.write(f"celery-dlock demo: {problem}\n")
+        return 2
+    if args.redis_url is not None:
+        problem = _unreachable(args.redis_url)
+        if problem is not None:
+            sys.stderr.write(f"celery-dlock demo: {problem}\n")
+            return 1
+    try:
+        _, locked = run_demo(args.redis_url, workers=args.workers,
+                             concurrency=args.concurrency, stock=args.stock,
+                             buyers=args.buyers)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ncelery-dlock demo: interrupted; workers stopped and the "
+                         "demo's keys removed\n")
+        return 130
     return 0 if locked.sold == min(args.stock, args.buyers) else 1

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 __all__ = ["EmbeddedRedis", "RedisBinaryNotFound", "find_redis_server"]
 
@@ -64,9 +65,22 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(host: str, port: int) -> bool:
+def _command(*parts: str) -> bytes:
+    """One command in RESP (any bytes in the arguments, spaces included)."""
+    out = [f"*{len(parts)}\r\n".encode()]
+    for part in parts:
+        data = part.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _ping(host: str, port: int, password: str | None = None) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5) as s:
+            if password is not None:
+                s.sendall(_command("AUTH", password))
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
             s.sendall(b"PING\r\n")
             return s.recv(64).startswith(b"+PONG")
     except OSError:
@@ -79,7 +93,11 @@ class EmbeddedRedis:
     :param port: a fixed port (default: a free one, retried on a clash).
     :param binary: the server binary (default: :func:`find_redis_server`).
     :param unix_socket: also listen on a unix socket (see :attr:`unix_socket_path`).
-    :param extra_args: more ``--option value`` arguments for the server.
+    :param extra_args: more ``--option value`` arguments for the server (a
+        ``--requirepass`` among them is used by the readiness probe too).
+    :param password: require this password (``requirepass``, written to a config file
+        in the server's private directory, not on its command line); :attr:`url`
+        carries it.
     """
 
     host = "127.0.0.1"
@@ -92,7 +110,9 @@ class EmbeddedRedis:
         unix_socket: bool = False,
         extra_args: tuple[str, ...] = (),
         startup_timeout: float = 10.0,
+        password: str | None = None,
     ) -> None:
+        self.password = password
         self._fixed_port = port
         self.binary = binary
         self.want_unix_socket = unix_socket
@@ -102,9 +122,18 @@ class EmbeddedRedis:
         self.process: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
+    def _probe_password(self) -> str | None:
+        args = list(self.extra_args)
+        for i, arg in enumerate(args[:-1]):
+            if arg == "--requirepass":
+                return args[i + 1]
+        return self.password
+
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        if self.password is None:
+            return f"redis://{self.host}:{self.port}/0"
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
 
     @property
     def unix_socket_path(self) -> str | None:
@@ -122,8 +151,15 @@ class EmbeddedRedis:
         last_log = ""
         for _ in range(5):
             port = self._fixed_port or _free_port(self.host)
-            args = [
-                binary, "--port", str(port), "--bind", self.host,
+            args = [binary]
+            if self.password is not None:
+                config = Path(self._dir.name, "redis.conf")
+                quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
+                config.write_text(f'requirepass "{quoted}"\n')
+                config.chmod(0o600)
+                args.append(str(config))
+            args += [
+                "--port", str(port), "--bind", self.host,
                 "--save", "", "--appendonly", "no", "--dir", self._dir.name,
                 "--daemonize", "no", "--loglevel", "warning",
                 "--logfile", os.path.join(self._dir.name, "redis.log"),
@@ -136,7 +172,7 @@ class EmbeddedRedis:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + self.startup_timeout
             while time.monotonic() < deadline and proc.poll() is None:
-                if _ping(self.host, port):
+                if _ping(self.host, port, self._probe_password()):
                     self.port = port
                     self.process = proc
                     return self

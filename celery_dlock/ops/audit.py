@@ -1,0 +1,54 @@
+"""Who released which lock by hand, and why: one event and one log line per release.
+
+``celery dlock release`` records each lock it frees in the prefix's event list
+(``<prefix>:events``, the one ``top`` shows, see :mod:`celery_dlock.task.events`) as a
+``released`` event naming the operator (``user@host``), the hold that was freed and
+the ``--reason`` given, and logs the same at WARNING on ``celery_dlock.audit``.  The
+holder's own ``lock_lost`` reason stays the core's ("released elsewhere"): the
+release script deletes the lock's hash and leaves nothing behind to carry the reason.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import socket
+import time
+from typing import Any
+
+from ..task.events import EVENTS_MAX, EVENTS_TTL, Event, events_key
+from .inspect import LockInfo
+
+__all__ = ["operator", "record_release"]
+
+logger = logging.getLogger("celery_dlock.audit")
+
+
+def operator() -> str:
+    """``user@host`` of whoever runs this command."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "?"
+    return f"{user}@{socket.gethostname()}"
+
+
+def record_release(client: Any, prefix: str, key: str, freed: LockInfo,
+                   reason: str | None) -> Event:
+    """Record that ``freed`` (the hold on ``key``) was released by hand.
+
+    Redis errors propagate (the command reports them); the log line is written first.
+    """
+    event = Event(at=time.time(), kind="released", key=key, worker=operator(),
+                  holder_task_name=freed.task_name, holder_task_id=freed.task_id,
+                  holder_worker=freed.worker, detail=reason or "no reason given")
+    logger.warning("lock %r released by %s (reason: %s); it was held by %s[%s] on %s",
+                   key, event.worker, event.detail, freed.task_name or "?",
+                   freed.task_id or "?", freed.worker or "?")
+    pipe = client.pipeline(transaction=False)
+    pipe.lpush(events_key(prefix), json.dumps(event.as_dict(), separators=(",", ":")))
+    pipe.ltrim(events_key(prefix), 0, EVENTS_MAX - 1)
+    pipe.expire(events_key(prefix), EVENTS_TTL)
+    pipe.execute()
+    return event

@@ -1,0 +1,85 @@
+"""Text layout for ``celery dlock``: durations, cells, aligned tables that fit a width."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .inspect import LockInfo
+
+__all__ = ["cell_text", "duration_text", "fit_widths", "holder_text", "row_cells",
+           "table_lines"]
+
+
+def duration_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 60:
+        return f"{value:.1f}s"
+    whole = int(value)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def cell_text(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+_NUMERIC = {"pid", "count", "fence", "ttl", "held_for", "waiting"}
+
+
+def table_lines(columns: Sequence[str], rows: Iterable[Sequence[str]],
+                widths: dict[str, int] | None = None, gap: int = 2) -> list[str]:
+    """Aligned text columns; numbers right-aligned; ``widths`` caps (and cuts) some."""
+    cut = [list(row) for row in rows]
+    if widths:
+        for row in cut:
+            for i, name in enumerate(columns):
+                cap = widths.get(name)
+                if cap and len(row[i]) > cap:
+                    row[i] = row[i][:cap - 1] + "~"
+    sizes = [len(name) for name in columns]
+    for row in cut:
+        sizes = [max(size, len(cell)) for size, cell in zip(sizes, row, strict=True)]
+    lines = []
+    for row in [[name.upper() for name in columns], *cut]:
+        cells = [cell.rjust(size) if name in _NUMERIC else cell.ljust(size)
+                 for name, cell, size in zip(columns, row, sizes, strict=True)]
+        lines.append((" " * gap).join(cells).rstrip())
+    return lines
+
+
+def fit_widths(columns: Sequence[str], rows: Sequence[Sequence[str]],
+               caps: dict[str, int], width: int, gap: int) -> dict[str, int]:
+    """Caps for the text columns so a row fits ``width``: the widest text is cut
+    first, down to its header; numbers are never cut."""
+    sizes = {name: max([len(name)] + [len(row[i]) for row in rows])
+             for i, name in enumerate(columns)}
+    sizes = {name: min(size, caps.get(name, size)) for name, size in sizes.items()}
+    budget = width - gap * (len(columns) - 1)
+    text = [name for name in columns if name not in _NUMERIC]
+    while sum(sizes.values()) > budget:
+        widest = max(text, key=lambda name: sizes[name] - len(name))
+        if sizes[widest] <= max(len(widest), 4):
+            break
+        sizes[widest] -= 1
+    return {name: sizes[name] for name in text}
+
+
+def row_cells(info: LockInfo, columns: Sequence[str], extra: dict[str, Any] | None = None
+         ) -> list[str]:
+    values = {**info.as_dict(), **(extra or {})}
+    out = []
+    for name in columns:
+        value = values.get(name)
+        out.append(duration_text(value) if name in ("ttl", "held_for")
+                   else cell_text(value))
+    return out
+
+
+def holder_text(info: LockInfo) -> str:
+    if info.task_name or info.task_id:
+        return (f"task {info.task_name or '?'}[{info.task_id or '?'}], "
+                f"owner {info.owner}, fence {cell_text(info.fence)}")
+    return f"owner {info.owner}, fence {cell_text(info.fence)}"

@@ -1,0 +1,72 @@
+"""``celery-dlock demo --redis-url`` leaves the user's Redis as it found it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+from dlock_helpers import wait_until
+
+from celery_dlock.ops.embedded import EmbeddedRedis
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = [sys.executable, "-m", "celery_dlock", "demo", "--workers", "1",
+        "--concurrency", "2"]
+
+
+def _snapshot(r: redis.Redis) -> dict[bytes, bytes | None]:
+    return {key: r.dump(key) for key in r.scan_iter(count=1000)}
+
+
+def _seed(r: redis.Redis) -> None:
+    """Keys of somebody else's, some of them near the demo's own names."""
+    r.set("mine", "1")
+    r.set("dlock-demo", "not the demo's")
+    r.rpush("celery", "someone else's queue")
+    r.hset("dlock:{stock:1}", mapping={"owner": "another app"})
+
+
+@pytest.mark.slow
+def test_a_full_run_removes_everything_it_created(own_server: EmbeddedRedis) -> None:
+    r = redis.Redis.from_url(own_server.url)
+    _seed(r)
+    before = _snapshot(r)
+    proc = subprocess.run([*DEMO, "--stock", "5", "--buyers", "20",
+                           "--redis-url", own_server.url],
+                          cwd=REPO, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "exactly 5 units were sold" in proc.stdout
+    assert _snapshot(r) == before
+    r.close()
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_stops_the_workers_and_removes_everything(
+        own_server: EmbeddedRedis) -> None:
+    r = redis.Redis.from_url(own_server.url)
+    _seed(r)
+    before = _snapshot(r)
+    proc = subprocess.Popen([*DEMO, "--stock", "2000", "--buyers", "20000",
+                             "--redis-url", own_server.url],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        # Selling has begun: the plain phase's counter is there and moving.
+        assert wait_until(lambda: any(r.scan_iter(match="dlock-demo-*:plain:done")),
+                          timeout=90, interval=0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    assert "interrupted" in stderr
+    assert _snapshot(r) == before
+    r.close()
