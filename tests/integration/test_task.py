@@ -21,6 +21,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from celery_helpers import close_app
+from task_env import new_app
 
 from celery_dlock import (
     BackendUnavailable,
@@ -51,22 +52,8 @@ def _wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> 
 
 @pytest.fixture(scope="module")
 def env(redis_url: str) -> Iterator[SimpleNamespace]:
-    tag = uuid.uuid4().hex[:8]
-    prefix = f"dlt{tag}"
-    app = Celery(f"dlt{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"polling_interval": 0.1},
-        # A result consumer that lost its server gives up fast (session teardown).
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
-        task_default_queue=f"q-{tag}",
-        dlock_key_prefix=prefix,
-        dlock_retry_backoff=0.05,
-        dlock_retry_backoff_max=0.2,
-        dlock_retry_max=200,
-        result_expires=600,
-    )
-    r = redis.Redis.from_url(redis_url)
+    made = new_app(redis_url)
+    app, r, prefix = made.app, made.r, made.prefix
     ev = f"{prefix}:events"
 
     def log(**fields: Any) -> None:
