@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
-import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -20,7 +19,14 @@ from types import SimpleNamespace
 
 import pytest
 import redis.cluster
-from servers import Cluster, SentinelGroup, free_port, supports_cluster, tls_unsupported
+from servers import (
+    Cluster,
+    SentinelGroup,
+    free_port,
+    make_certificates,
+    supports_cluster,
+    tls_unsupported,
+)
 
 from celery_dlock.ops.embedded import EmbeddedRedis
 
@@ -58,20 +64,6 @@ def sentinel_group() -> Iterator[SentinelGroup]:
     group.stop()
 
 
-def _make_certificates(directory: Path) -> None:
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True,
-                       capture_output=True, timeout=60)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
-        "-out", "ca.crt", "-days", "2", "-subj", "/CN=celery-dlock test CA")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key",
-        "-out", "server.csr", "-subj", "/CN=localhost")
-    (directory / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-days", "2", "-extfile", "ext", "-out", "server.crt")
-
-
 @pytest.fixture(scope="module")
 def tls() -> Iterator[SimpleNamespace]:
     if shutil.which("openssl") is None:
@@ -81,7 +73,7 @@ def tls() -> Iterator[SimpleNamespace]:
         pytest.skip(why)
     with tempfile.TemporaryDirectory(prefix="dlock-tls-") as tmp:
         directory = Path(tmp)
-        _make_certificates(directory)
+        make_certificates(directory)
         port = free_port()
         server = EmbeddedRedis(extra_args=(
             "--tls-port", str(port), "--tls-cert-file", str(directory / "server.crt"),

@@ -23,7 +23,8 @@ import redis
 
 from celery_dlock.ops.embedded import find_redis_server
 
-__all__ = ["Cluster", "SentinelGroup", "Server", "free_port", "supports_cluster"]
+__all__ = ["Cluster", "SentinelGroup", "Server", "free_port", "make_certificates",
+           "supports_cluster"]
 
 
 def _bindable(port: int) -> bool:
@@ -138,17 +139,46 @@ def supports_cluster(binary: str | None = None) -> str | None:
     return None
 
 
-class Cluster:
-    """``masters`` cluster-enabled servers with the 16384 slots split between them."""
+def make_certificates(directory: Path) -> None:
+    """A throwaway CA (``ca.crt``) and a server certificate for 127.0.0.1 and localhost
+    signed by it (``server.crt``, ``server.key``), made with ``openssl``."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True,
+                       capture_output=True, timeout=60)
 
-    def __init__(self, masters: int = 3) -> None:
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key",
+        "-out", "ca.crt", "-days", "2", "-subj", "/CN=celery-dlock test CA")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key",
+        "-out", "server.csr", "-subj", "/CN=localhost")
+    (directory / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "ext", "-out", "server.crt")
+
+
+class Cluster:
+    """``masters`` cluster-enabled servers with the 16384 slots split between them.
+
+    With ``certificates`` (a directory made by :func:`make_certificates`) every node
+    also listens with TLS on ``tls_ports`` and the cluster bus runs over TLS
+    (``tls-cluster yes``): a client that connects with TLS is then told the nodes'
+    TLS ports, one that connects in the clear their plain ports.
+    """
+
+    def __init__(self, masters: int = 3, *, certificates: Path | None = None) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="dlock-cluster-")
-        self.servers = [
-            Server(self._tmp.name, ["cluster-enabled yes",
-                                    "cluster-config-file nodes.conf",
-                                    "cluster-node-timeout 2000",
-                                    "cluster-require-full-coverage no"])
-            for _ in range(masters)]
+        self.tls_ports: list[int] = []
+        self.servers = []
+        for _ in range(masters):
+            lines = ["cluster-enabled yes", "cluster-config-file nodes.conf",
+                     "cluster-node-timeout 2000", "cluster-require-full-coverage no"]
+            if certificates is not None:
+                self.tls_ports.append(free_port())
+                lines += [f"tls-port {self.tls_ports[-1]}",
+                          f"tls-cert-file {certificates / 'server.crt'}",
+                          f"tls-key-file {certificates / 'server.key'}",
+                          f"tls-ca-cert-file {certificates / 'ca.crt'}",
+                          "tls-auth-clients no", "tls-cluster yes"]
+            self.servers.append(Server(self._tmp.name, lines))
 
     @property
     def url(self) -> str:
@@ -164,8 +194,10 @@ class Cluster:
                 end = 16384 if i == len(clients) - 1 else (i + 1) * per
                 # (ADDSLOTS, not ADDSLOTSRANGE: that is Redis 7 only)
                 c.execute_command("CLUSTER ADDSLOTS", *range(i * per, end))
+            # the bus listens at the client port + 10000: with tls-cluster, the TLS one
+            meet = self.tls_ports[0] if self.tls_ports else self.servers[0].port
             for c in clients[1:]:
-                c.execute_command("CLUSTER MEET", "127.0.0.1", self.servers[0].port)
+                c.execute_command("CLUSTER MEET", "127.0.0.1", meet)
 
             def ready() -> bool:
                 # every node sees every slot served by one of the three, none of them
