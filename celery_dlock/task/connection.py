@@ -26,9 +26,10 @@ from urllib.parse import parse_qsl, urlencode
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from ..core.errors import InvalidLockConfig
+from ..core.errors import BackendUnavailable, InvalidLockConfig
 from ..redis import topology
 
 __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "resolve_url"]
@@ -179,6 +180,12 @@ def client_from_url(url: str, options: dict[str, Any],
         raise InvalidLockConfig(f"cannot use the Redis URL {mask_url(url)!r} "
                                 f"(app.conf.dlock_url, or the broker/result backend "
                                 f"it defaults to): {text}") from None
+    except (RedisClusterException, redis.RedisError) as exc:
+        # redis-py's cluster client asks a node for the slots when it is made: no
+        # node answering is Redis being unreachable, like a refused command later.
+        text = str(exc).replace(url, mask_url(url))
+        raise BackendUnavailable(f"Redis unavailable at {mask_url(url)}: {text}") \
+            from None
 
 
 def check_client_options(client: Any) -> None:

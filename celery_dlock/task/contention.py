@@ -101,17 +101,18 @@ class Contention:
     """
 
     task: Any
-    lock: RedisLock
+    lock: RedisLock | None  # None: Redis could not be reached to make one
     error: DLockError
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     retries: int = 0
     can_requeue: bool = True
     settings: Mapping[str, Any] = field(default_factory=dict)
+    name: str = ""
 
     @property
     def key(self) -> str:
-        return self.lock.name
+        return self.lock.name if self.lock is not None else self.name
 
     @property
     def holder(self) -> Holder | None:
@@ -127,7 +128,7 @@ class Contention:
         Woken by the holder's release, not by polling.  Never blocks when Redis is
         unreachable.
         """
-        if self.backend_down:
+        if self.backend_down or self.lock is None:
             return False
         if seconds is None:
             seconds = float(self.settings.get("lock_wait", 0.0))

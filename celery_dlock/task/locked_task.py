@@ -221,10 +221,11 @@ class LockedTask(Task):  # type: ignore[misc]
         duplicate = requeue and header(request, DUPLICATE_HEADER) > 0
         if duplicate and first_run_ended(self, request.id):
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
-        lock = self._new_lock(key, settings, request)
         started = time.monotonic()
         error: DLockError | None = None
+        lock: RedisLock | None = None
         try:
+            lock = self._new_lock(key, settings, request)
             acquired = lock.acquire(blocking=False)
             if not acquired and requeue:
                 acquired = self._same_task_holder(lock, request, args, kwargs,
@@ -239,9 +240,10 @@ class LockedTask(Task):  # type: ignore[misc]
             acquired, error = False, exc
         if not acquired:
             assert error is not None
-            outcome = self._contended(lock, error, args, kwargs, settings, requeue)
+            outcome = self._contended(key, lock, error, args, kwargs, settings, requeue)
             if outcome is not ACQUIRED:
                 return outcome
+        assert lock is not None  # acquired: the lock was made
         if duplicate and first_run_ended(self, request.id, DUPLICATE_GRACE):
             lock.release()  # the first run released, and its result came just after
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
@@ -270,16 +272,16 @@ class LockedTask(Task):  # type: ignore[misc]
             if lock.acquire(blocking=True, timeout=PREDECESSOR_WAIT_SLICE):
                 return True
 
-    def _contended(self, lock: RedisLock, error: DLockError, args: tuple[Any, ...],
-                   kwargs: dict[str, Any], settings: Mapping[str, Any],
-                   requeue: bool) -> Any:
+    def _contended(self, key: str, lock: RedisLock | None, error: DLockError,
+                   args: tuple[Any, ...], kwargs: dict[str, Any],
+                   settings: Mapping[str, Any], requeue: bool) -> Any:
         policy = settings["on_contention"]
         request = self.request
         retries = header(request, CONTENTION_HEADER) if requeue else 0
         contention = Contention(task=self, lock=lock, error=error, args=args,
                                 kwargs=kwargs, retries=retries, can_requeue=requeue,
-                                settings=settings)
-        signals.lock_contended.send(sender=self, key=lock.name,
+                                settings=settings, name=key)
+        signals.lock_contended.send(sender=self, key=key,
                                     policy=policy_name(policy),
                                     holder=contention.holder, task_id=request.id,
                                     error=error)
