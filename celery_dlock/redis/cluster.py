@@ -54,9 +54,13 @@ def node_name_of(client: Any, key: str) -> str:
     return str(client.get_node_from_key(key).name)
 
 
-def _node_client(client: Any, node_name: str, socket_timeout: float) -> redis.Redis:
-    """A plain client of one master, with a pool of its own."""
+def _node_client(client: Any, node_name: str,
+                 socket_timeout: float) -> redis.Redis | None:
+    """A plain client of one master, with a pool of its own; None when the cluster
+    client no longer knows that node (it failed and the client refreshed its view)."""
     node = client.get_node(node_name=node_name)
+    if node is None or node.redis_connection is None:
+        return None
     pool: Any = node.redis_connection.connection_pool
     kwargs = dict(pool.connection_kwargs)
     for k in ("retry_on_timeout", "retry_on_error", "redis_connect_func"):
@@ -96,9 +100,13 @@ class ClusterNodeRenewTarget:
         return keys, args
 
     def _on_node(self, items: Sequence[tuple[str, str, int]],
-                 groups: list[list[int]]) -> list[Any]:
+                 groups: list[list[int]]) -> list[Any] | None:
+        """The replies of this target's master, one per group; None when the cluster
+        client no longer knows that master."""
         if self._node is None:
             self._node = _node_client(self.cluster, self.node_name, self._socket_timeout)
+            if self._node is None:
+                return None
         pipe = self._node.pipeline(transaction=False)
         for group in groups:
             keys, args = self._call(items, group)
@@ -118,9 +126,11 @@ class ClusterNodeRenewTarget:
     def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
         groups = self._groups(items)
         try:
-            replies: list[Any] = self._on_node(items, groups)
+            replies: list[Any] | None = self._on_node(items, groups)
         except (RedisConnectionError, RedisTimeoutError):
             self.close()
+            replies = None
+        if replies is None:  # the master is unreachable or gone from the cluster:
             replies = [None] * len(groups)  # the cluster client tries each group
         out = [0] * len(items)
         for group, reply in zip(groups, replies, strict=True):

@@ -164,11 +164,13 @@ class Cluster:
     TLS ports, one that connects in the clear their plain ports.
     """
 
-    def __init__(self, masters: int = 3, *, certificates: Path | None = None) -> None:
+    def __init__(self, masters: int = 3, *, certificates: Path | None = None,
+                 replicas: int = 0) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="dlock-cluster-")
         self.tls_ports: list[int] = []
         self.servers = []
-        for _ in range(masters):
+        self.masters = masters
+        for _ in range(masters * (1 + replicas)):
             lines = ["cluster-enabled yes", "cluster-config-file nodes.conf",
                      "cluster-node-timeout 2000", "cluster-require-full-coverage no"]
             if certificates is not None:
@@ -188,7 +190,8 @@ class Cluster:
         try:
             for server in self.servers:
                 server.start()
-            clients = [s.client(socket_timeout=5) for s in self.servers]
+            everyone = [s.client(socket_timeout=5) for s in self.servers]
+            clients = everyone[:self.masters]
             per = 16384 // len(clients)
             for i, c in enumerate(clients):
                 end = 16384 if i == len(clients) - 1 else (i + 1) * per
@@ -196,7 +199,7 @@ class Cluster:
                 c.execute_command("CLUSTER ADDSLOTS", *range(i * per, end))
             # the bus listens at the client port + 10000: with tls-cluster, the TLS one
             meet = self.tls_ports[0] if self.tls_ports else self.servers[0].port
-            for c in clients[1:]:
+            for c in everyone[1:]:
                 c.execute_command("CLUSTER MEET", "127.0.0.1", meet)
 
             def ready() -> bool:
@@ -216,23 +219,61 @@ class Cluster:
                         return False
                     nodes = c.execute_command("CLUSTER NODES")
                     text = str(nodes)
-                    if len(nodes) != len(clients) or "handshake" in text or \
+                    if len(nodes) != len(everyone) or "handshake" in text or \
                             "fail" in text:
                         return False
                 return True
 
             _bounded_wait(ready, 20, "the cluster to agree on its slots")
-            for c in clients:
+            if len(everyone) > len(clients):
+                self._attach_replicas(everyone)
+            for c in everyone:
                 c.close()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _attach_replicas(self, everyone: list[redis.Redis]) -> None:
+        """Make server ``masters + i`` a replica of master ``i % masters`` and wait
+        until every replica has caught up with its master."""
+        ids = [c.execute_command("CLUSTER MYID") for c in everyone[:self.masters]]
+        for i, c in enumerate(everyone[self.masters:]):
+            master = ids[i % self.masters]
+            master_id = master.decode() if isinstance(master, bytes) else str(master)
+
+            def knows_master(c: redis.Redis = c, master_id: str = master_id) -> bool:
+                return master_id in str(c.execute_command("CLUSTER NODES"))
+
+            _bounded_wait(knows_master, 20, "a replica to learn of its master")
+            c.execute_command("CLUSTER REPLICATE", master_id)
+
+        def synced() -> bool:
+            return all(c.info("replication").get("master_link_status") == "up"
+                       for c in everyone[self.masters:])
+
+        _bounded_wait(synced, 30, "the replicas to sync with their masters")
+
+    def master_of(self, key: str) -> Server:
+        """The server that is master of ``key``'s slot now."""
+        import redis.cluster
+
+        client = redis.cluster.RedisCluster(host="127.0.0.1", port=self._entry().port)
+        try:
+            port = client.get_node_from_key(key).port
+        finally:
+            client.close()
+        return next(s for s in self.servers if s.port == port)
+
+    def _entry(self) -> Server:
+        """A node that is running (a test may have killed the first)."""
+        return next(s for s in self.servers
+                    if s.process is not None and s.process.poll() is None)
+
     def client(self, **kwargs: object) -> redis.cluster.RedisCluster:
         import redis.cluster
 
-        return redis.cluster.RedisCluster(host="127.0.0.1", port=self.servers[0].port,
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=self._entry().port,
                                           **kwargs)  # type: ignore[arg-type]
 
     def stop(self) -> None:
