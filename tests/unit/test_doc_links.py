@@ -38,3 +38,13 @@ def test_every_docs_page_is_reachable_from_the_readme() -> None:
         todo.extend((page.parent / t).resolve() for t in _relative_links(page))
     unreachable = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p not in seen]
     assert unreachable == []
+
+
+def test_the_readme_layout_lists_every_module() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = text[text.index("## Layout"):]
+    package = ROOT / "celery_dlock"
+    missing = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py") and
+               f" {p.name} " not in layout.replace("\n", " ")]
+    assert missing == []
