@@ -114,13 +114,18 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
     key = task.lock_name(args, kwargs)
     keys = LockKeys.for_name(read_setting(task, "lock_prefix"), key)
     client = get_client(task.app)
+    # The conditions name the hold (that task id in that dead pid: no newer hold can
+    # match them), and the operation id makes a re-sent call change nothing.
     conditions = ["task_id", task_id, "pid", str(pid)]
     if hostname:
         conditions += ["worker", hostname]
+    conditions += [":by", f"worker {hostname or '?'}",
+                   ":reason", f"its process {pid} died"]
 
     def release() -> None:
         try:
-            reply = FORCE_RELEASE(client, (keys.lock,), conditions)
+            reply = FORCE_RELEASE(client, (keys.lock,),
+                                  [*conditions, ":op", os.urandom(8).hex()])
         except Exception as exc:
             logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
                            task.name, task_id, exc)
