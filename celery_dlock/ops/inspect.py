@@ -9,13 +9,14 @@ Everything here reads (or, for :func:`force_release`, frees) the keys laid out i
         print(info.key, info.task_name, info.held_for)
 
 Listing uses ``SCAN`` (never ``KEYS``) with ``MATCH P:[{#]*}`` and ``TYPE hash``, so the
-helper keys of a lock (fence counter, waiters' line, doorbells) are skipped by the
-server, and reads each page of keys with one non-transactional pipeline (``HGETALL`` and
-``PTTL`` per key, one ``TIME``): listing 10,000 locks costs a few dozen round trips, not
-20,000.  ``SCAN`` may return a key more than once; :func:`iter_locks` yields it once.
-A lock that expires between ``SCAN`` and the read is left out.  On Redis Cluster each
-master is scanned in turn, with a plain client of its own (:func:`node_clients`), so
-each page is read with one pipeline (and one TIME) on the server that has its keys.
+helper keys of a lock (fence counter, waiters' line, doorbells, a force release's
+marker) are skipped by the server, and reads each page of keys with one
+non-transactional pipeline (``HGETALL`` and ``PTTL`` per key, one ``TIME``): listing
+10,000 locks costs a few dozen round trips, not 20,000.  ``SCAN`` may return a key more
+than once; :func:`iter_locks` yields it once.  A lock that expires between ``SCAN`` and
+the read is left out.  On Redis Cluster each master is scanned in turn, with a plain
+client of its own (:func:`node_clients`), so each page is read with one pipeline (and
+one TIME) on the server that has its keys.
 
 Ages come from the server's clock (``TIME`` minus the hold's ``acquired_at``), so they
 are right whatever the clock of the machine that asks.

@@ -20,11 +20,11 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
                       element to the waiter first in line, whose ``BLPOP`` returns.
 ``P:{NAME}:r:OP``     a short-lived marker that the final release with operation id
                       ``OP`` freed the lock, so that a re-sent release says "released".
-``P:{NAME}:released`` hash: a short-lived marker left by a force release (``celery
-                      dlock release``, a worker freeing the lock of a dead child): the
-                      owner and fence of the hold it freed, who freed it, why, when
-                      and the call's operation id.  The holder reads it when it finds
-                      its hold gone, to say why (:mod:`celery_dlock.redis.released`).
+``P:{NAME}:released`` hash: a short-lived marker left by a force release that says
+                      who it is (``celery dlock release``): the owner and fence of
+                      the hold it freed, who freed it, why, when and the call's
+                      operation id.  The holder reads it when it finds its hold
+                      gone, to say why (:mod:`celery_dlock.redis.released`).
 
 **Idempotence.**  Clients re-send a command when its reply is lost (redis-py's
 ``Retry`` does by default).  Every script that changes a hold takes an operation id
@@ -342,9 +342,10 @@ return out
 #         freed a hold (this is a re-send); the fields are the marker's.
 # For operators (``celery dlock release``) and for a worker freeing the lock of a child
 # process that died (conditions: that task id in that pid).  A call that frees a hold
-# leaves the marker ``P:{NAME}:released`` (owner, fence, by, reason, at, op of the hold
-# it freed), kept for as long as the hold had left but at least RELEASED_MIN_MS and at
-# most RELEASED_MAX_MS, so that the holder learns why at its next renewal.
+# and says who it is (':by') leaves the marker ``P:{NAME}:released`` (owner, fence,
+# by, reason, at, op of the hold it freed), kept for as long as the hold had left but
+# at least RELEASED_MIN_MS and at most RELEASED_MAX_MS, so that the holder learns why
+# at its next renewal.
 FORCE_RELEASE = LuaScript(
     "force_release",
     _COMMON
@@ -384,7 +385,7 @@ if reply[1] == 1 then
   for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
   local now = now_ms()
   redis.call('DEL', lock)
-  if hold.owner then
+  if hold.owner and notes.by then
     redis.call('DEL', marker)
     redis.call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence or '',
                'by', notes.by or '', 'reason', notes.reason or '', 'at', now,

@@ -114,18 +114,16 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
     key = task.lock_name(args, kwargs)
     keys = LockKeys.for_name(read_setting(task, "lock_prefix"), key)
     client = get_client(task.app)
-    # The conditions name the hold (that task id in that dead pid: no newer hold can
-    # match them), and the operation id makes a re-sent call change nothing.
+    # The conditions name the hold: that task id in that dead pid, which no newer hold
+    # can match, so a re-sent call changes nothing.  No ':by' note: the holder is dead,
+    # nobody would read a marker.
     conditions = ["task_id", task_id, "pid", str(pid)]
     if hostname:
         conditions += ["worker", hostname]
-    conditions += [":by", f"worker {hostname or '?'}",
-                   ":reason", f"its process {pid} died"]
 
     def release() -> None:
         try:
-            reply = FORCE_RELEASE(client, (keys.lock,),
-                                  [*conditions, ":op", os.urandom(8).hex()])
+            reply = FORCE_RELEASE(client, (keys.lock,), conditions)
         except Exception as exc:
             logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
                            task.name, task_id, exc)

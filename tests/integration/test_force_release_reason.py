@@ -28,6 +28,7 @@ from task_env import TaskEnv, new_app, running
 
 from celery_dlock import LockedTask, LockKeyConflict, LockLost, RedisLock, signals
 from celery_dlock.ops.inspect import force_release, iter_locks
+from celery_dlock.redis.scripts import FORCE_RELEASE
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 RESULT_TIMEOUT = 30
@@ -172,7 +173,11 @@ def test_no_marker_when_nothing_was_removed(redis_url: str, r: redis.Redis, pref
         force_release(r, prefix, name, fence=(lock.fence or 0) + 100, reason="wrong")
     assert not r.exists(_marker(prefix, name))
     assert lock.owned()
-    lock.release()
+    # A release that does not say who it is (a worker freeing the lock of a dead
+    # child: the holder is gone) frees the hold and leaves no marker either.
+    reply = FORCE_RELEASE(r, (lock.keys.lock,), ("fence", str(lock.fence)))
+    assert int(reply[0]) == 1 and not r.exists(lock.keys.lock)
+    assert not r.exists(_marker(prefix, name))
 
 
 def test_foreign_data_under_the_marker_is_a_key_conflict(r: redis.Redis, prefix: str,
