@@ -85,7 +85,7 @@ def read_loss_reasons(client: Any, holds: Sequence[tuple[str, str]]
         for key, _ in holds:
             pipe.hgetall(marker_key(key))
         replies: Iterable[Any] = pipe.execute(raise_on_error=False)
-    except RedisError:
+    except Exception:  # whatever it is, the loss itself must still be reported
         return [None] * len(holds)
     out: list[tuple[int, str] | None] = []
     for (_, owner), raw in zip(holds, replies, strict=True):

@@ -108,7 +108,11 @@ class _ClusterNodeTarget(ClusterNodeRenewTarget):
 
     def renew(self, items: Sequence[tuple[str, str, int]]  # type: ignore[override]
               ) -> list[int | LossNote]:
-        return with_loss_reasons(self.cluster, items, super().renew(items))
+        codes = super().renew(items)
+        # The master's own connection (bounded timeout) when there is one; a marker
+        # that moved meanwhile is simply not read.
+        node = self._node
+        return with_loss_reasons(self.cluster if node is None else node, items, codes)
 
 
 _targets: weakref.WeakKeyDictionary[Any, RedisRenewTarget] = weakref.WeakKeyDictionary()
