@@ -44,13 +44,14 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 __all__ = [
     "DRIFT_RATE",
     "ERROR_RETRY_INTERVAL",
     "MAX_MARGIN",
     "Heartbeat",
+    "LossNote",
     "RenewTarget",
     "get_heartbeat",
     "lease_end",
@@ -76,11 +77,24 @@ def lease_end(sent_at: float, ttl_ms: int) -> float:
     return sent_at + ttl * (1.0 - DRIFT_RATE) - min(MAX_MARGIN, ttl * 0.1)
 
 
+class LossNote(NamedTuple):
+    """A renew target's answer for a hold found gone when the backend knows why:
+    ``code`` as the plain answer (0 gone, -1 taken), and ``reason``, which applies to
+    the hold with fencing token ``fence`` only (an older hold of the same owner may
+    have left it)."""
+
+    code: int
+    fence: int
+    reason: str
+
+
 class RenewTarget(Protocol):
     """Renews holds on one server (supplied by the backend)."""
 
-    def renew(self, items: Sequence[tuple[str, str, int]]) -> Sequence[int]:
-        """Renew each ``(key, owner, ttl_ms)``; per item 1 renewed, 0 gone, -1 taken.
+    def renew(self, items: Sequence[tuple[str, str, int]]
+              ) -> Sequence[int | LossNote]:
+        """Renew each ``(key, owner, ttl_ms)``; per item 1 renewed, 0 gone, -1 taken,
+        or a :class:`LossNote` (gone, and why).
 
         Raises on a failure of the whole call (the heartbeat retries)."""
         ...
@@ -106,6 +120,7 @@ class _Entry:
     next_due: float
     in_flight: bool = False
     releasing: bool = False
+    fence: int | None = None
 
     @property
     def interval(self) -> float:
@@ -176,12 +191,14 @@ class Heartbeat:
     # -- registry -----------------------------------------------------------------
 
     def register(self, lock: _Hold, hold_id: int, target: RenewTarget | None, key: str,
-                 owner: str, ttl_ms: int, sent_at: float) -> None:
+                 owner: str, ttl_ms: int, sent_at: float, *,
+                 fence: int | None = None) -> None:
         """Watch a hold confirmed by a request sent at ``sent_at`` (and renew it
-        through ``target`` unless that is None)."""
+        through ``target`` unless that is None); ``fence`` picks the :class:`LossNote`
+        that applies to it."""
         entry = _Entry(ref=weakref.ref(lock), lock_id=id(lock), hold_id=hold_id,
                        target=target, key=key, owner=owner, ttl_ms=ttl_ms,
-                       deadline=lease_end(sent_at, ttl_ms), next_due=0.0)
+                       deadline=lease_end(sent_at, ttl_ms), next_due=0.0, fence=fence)
         entry.next_due = sent_at + entry.interval
         with self._cond:
             self._entries[id(lock)] = entry
@@ -301,21 +318,25 @@ class Heartbeat:
         except Exception as exc:
             self._renewal_failed(entries, exc, None if now is None else now)
             return
-        status = {pair: int(r) for pair, r in zip(unique, replies, strict=True)}
+        status = dict(zip(unique, replies, strict=True))
         lost: list[tuple[_Entry, str]] = []
         with self._cond:
             for e in entries:
                 e.in_flight = False
                 if self._entries.get(e.lock_id) is not e:
                     continue  # released (or lost) while the call was in flight
-                code = status[(e.key, e.owner)]
+                answer = status[(e.key, e.owner)]
+                code = answer.code if isinstance(answer, LossNote) else int(answer)
                 if code == 1:
                     e.deadline = max(e.deadline, lease_end(sent_at, e.ttl_ms))
                     e.next_due = sent_at + e.interval
                 elif not e.releasing:
                     del self._entries[e.lock_id]
-                    lost.append((e, "expired before it was renewed" if code == 0
-                                 else "taken by another owner"))
+                    reason = ("expired before it was renewed" if code == 0
+                              else "taken by another owner")
+                    if isinstance(answer, LossNote) and answer.fence == e.fence:
+                        reason = answer.reason
+                    lost.append((e, reason))
             self._poke()
         self._report_lost(lost)
 

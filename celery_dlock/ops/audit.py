@@ -4,8 +4,10 @@
 (``<prefix>:events``, the one ``top`` shows, see :mod:`celery_dlock.task.events`) as a
 ``released`` event naming the operator (``user@host``), the hold that was freed and
 the ``--reason`` given, and logs the same at WARNING on ``celery_dlock.audit``.  The
-holder's own ``lock_lost`` reason stays the core's ("released elsewhere"): the
-release script deletes the lock's hash and leaves nothing behind to carry the reason.
+holder is told too: the release script leaves a short-lived marker with who and why
+(:mod:`celery_dlock.redis.released`), which the holder reads when it finds its hold
+gone, so its ``on_lost``, ``LockLost`` and ``lock_lost`` reason say
+``released by alice@host with celery dlock release --force: <reason>``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import socket
 import time
 from typing import Any
 
+from ..redis.released import clean_text
 from ..task.events import EVENTS_MAX, EVENTS_TTL, Event, events_key
 from .inspect import LockInfo
 
-__all__ = ["operator", "record_release"]
+__all__ = ["operator", "record_release", "released_by"]
 
 logger = logging.getLogger("celery_dlock.audit")
 
@@ -34,6 +37,11 @@ def operator() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+def released_by(force: bool) -> str:
+    """Who released a lock, and how, as the holder's loss reason names it."""
+    return f"{operator()} with celery dlock release{' --force' if force else ''}"
+
+
 def record_release(client: Any, prefix: str, key: str, freed: LockInfo,
                    reason: str | None) -> Event:
     """Record that ``freed`` (the hold on ``key``) was released by hand.
@@ -42,7 +50,8 @@ def record_release(client: Any, prefix: str, key: str, freed: LockInfo,
     """
     event = Event(at=time.time(), kind="released", key=key, worker=operator(),
                   holder_task_name=freed.task_name, holder_task_id=freed.task_id,
-                  holder_worker=freed.worker, detail=reason or "no reason given")
+                  holder_worker=freed.worker,
+                  detail=clean_text(reason) or "no reason given")
     logger.warning("lock %r released by %s (reason: %s); it was held by %s[%s] on %s",
                    key, event.worker, event.detail, freed.task_name or "?",
                    freed.task_id or "?", freed.worker or "?")

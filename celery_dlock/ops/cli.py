@@ -37,12 +37,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..core.errors import BackendUnavailable, InvalidLockConfig
+from ..core.errors import BackendUnavailable, InvalidLockConfig, LockKeyConflict
 from ..redis.keyspace import LockKeys
 from ..task.config import get_client, mask_url, resolve_url
 from ..task.connection import _default_client_options, client_from_url
 from ..task.events import Event, recent_events, recording_enabled
-from .audit import record_release
+from .audit import record_release, released_by
 from .formatting import (
     cell_text,
     duration_text,
@@ -229,15 +229,16 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
 @click.argument("key")
 @click.option("-f", "--force", is_flag=True, help="Don't ask for confirmation.")
 @click.option("--reason", metavar="TEXT",
-              help="Why: recorded with who released it (event and log line).")
+              help="Why: recorded with who released it (event, log line, and the "
+                   "reason the holder's lock_lost reports).")
 @click.pass_context
 @_reports_redis_errors
 def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> None:
     """Free the lock KEY whoever holds it, and wake the next waiter.
 
     The holder is not stopped: a task still running goes on without its lock (its
-    heartbeat reports the lock lost).  Without --force, asks first, and frees only the
-    hold it showed.
+    heartbeat reports the lock lost, "released by USER@HOST with celery dlock release
+    --force: REASON").  Without --force, asks first, and frees only the hold it showed.
     """
     target = _target(ctx)
     client = target.client()
@@ -256,11 +257,15 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
             "running.\n(to skip this prompt use --force)\nRelease it?", abort=True)
         expected = info.fence
     try:
-        freed = force_release(client, target.prefix, key, fence=expected)
+        freed = force_release(client, target.prefix, key, fence=expected,
+                              by=released_by(force), reason=reason)
     except HoldChanged as exc:
         now = f": now {holder_text(exc.current)}" if exc.current else ""
         _fail(ctx, f"Lock {key!r} changed hands since it was shown{now}. "
                    "Nothing was released.", EXIT_NOT_FOUND)
+        return
+    except LockKeyConflict as exc:
+        _fail(ctx, f"celery dlock: {exc}", EXIT_UNAVAILABLE)
         return
     if freed is None:
         _fail(ctx, f"No lock named {key!r} is held under prefix {target.prefix!r}.",

@@ -9,13 +9,14 @@ Everything here reads (or, for :func:`force_release`, frees) the keys laid out i
         print(info.key, info.task_name, info.held_for)
 
 Listing uses ``SCAN`` (never ``KEYS``) with ``MATCH P:[{#]*}`` and ``TYPE hash``, so the
-helper keys of a lock (fence counter, waiters' line, doorbells) are skipped by the
-server, and reads each page of keys with one non-transactional pipeline (``HGETALL`` and
-``PTTL`` per key, one ``TIME``): listing 10,000 locks costs a few dozen round trips, not
-20,000.  ``SCAN`` may return a key more than once; :func:`iter_locks` yields it once.
-A lock that expires between ``SCAN`` and the read is left out.  On Redis Cluster each
-master is scanned in turn, with a plain client of its own (:func:`node_clients`), so
-each page is read with one pipeline (and one TIME) on the server that has its keys.
+helper keys of a lock (fence counter, waiters' line, doorbells, a force release's
+marker) are skipped by the server, and reads each page of keys with one
+non-transactional pipeline (``HGETALL`` and ``PTTL`` per key, one ``TIME``): listing
+10,000 locks costs a few dozen round trips, not 20,000.  ``SCAN`` may return a key more
+than once; :func:`iter_locks` yields it once.  A lock that expires between ``SCAN`` and
+the read is left out.  On Redis Cluster each master is scanned in turn, with a plain
+client of its own (:func:`node_clients`), so each page is read with one pipeline (and
+one TIME) on the server that has its keys.
 
 Ages come from the server's clock (``TIME`` minus the hold's ``acquired_at``), so they
 are right whatever the clock of the machine that asks.
@@ -23,18 +24,21 @@ are right whatever the clock of the machine that asks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..core.errors import BackendUnavailable, DLockError
+from ..core.errors import BackendUnavailable, DLockError, LockKeyConflict
 from ..redis.cluster import node_clients
 from ..redis.hashtag import name_of_key
 from ..redis.hashtag import scan_pattern as _scan_pattern
-from ..redis.keyspace import LockKeys, decode
+from ..redis.keyspace import LockKeys, decode, foreign_keys
+from ..redis.released import clean_text
 from ..redis.scripts import FORCE_RELEASE, READ_HOLD
 
 __all__ = [
@@ -60,6 +64,8 @@ _KNOWN = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "ops", "tas
                     "task_name", "worker", "pid", "host"})
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
+#: How often :func:`force_release` without a fence reads a hold that changed hands.
+_FORCE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -281,36 +287,61 @@ def waiting_counts(client: Any, prefix: str, names: Iterable[str]) -> dict[str, 
 
 
 def force_release(client: Any, prefix: str, name: str, *,
-                  fence: int | None = None) -> LockInfo | None:
+                  fence: int | None = None, by: str | None = None,
+                  reason: str | None = None) -> LockInfo | None:
     """Free the lock ``name`` whoever holds it, and wake the first waiter in line.
 
     Returns the hold that was freed (None when nothing was held).  With ``fence``, frees
     only the hold with that fencing token and raises :class:`HoldChanged` when another
     hold has the lock (for a confirmed release: what was shown is what is freed).
 
-    The holder is not told: a task still running loses its lock, which its heartbeat
-    reports as lost (``signals.lock_lost``; ``ensure_held()`` raises).
+    Either way the script is told which hold to free: the one just read (its fence),
+    with an operation id, so a call that redis-py re-sends after a lost reply changes
+    nothing, even if another owner took the lock in between.  Without ``fence``, a hold
+    that changed between that read and the release is read again (a few times).
+
+    The holder is not stopped: its heartbeat finds the hold gone and reports it lost
+    (``on_lost``, ``signals.lock_lost``; ``ensure_held()`` raises) with the reason
+    ``released by <by>: <reason>``, which the script leaves in a short-lived marker
+    (:mod:`celery_dlock.redis.released`).  ``by`` and ``reason`` are made one line of
+    at most :data:`~celery_dlock.redis.released.REASON_MAX` characters.
     """
     keys = LockKeys.for_name(prefix, name)
-    conditions: tuple[str, ...] = () if fence is None else ("fence", str(fence))
-    try:
-        # The remaining ttl and the server's clock, read just before: the script's
-        # reply has the freed hash, not its ttl.
-        before, pttl, now_ms = _read_hold(client, keys.lock)
-        reply = FORCE_RELEASE(client, (keys.lock,), conditions)
-    except _UNAVAILABLE as exc:
-        raise _unavailable(exc, name) from exc
-    status = int(reply[0])
-    if status == 0:
-        return None
-    fields = _as_fields(reply[1:])
-    same_hold = "fence" in before and before["fence"] == fields.get("fence")
-    info = _lock_info(name, fields, pttl if same_hold else None, now_ms)
-    if status == -1:
-        raise HoldChanged(
-            f"the lock is now held by another hold (fence {fields.get('fence')}, "
-            f"not {fence}); nothing was released", lock_name=name, current=info)
-    if info is None:  # a hash without an owner: freed all the same
-        info = LockInfo(key=name, task_name=None, task_id=None, worker=None, pid=None,
-                        owner="", count=0, fence=None, ttl=None, held_for=None)
-    return info
+    notes = (":by", clean_text(by), ":reason", clean_text(reason))
+    for _ in range(_FORCE_ATTEMPTS):
+        try:
+            # The hold to free, its remaining ttl and the server's clock: the
+            # script's reply has the freed hash, not its ttl.
+            before, pttl, now_ms = _read_hold(client, keys.lock)
+            if not before:
+                return None
+            expected = before.get("fence") if fence is None else str(fence)
+            conditions = ("fence", expected) if expected is not None else ()
+            op = os.urandom(8).hex()
+            reply = FORCE_RELEASE(client, (keys.lock,), (*conditions, *notes, ":op", op))
+        except _UNAVAILABLE as exc:
+            raise _unavailable(exc, name) from exc
+        except ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                raise LockKeyConflict(foreign_keys(client, keys), lock_name=name) \
+                    from exc
+            raise
+        status = int(reply[0])
+        if status == 0:
+            return None
+        fields = before if status == 2 else _as_fields(reply[1:])
+        same_hold = "fence" in before and before["fence"] == fields.get("fence")
+        info = _lock_info(name, fields, pttl if same_hold else None, now_ms)
+        if status == -1:
+            if fence is None:
+                continue  # taken since it was read: read it again
+            raise HoldChanged(
+                f"the lock is now held by another hold (fence {fields.get('fence')}, "
+                f"not {fence}); nothing was released", lock_name=name, current=info)
+        if info is None:  # a hash without an owner: freed all the same
+            info = LockInfo(key=name, task_name=None, task_id=None, worker=None,
+                            pid=None, owner="", count=0, fence=None, ttl=None,
+                            held_for=None)
+        return info
+    raise HoldChanged(f"the lock changed hands {_FORCE_ATTEMPTS} times while it was "
+                      "being released; nothing was released", lock_name=name)

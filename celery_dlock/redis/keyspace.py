@@ -16,10 +16,16 @@ from ..core.errors import Holder, InvalidLockConfig
 from .hashtag import lock_key
 from .waiters import doorbell_suffix
 
-__all__ = ["LockKeys", "check_client", "decode", "foreign_keys", "parse_holder"]
+__all__ = ["RELEASED_SUFFIX", "LockKeys", "check_client", "decode", "foreign_keys",
+           "parse_holder"]
 
 #: What a key of a lock must be (TYPE), to name a key holding foreign data.
-_KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset"}
+_KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset",
+              "released": "hash"}
+#: The suffix of a force release's marker (:mod:`celery_dlock.redis.released`).
+RELEASED_SUFFIX = ":released"
+
+
 class LockKeys(NamedTuple):
     """The Redis keys of one lock; all share one hash tag (see
     :mod:`celery_dlock.redis.hashtag`)."""
@@ -29,11 +35,13 @@ class LockKeys(NamedTuple):
     queue: str
     leases: str
     doorbell_prefix: str
+    released: str
 
     @classmethod
     def for_name(cls, prefix: str, name: str) -> LockKeys:
         base = lock_key(prefix, name)
-        return cls(base, base + ":fence", base + ":q", base + ":ql", base + ":w:")
+        return cls(base, base + ":fence", base + ":q", base + ":ql", base + ":w:",
+                   base + RELEASED_SUFFIX)
 
     def doorbell(self, owner: str) -> str:
         return self.doorbell_prefix + doorbell_suffix(owner)

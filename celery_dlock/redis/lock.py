@@ -50,6 +50,7 @@ from ..core.errors import (
 from ..core.heartbeat import Heartbeat, get_heartbeat, lease_end
 from ..core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys, check_client, decode, foreign_keys, parse_holder
+from .released import read_loss_reason
 from .renewal import renew_target
 from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, READ_HOLD, RELEASE, LuaScript
 from .server_checks import check_server
@@ -308,7 +309,7 @@ class RedisLock:
                 target = (renew_target(self.client, self.keys.lock) if self.auto_renew
                           else None)
                 heartbeat.register(self, self._hold_id, target, self.keys.lock, owner,
-                                   self.ttl_ms, sent_at)
+                                   self.ttl_ms, sent_at, fence=fence)
             else:
                 # Re-entry: the expiry is now at least ttl from the send time.
                 heartbeat.confirmed(self, self._hold_id, self.ttl_ms, sent_at)
@@ -355,7 +356,8 @@ class RedisLock:
             what = "is not held" if status == 0 else "is held by another owner"
             raise LockNotOwned(f"cannot release: lock {what}", lock_name=self.name)
         if lost_reason is None and status not in (1, 2):
-            lost_reason = "expired" if status == 0 else "was taken by another owner"
+            lost_reason = self._why_gone(
+                "expired" if status == 0 else "was taken by another owner", owner)
             self._mark_lost(lost_reason, hold_id)
         with self._state:
             if self._hold_id == hold_id and self._depth > 0:
@@ -418,7 +420,8 @@ class RedisLock:
                 heartbeat.confirmed(self, hold_id, ttl_ms, sent_at)
             return
         if held_here:
-            reason = "expired" if status == 0 else "taken by another owner"
+            reason = self._why_gone(
+                "expired" if status == 0 else "taken by another owner", owner)
             self._mark_lost(reason, hold_id)
             raise LockLost(f"cannot extend: lock {reason}", lock_name=self.name)
         what = "is not held" if status == 0 else "is held by another owner"
@@ -452,6 +455,7 @@ class RedisLock:
             return
         reason = "expired" if holder is None else "taken by another owner"
         if held_here:
+            reason = self._why_gone(reason, owner)
             self._mark_lost(reason, hold_id)
             raise LockLost(f"lock lost: {reason}", lock_name=self.name)
         raise LockLost(f"lock not held by this owner ({reason})", lock_name=self.name)
@@ -490,6 +494,13 @@ class RedisLock:
             return self._depth
 
     # -- lost ---------------------------------------------------------------------
+
+    def _why_gone(self, default: str, owner: str) -> str:
+        """``default``, or who released this hold by force and why, when a force
+        release left its marker (one more round trip, only once the hold is gone)."""
+        with self._state:
+            fence = self._fence
+        return read_loss_reason(self.client, self.keys.lock, owner, fence) or default
 
     def _mark_lost(self, reason: str, hold_id: int | None = None) -> bool:
         """Record that hold ``hold_id`` (default: the current one) is lost, whoever

@@ -7,6 +7,11 @@ settings with a bounded socket timeout and no client-side re-sends.  So renewal 
 waits for a connection of the user's pool (a ``BlockingConnectionPool`` busy in the
 user's own ``BLPOP`` calls), and a server that hangs holds up only its own renewer, for
 at most :data:`RENEW_SOCKET_TIMEOUT`.
+
+A renewal is one script call per slot.  Only when it finds holds gone does a target
+read, in one more round trip, the markers a force release leaves
+(:mod:`celery_dlock.redis.released`), so that the holder is told who released it and
+why (a :class:`~celery_dlock.core.heartbeat.LossNote`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from ..core.heartbeat import LossNote
 from .cluster import ClusterNodeRenewTarget, is_cluster_client, node_name_of
+from .released import read_loss_reasons
 from .scripts import RENEW_MANY
 
 __all__ = ["RENEW_SOCKET_TIMEOUT", "RedisRenewTarget", "renew_target"]
@@ -51,6 +58,21 @@ def _dedicated_client(client: Any) -> Any:
     return redis.Redis(connection_pool=own)
 
 
+def with_loss_reasons(client: Any, items: Sequence[tuple[str, str, int]],
+                      codes: Sequence[int]) -> list[int | LossNote]:
+    """``codes``, with a :class:`LossNote` for each hold found gone whose lock has a
+    force release's marker naming its owner (read with ``client``)."""
+    out: list[int | LossNote] = list(codes)
+    gone = [i for i, code in enumerate(codes) if code != 1]
+    if not gone:
+        return out
+    notes = read_loss_reasons(client, [(items[i][0], items[i][1]) for i in gone])
+    for i, note in zip(gone, notes, strict=True):
+        if note is not None:
+            out[i] = LossNote(codes[i], note[0], note[1])
+    return out
+
+
 class RedisRenewTarget:
     """Renews holds on the server of one client with ``RENEW_MANY``."""
 
@@ -59,7 +81,7 @@ class RedisRenewTarget:
         keyslot = getattr(client, "keyslot", None)
         self._keyslot = keyslot if callable(keyslot) else None
 
-    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int | LossNote]:
         # One call per slot: a script's keys must share one (cluster).
         groups: dict[int, list[int]] = {}
         for i, (key, _, _) in enumerate(items):
@@ -74,11 +96,23 @@ class RedisRenewTarget:
             for i, reply in zip(indexes, RENEW_MANY(self.client, keys, args),
                                 strict=True):
                 out[i] = int(reply)
-        return out
+        return with_loss_reasons(self.client, items, out)
 
     def close(self) -> None:
         if self.client is not None and hasattr(self.client, "connection_pool"):
             self.client.connection_pool.disconnect()
+
+
+class _ClusterNodeTarget(ClusterNodeRenewTarget):
+    """A cluster master's renew target that also says why a hold is gone."""
+
+    def renew(self, items: Sequence[tuple[str, str, int]]  # type: ignore[override]
+              ) -> list[int | LossNote]:
+        codes = super().renew(items)
+        # The master's own connection (bounded timeout) when there is one; a marker
+        # that moved meanwhile is simply not read.
+        node = self._node
+        return with_loss_reasons(self.cluster if node is None else node, items, codes)
 
 
 _targets: weakref.WeakKeyDictionary[Any, RedisRenewTarget] = weakref.WeakKeyDictionary()
@@ -96,7 +130,7 @@ def renew_target(client: Any, key: str | None = None) -> Any:
             per_node = _node_targets.setdefault(client, {})
             node_target = per_node.get(node)
             if node_target is None:
-                node_target = per_node[node] = ClusterNodeRenewTarget(
+                node_target = per_node[node] = _ClusterNodeTarget(
                     client, node, RENEW_SOCKET_TIMEOUT)
             return node_target
     with _targets_lock:

@@ -20,6 +20,11 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
                       element to the waiter first in line, whose ``BLPOP`` returns.
 ``P:{NAME}:r:OP``     a short-lived marker that the final release with operation id
                       ``OP`` freed the lock, so that a re-sent release says "released".
+``P:{NAME}:released`` hash: a short-lived marker left by a force release that says
+                      who it is (``celery dlock release``): the owner and fence of
+                      the hold it freed, who freed it, why, when and the call's
+                      operation id.  The holder reads it when it finds its hold
+                      gone, to say why (:mod:`celery_dlock.redis.released`).
 
 **Idempotence.**  Clients re-send a command when its reply is lost (redis-py's
 ``Retry`` does by default).  Every script that changes a hold takes an operation id
@@ -58,6 +63,8 @@ __all__ = [
     "OP_MEMORY_MS",
     "READ_HOLD",
     "RELEASE",
+    "RELEASED_MAX_MS",
+    "RELEASED_MIN_MS",
     "RENEW_MANY",
     "LuaScript",
 ]
@@ -66,6 +73,10 @@ __all__ = [
 OPS_KEPT = 8
 #: How long a final release is remembered after the hold is gone (ms).
 OP_MEMORY_MS = 60_000
+#: The shortest and longest a force release's marker is kept (ms): as long as the
+#: freed hold had left, within these bounds.
+RELEASED_MIN_MS = 60_000
+RELEASED_MAX_MS = 3_600_000
 
 
 class LuaScript:
@@ -322,29 +333,66 @@ return out
 )
 
 # KEYS[1] lock hash
-# ARGV[1..] conditions as field/value pairs (for example 'task_id', T, 'pid', P); none
-#           means whoever holds it
+# ARGV[1..] field/value pairs: conditions (for example 'fence', F or 'task_id', T, 'pid',
+#           P; none means whoever holds it), and notes for the marker, whose field
+#           starts with ':' (':by' who, ':reason' why, ':op' an operation id)
 # Returns {1, field, value, ...} freed (the hash as it was), {0} nothing was held,
-#         {-1, field, value, ...} a condition did not match (left alone).
+#         {-1, field, value, ...} a condition did not match (left alone),
+#         {2, field, value, ...} nothing done: the call with this operation id already
+#         freed a hold (this is a re-send); the fields are the marker's.
 # For operators (``celery dlock release``) and for a worker freeing the lock of a child
-# process that died (conditions: that task id in that pid).
+# process that died (conditions: that task id in that pid).  A call that frees a hold
+# and says who it is (':by') leaves the marker ``P:{NAME}:released`` (owner, fence,
+# by, reason, at, op of the hold it freed), kept for as long as the hold had left but
+# at least RELEASED_MIN_MS and at most RELEASED_MAX_MS, so that the holder learns why
+# at its next renewal.
 FORCE_RELEASE = LuaScript(
     "force_release",
     _COMMON
-    + """
+    + f"""
+local RELEASED_MIN, RELEASED_MAX = {RELEASED_MIN_MS}, {RELEASED_MAX_MS}
+""" + """
 local lock = KEYS[1]
+local marker = lock .. ':released'
+local notes, conds = {}, {}
+for i = 1, #ARGV - 1, 2 do
+  if string.sub(ARGV[i], 1, 1) == ':' then
+    notes[string.sub(ARGV[i], 2)] = ARGV[i + 1]
+  else
+    conds[#conds + 1] = i
+  end
+end
+-- Read the marker first: foreign data under its name aborts before any write.
+local last_op = redis.call('HGET', marker, 'op')
+if notes.op and notes.op ~= '' and last_op == notes.op then
+  local reply = {2}
+  local m = redis.call('HGETALL', marker)
+  for i = 1, #m do reply[i + 1] = m[i] end
+  return reply
+end
 local fields = redis.call('HGETALL', lock)
 if #fields == 0 then return {0} end
 local reply = {1}
-for i = 1, #ARGV - 1, 2 do
+for _, i in ipairs(conds) do
   if redis.call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
     reply = {-1}
     break
   end
 end
 if reply[1] == 1 then
+  local pttl = redis.call('PTTL', lock)
+  local hold = {}
+  for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
+  local now = now_ms()
   redis.call('DEL', lock)
-  wake_head(lock, now_ms())
+  if hold.owner and notes.by then
+    redis.call('DEL', marker)
+    redis.call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence or '',
+               'by', notes.by or '', 'reason', notes.reason or '', 'at', now,
+               'op', notes.op or '')
+    redis.call('PEXPIRE', marker, math.min(math.max(pttl, RELEASED_MIN), RELEASED_MAX))
+  end
+  wake_head(lock, now)
 end
 for i = 1, #fields do reply[i + 1] = fields[i] end
 return reply

@@ -114,6 +114,9 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
     key = task.lock_name(args, kwargs)
     keys = LockKeys.for_name(read_setting(task, "lock_prefix"), key)
     client = get_client(task.app)
+    # The conditions name the hold: that task id in that dead pid, which no newer hold
+    # can match, so a re-sent call changes nothing.  No ':by' note: the holder is dead,
+    # nobody would read a marker.
     conditions = ["task_id", task_id, "pid", str(pid)]
     if hostname:
         conditions += ["worker", hostname]
