@@ -106,6 +106,8 @@ class _Entry:
     next_due: float
     in_flight: bool = False
     releasing: bool = False
+    #: Seconds taken off every deadline on top of :func:`lease_end`'s margin.
+    margin: float = 0.0
 
     @property
     def interval(self) -> float:
@@ -176,12 +178,14 @@ class Heartbeat:
     # -- registry -----------------------------------------------------------------
 
     def register(self, lock: _Hold, hold_id: int, target: RenewTarget | None, key: str,
-                 owner: str, ttl_ms: int, sent_at: float) -> None:
+                 owner: str, ttl_ms: int, sent_at: float, margin: float = 0.0) -> None:
         """Watch a hold confirmed by a request sent at ``sent_at`` (and renew it
-        through ``target`` unless that is None)."""
+        through ``target`` unless that is None); ``margin`` seconds come off each of
+        its deadlines on top of :func:`lease_end`'s (a backend's larger drift)."""
         entry = _Entry(ref=weakref.ref(lock), lock_id=id(lock), hold_id=hold_id,
                        target=target, key=key, owner=owner, ttl_ms=ttl_ms,
-                       deadline=lease_end(sent_at, ttl_ms), next_due=0.0)
+                       deadline=lease_end(sent_at, ttl_ms) - margin, next_due=0.0,
+                       margin=margin)
         entry.next_due = sent_at + entry.interval
         with self._cond:
             self._entries[id(lock)] = entry
@@ -207,7 +211,8 @@ class Heartbeat:
             entry = self._entry(lock, hold_id)
             if entry is not None:
                 entry.ttl_ms = ttl_ms
-                entry.deadline = max(entry.deadline, lease_end(sent_at, ttl_ms))
+                entry.deadline = max(entry.deadline,
+                                     lease_end(sent_at, ttl_ms) - entry.margin)
                 entry.next_due = sent_at + entry.interval
                 self._poke()
 
@@ -310,7 +315,8 @@ class Heartbeat:
                     continue  # released (or lost) while the call was in flight
                 code = status[(e.key, e.owner)]
                 if code == 1:
-                    e.deadline = max(e.deadline, lease_end(sent_at, e.ttl_ms))
+                    e.deadline = max(e.deadline,
+                                     lease_end(sent_at, e.ttl_ms) - e.margin)
                     e.next_due = sent_at + e.interval
                 elif not e.releasing:
                     del self._entries[e.lock_id]
