@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeAlias
 
 from redis.exceptions import ResponseError
 
@@ -54,6 +54,7 @@ from ..core.errors import (
 from ..core.heartbeat import Heartbeat, get_heartbeat, lease_end
 from ..core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys, foreign_keys, parse_holder
+from .lock import RedisLock
 from .redlock_nodes import (
     NodeFailed,
     Outcome,
@@ -66,7 +67,8 @@ from .redlock_nodes import (
 from .scripts import ACQUIRE, EXTEND, READ_HOLD, RELEASE
 from .server_checks import check_server
 
-__all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "RedlockLock"]
+__all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "AnyLock",
+           "RedlockLock", "fence_of"]
 
 logger = logging.getLogger("celery_dlock.redlock")
 
@@ -637,3 +639,15 @@ class RedlockLock:
         return (f"<RedlockLock {self.name!r} nodes={len(self.clients)} "
                 f"quorum={self.quorum} ttl={self.ttl:g}s depth={self._depth}>")
 
+
+
+#: Either kind of lock (what a LockedTask run holds).
+AnyLock: TypeAlias = "RedisLock | RedlockLock"
+
+
+def fence_of(lock: AnyLock) -> int | None:
+    """``lock.fence``, or None for a lock that gives no fencing token (Redlock)."""
+    try:
+        return lock.fence
+    except FencingUnavailable:
+        return None

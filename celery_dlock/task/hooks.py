@@ -118,14 +118,20 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
     if hostname:
         conditions += ["worker", hostname]
 
+    # Redlock: a tuple of clients; the conditions make it safe on every node.
+    nodes = client if isinstance(client, tuple) else (client,)
+
     def release() -> None:
-        try:
-            reply = FORCE_RELEASE(client, (keys.lock,), conditions)
-        except Exception as exc:
-            logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
-                           task.name, task_id, exc)
-            return
-        if int(reply[0]) == 1:
+        freed = False
+        for node in nodes:
+            try:
+                reply = FORCE_RELEASE(node, (keys.lock,), conditions)
+            except Exception as exc:
+                logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
+                               task.name, task_id, exc)
+                continue
+            freed = freed or int(reply[0]) == 1
+        if freed:
             logger.warning("freed lock %r of task %s[%s]: its process %s died", key,
                            task.name, task_id, pid)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import pickle
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -19,6 +18,8 @@ from typing import Any
 
 import pytest
 import redis
+from dlock_helpers import wait_until
+from redlock_trio import Trio
 from servers import Server
 
 from celery_dlock import (
@@ -31,8 +32,6 @@ from celery_dlock import (
 from celery_dlock.core.heartbeat import Heartbeat
 
 _TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_TESTS))
-from dlock_helpers import wait_until  # noqa: E402
 
 
 def _load_proxy() -> Any:
@@ -42,58 +41,6 @@ def _load_proxy() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FaultProxy
-
-
-class Trio:
-    """Three independent redis-servers (no persistence: a restart starts empty)."""
-
-    def __init__(self, directory: str) -> None:
-        self.servers = [Server(directory, ["maxmemory-policy noeviction"])
-                        for _ in range(3)]
-        self._clients: list[redis.Redis] = []
-
-    def start(self) -> Trio:
-        for s in self.servers:
-            s.start()
-        return self
-
-    def clients(self, **kwargs: Any) -> list[redis.Redis]:
-        kwargs.setdefault("socket_timeout", 5)
-        made = [s.client(**kwargs) for s in self.servers]
-        self._clients += made
-        return made
-
-    def urls(self) -> list[str]:
-        return [f"redis://127.0.0.1:{s.port}/0" for s in self.servers]
-
-    def stop_process(self, i: int) -> None:
-        self.servers[i].kill(signal.SIGSTOP)
-
-    def resume(self, i: int) -> None:
-        self.servers[i].kill(signal.SIGCONT)
-
-    def restart_empty(self, i: int) -> None:
-        server = self.servers[i]
-        server.kill(signal.SIGKILL)
-        server.start()
-
-    def holders(self, key: str) -> list[str | None]:
-        """The owner of ``key`` on each node, asked directly."""
-        out: list[str | None] = []
-        for s in self.servers:
-            c = s.client(socket_timeout=5)
-            try:
-                value = c.hget(key, "owner")
-            finally:
-                c.close()
-            out.append(value.decode() if value is not None else None)
-        return out
-
-    def close(self) -> None:
-        for c in self._clients:
-            c.close()
-        for s in self.servers:
-            s.stop()
 
 
 @pytest.fixture
