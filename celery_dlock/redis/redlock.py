@@ -25,6 +25,7 @@ persistence or delayed restarts) and why fencing still matters.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import logging
 import math
@@ -56,6 +57,7 @@ from ..core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys, foreign_keys, parse_holder
 from .lock import RedisLock
 from .redlock_nodes import (
+    POOL_SLACK,
     NodeFailed,
     Outcome,
     check_nodes,
@@ -190,6 +192,9 @@ class RedlockLock:
         self._generation = _owner.generation()
         self._lost_reason: str | None = None
         self._release_op: tuple[int, int, str] | None = None
+        # Calls of a granted acquire still out to slow nodes: a release waits for them
+        # (at most node_timeout), so it never reaches a node before its acquire.
+        self._in_flight: list[cf.Future[Any]] = []
         #: What the last failed acquire learned about the holder.
         self.last_holder: Holder | None = None
 
@@ -233,6 +238,11 @@ class RedlockLock:
             held_here = self._depth > 0 and caller == self._hold_owner
             return caller, held_here, self._hold_id, (self._lost_reason if held_here
                                                       else None)
+
+    def _settle_in_flight(self) -> None:
+        pending, self._in_flight = self._in_flight, []
+        if pending:
+            cf.wait(pending, timeout=self.node_timeout + POOL_SLACK)
 
     def _call_all(self, script: Any, args: Sequence[Any],
                   decided: Callable[[Outcome], bool] | None = None) -> Outcome:
@@ -308,8 +318,9 @@ class RedlockLock:
 
         heartbeat = self._get_heartbeat()
         sent_at = heartbeat.now()
+        leftover: list[cf.Future[Any]] = []
         out = fan_out(self._nodes, call, self.node_timeout,
-                      lambda o: len(granted(o)) >= quorum)
+                      lambda o: len(granted(o)) >= quorum, leftover)
         now = heartbeat.now()
         yes = granted(out)
         refused = [i for i, r in enumerate(out) if _answered(r) and int(r[0]) == 0]
@@ -318,6 +329,7 @@ class RedlockLock:
                                                     isinstance(r.error, ResponseError)
                                                     for r in out):
             self._acquired(owner, [int(out[i][2]) for i in yes], sent_at)
+            self._in_flight = [f for f in (*self._in_flight, *leftover) if not f.done()]
             return True
         self._give_back(owner, args, out)
         self._conflict(out)
@@ -420,6 +432,7 @@ class RedlockLock:
         heartbeat = self._get_heartbeat()
         if final and lost_reason is None:
             heartbeat.set_releasing(self, hold_id, True)
+        self._settle_in_flight()
         out = self._call_all(RELEASE, (owner, op))
         ours = sum(1 for r in out if _answered(r) and int(r[0]) in (1, 2))
         others = sum(1 for r in out if _answered(r) and int(r[0]) in (0, -1))
@@ -462,6 +475,7 @@ class RedlockLock:
             self._hold_owner = None
             self._release_op = None
         self._get_heartbeat().unregister(self, hold_id)
+        self._settle_in_flight()
         for _ in range(depth):
             out = self._call_all(RELEASE, (owner, _op_id()))
             if not any(_answered(r) and int(r[0]) == 2 for r in out):

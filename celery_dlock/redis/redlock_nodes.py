@@ -30,6 +30,7 @@ from .scripts import RENEW_MANY
 
 __all__ = [
     "MIN_NODES",
+    "POOL_SLACK",
     "NodeFailed",
     "Outcome",
     "QuorumNotReached",
@@ -180,12 +181,13 @@ Outcome = list[Any]
 
 
 def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: float,
-            decided: Callable[[Outcome], bool] | None = None) -> Outcome:
+            decided: Callable[[Outcome], bool] | None = None,
+            leftover: list[cf.Future[Any]] | None = None) -> Outcome:
     """Run ``call(i, node)`` for every node at once; per node its reply, a
     :class:`NodeFailed` (an exception, or no answer within ``timeout``), or None
     when the caller stopped waiting before it answered because ``decided`` said the
     answers so far settle the question.  A call still running goes on by itself (its
-    client's socket timeout ends it)."""
+    client's socket timeout ends it; it is added to ``leftover`` when given)."""
     pending: dict[cf.Future[Any], int] = {}
     executor = _executor()
     for i, node in enumerate(nodes):
@@ -203,6 +205,8 @@ def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: floa
             error = future.exception()
             out[i] = NodeFailed(error) if error is not None else future.result()
         if decided is not None and decided(out):
+            if leftover is not None:
+                leftover.extend(waiting)
             return out
     for future in waiting:
         out[pending[future]] = NodeFailed(None)
