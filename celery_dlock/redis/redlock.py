@@ -28,11 +28,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import itertools
 import logging
-import math
 import os
 import random
-import socket
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -40,22 +37,19 @@ from typing import Any, TypeAlias
 
 from redis.exceptions import ResponseError
 
-from ..core import owner as _owner
 from ..core.errors import (
-    BackendUnavailable,
     DLockError,
     FencingUnavailable,
     Holder,
-    InvalidLockConfig,
-    LockKeyConflict,
     LockLost,
     LockNotAcquired,
     LockNotOwned,
 )
-from ..core.heartbeat import Heartbeat, get_heartbeat, lease_end
+from ..core.heartbeat import Heartbeat, lease_end
 from ..core.ttl import ttl_ms as _ttl_to_ms
-from .keyspace import LockKeys, foreign_keys, parse_holder
+from .keyspace import LockKeys
 from .lock import RedisLock
+from .redlock_hold import HoldView, check_lock_options
 from .redlock_nodes import (
     POOL_SLACK,
     NodeFailed,
@@ -66,7 +60,20 @@ from .redlock_nodes import (
     quorum_of,
     renew_target,
 )
-from .scripts import ACQUIRE, EXTEND, READ_HOLD, RELEASE
+from .redlock_quorum import (
+    DEFAULT_NODE_TIMEOUT,
+    Holds,
+    answered,
+    check_timing,
+    give_back,
+    majority_holder,
+    op_id,
+    quorum_holder,
+    raise_conflict,
+    read_holds,
+    unavailable,
+)
+from .scripts import ACQUIRE, EXTEND, RELEASE
 from .server_checks import check_server
 
 __all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "AnyLock",
@@ -75,8 +82,6 @@ __all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "AnyLock",
 logger = logging.getLogger("celery_dlock.redlock")
 
 DEFAULT_PREFIX = "dlock"
-#: The longest one node may take to answer (seconds; at most a tenth of the ttl).
-DEFAULT_NODE_TIMEOUT = 0.5
 #: A blocked acquire tries again after a random delay of up to this (seconds).
 RETRY_DELAY = 0.2
 #: Fixed part of the drift allowance (seconds), as on the Redis distributed-lock page.
@@ -87,27 +92,10 @@ FENCE_REFUSAL = (
     "restarts without its data starts again from 0, so the highest count of a quorum "
     "can go backwards; use a monotonic token of your own (a database sequence)")
 
-_HOST = socket.gethostname()
-_RESERVED = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid", "ops"})
 _hold_ids = itertools.count(1)
 
 
-def _op_id() -> str:
-    return os.urandom(8).hex()
-
-
-def _answered(reply: Any) -> bool:
-    return reply is not None and not isinstance(reply, NodeFailed)
-
-
-def _first_error(out: Outcome) -> str:
-    for reply in out:
-        if isinstance(reply, NodeFailed):
-            return str(reply.error) if reply.error is not None else "no answer in time"
-    return "no answer"
-
-
-class RedlockLock:
+class RedlockLock(HoldView):
     """A reentrant lock held on a quorum of N independent Redis servers.
 
     The interface is :class:`~celery_dlock.RedisLock`'s (acquire, release, extend,
@@ -140,75 +128,28 @@ class RedlockLock:
         drift_factor: float = 0.01,
         node_timeout: float | None = None,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise InvalidLockConfig(f"a lock needs a non-empty name, got {name!r}")
-        if not isinstance(prefix, str) or not prefix:
-            raise InvalidLockConfig(f"prefix must be a non-empty string, got {prefix!r}",
-                                    lock_name=name)
-        if owner is not None and (not isinstance(owner, str) or not owner):
-            raise InvalidLockConfig(f"owner must be a non-empty string, got {owner!r}",
-                                    lock_name=name)
-        if blocking_timeout is not None and not blocking_timeout >= 0:
-            raise InvalidLockConfig("blocking_timeout must be >= 0 or None",
-                                    lock_name=name)
+        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info)
+        super().__init__(name, owner, on_lost, heartbeat)
         self.clients = check_nodes(clients, name)
         self.quorum = quorum_of(len(self.clients))
         self.ttl_ms = _ttl_to_ms(ttl, "ttl", name)
-        if isinstance(drift_factor, bool) or not isinstance(drift_factor, (int, float)) \
-                or not 0 <= drift_factor < 0.5:
-            raise InvalidLockConfig(f"drift_factor must be a number in [0, 0.5), got "
-                                    f"{drift_factor!r}", lock_name=name)
-        if node_timeout is None:
-            node_timeout = min(DEFAULT_NODE_TIMEOUT, self.ttl / 10)
-        elif isinstance(node_timeout, bool) or \
-                not isinstance(node_timeout, (int, float)) or \
-                not math.isfinite(node_timeout) or not 0 < node_timeout < self.ttl:
-            raise InvalidLockConfig(f"node_timeout must be a positive number of seconds "
-                                    f"below the ttl, got {node_timeout!r}",
-                                    lock_name=name)
-        self.drift_factor = float(drift_factor)
-        self.node_timeout = float(node_timeout)
+        self.drift_factor, self.node_timeout = check_timing(name, self.ttl, drift_factor,
+                                                            node_timeout)
         self._nodes = tuple(node_client(c, self.node_timeout) for c in self.clients)
-        self.name = name
         self.prefix = prefix
         self.auto_renew = auto_renew
-        self.on_lost = on_lost
         self.blocking_timeout = blocking_timeout
         self.keys = LockKeys.for_name(prefix, name)
-        self._fixed_owner = owner
-        self._heartbeat = heartbeat
-        info_args: list[str] = []
-        for k, v in {"host": _HOST, **(info or {})}.items():
-            if k in _RESERVED:
-                raise InvalidLockConfig(f"info may not set the reserved field {k!r}",
-                                        lock_name=name)
-            if v is not None:
-                info_args += (str(k), str(v))
         self._info_args = info_args
-        self._state = threading.Lock()
-        self._depth = 0
-        self._hold_id = 0
-        self._hold_owner: str | None = None
-        self._generation = _owner.generation()
-        self._lost_reason: str | None = None
-        self._release_op: tuple[int, int, str] | None = None
         # Calls of a granted acquire still out to slow nodes: a release waits for them
         # (at most node_timeout), so it never reaches a node before its acquire.
         self._in_flight: list[cf.Future[Any]] = []
-        #: What the last failed acquire learned about the holder.
-        self.last_holder: Holder | None = None
 
     # -- helpers ------------------------------------------------------------------
 
     @property
     def ttl(self) -> float:
         return self.ttl_ms / 1000.0
-
-    def _current_owner(self) -> str:
-        return self._fixed_owner or _owner.current_owner()
-
-    def _get_heartbeat(self) -> Heartbeat:
-        return self._heartbeat if self._heartbeat is not None else get_heartbeat()
 
     def _extra_margin(self, ttl_ms: int) -> float:
         """What the drift allowance takes off a deadline beyond the heartbeat's own
@@ -221,23 +162,6 @@ class RedlockLock:
         """End of the validity of a quorum confirmed by requests sent at ``sent_at``:
         ``sent_at + ttl - drift`` (drift at least the heartbeat's margin)."""
         return lease_end(sent_at, ttl_ms) - self._extra_margin(ttl_ms)
-
-    def _sync_generation(self) -> None:
-        gen = _owner.generation()
-        if self._generation != gen:
-            self._generation = gen
-            self._depth = 0
-            self._hold_owner = None
-            self._lost_reason = None
-            self._release_op = None
-
-    def _caller_view(self) -> tuple[str, bool, int, str | None]:
-        caller = self._current_owner()
-        with self._state:
-            self._sync_generation()
-            held_here = self._depth > 0 and caller == self._hold_owner
-            return caller, held_here, self._hold_id, (self._lost_reason if held_here
-                                                      else None)
 
     def _settle_in_flight(self) -> None:
         pending, self._in_flight = self._in_flight, []
@@ -252,19 +176,6 @@ class RedlockLock:
             return script(node, keys, args)
 
         return fan_out(self._nodes, call, self.node_timeout, decided)
-
-    def _conflict(self, out: Outcome) -> None:
-        for i, reply in enumerate(out):
-            if isinstance(reply, NodeFailed) and isinstance(reply.error, ResponseError) \
-                    and "WRONGTYPE" in str(reply.error):
-                raise LockKeyConflict(foreign_keys(self._nodes[i], self.keys),
-                                      lock_name=self.name)
-
-    def _unavailable(self, what: str, out: Outcome) -> BackendUnavailable:
-        answered = sum(1 for r in out if _answered(r))
-        return BackendUnavailable(
-            f"Redlock unavailable during {what}: {answered} of {len(out)} nodes "
-            f"answered, {self.quorum} needed ({_first_error(out)})", lock_name=self.name)
 
     # -- acquire ------------------------------------------------------------------
 
@@ -305,7 +216,7 @@ class RedlockLock:
             time.sleep(delay)
 
     def _try_acquire(self, owner: str) -> bool:
-        args = [owner, self.ttl_ms, 0, _op_id(), "pid", os.getpid(), *self._info_args]
+        args = [owner, self.ttl_ms, 0, op_id(), "pid", os.getpid(), *self._info_args]
         keys = (self.keys.lock,)
         quorum = self.quorum
 
@@ -314,7 +225,7 @@ class RedlockLock:
             return ACQUIRE(node, keys, args)
 
         def granted(out: Outcome) -> list[int]:
-            return [i for i, r in enumerate(out) if _answered(r) and int(r[0]) == 1]
+            return [i for i, r in enumerate(out) if answered(r) and int(r[0]) == 1]
 
         heartbeat = self._get_heartbeat()
         sent_at = heartbeat.now()
@@ -323,7 +234,7 @@ class RedlockLock:
                       lambda o: len(granted(o)) >= quorum, leftover)
         now = heartbeat.now()
         yes = granted(out)
-        refused = [i for i, r in enumerate(out) if _answered(r) and int(r[0]) == 0]
+        refused = [i for i, r in enumerate(out) if answered(r) and int(r[0]) == 0]
         valid = now < self._valid_until(sent_at, self.ttl_ms)
         if len(yes) >= quorum and valid and not any(isinstance(r, NodeFailed) and
                                                     isinstance(r.error, ResponseError)
@@ -331,8 +242,9 @@ class RedlockLock:
             self._acquired(owner, [int(out[i][2]) for i in yes], sent_at)
             self._in_flight = [f for f in (*self._in_flight, *leftover) if not f.done()]
             return True
-        self._give_back(owner, args, out)
-        self._conflict(out)
+        give_back(self._nodes, self.keys, owner, args, out, self.node_timeout,
+                  self.name, self.ttl)
+        raise_conflict(self._nodes, self.keys, self.name, out)
         if len(yes) >= quorum:
             logger.warning("lock %r: a quorum granted it after its validity ended "
                            "(%.3fs for a ttl of %gs): given back", self.name,
@@ -340,43 +252,9 @@ class RedlockLock:
             self.last_holder = None
             return False
         if len(yes) + len(refused) < quorum:
-            raise self._unavailable("acquire", out)
-        self.last_holder = self._majority_holder(out, refused)
+            raise unavailable(self.name, "acquire", out, self.quorum)
+        self.last_holder = majority_holder(out, refused)
         return False
-
-    def _majority_holder(self, out: Outcome, refused: list[int]) -> Holder | None:
-        holders: dict[str | None, list[Holder]] = {}
-        for i in refused:
-            reply = out[i]
-            holder = parse_holder(reply[3:], int(reply[1]), int(reply[2]))
-            holders.setdefault(holder.owner, []).append(holder)
-        if not holders:
-            return None
-        return max(holders.values(), key=len)[0]
-
-    def _give_back(self, owner: str, args: Sequence[Any], out: Outcome) -> None:
-        """Undo this attempt on every node that granted it or did not answer."""
-        keys = (self.keys.lock,)
-        todo = [i for i, r in enumerate(out)
-                if not _answered(r) or int(r[0]) == 1]
-        if not todo:
-            return
-
-        def call(i: int, node: Any) -> Any:
-            if i not in todo:
-                return None
-            if not _answered(out[i]):
-                # Same operation id: if the first request ran, this is its answer.
-                reply = ACQUIRE(node, keys, args)
-                if int(reply[0]) != 1:
-                    return None
-            return RELEASE(node, keys, (owner, _op_id()))
-
-        results = fan_out(self._nodes, call, self.node_timeout * 2)
-        missed = sum(1 for i in todo if isinstance(results[i], NodeFailed))
-        if missed:
-            logger.warning("lock %r: %d node(s) did not confirm the give-back; a hold "
-                           "left there expires within %gs", self.name, missed, self.ttl)
 
     def _acquired(self, owner: str, counts: list[int], sent_at: float) -> None:
         heartbeat = self._get_heartbeat()
@@ -427,15 +305,15 @@ class RedlockLock:
             if held_here and pending is not None and pending[:2] == (hold_id, depth):
                 op = pending[2]
             else:
-                op = _op_id()
+                op = op_id()
                 self._release_op = (hold_id, depth, op) if held_here else None
         heartbeat = self._get_heartbeat()
         if final and lost_reason is None:
             heartbeat.set_releasing(self, hold_id, True)
         self._settle_in_flight()
         out = self._call_all(RELEASE, (owner, op))
-        ours = sum(1 for r in out if _answered(r) and int(r[0]) in (1, 2))
-        others = sum(1 for r in out if _answered(r) and int(r[0]) in (0, -1))
+        ours = sum(1 for r in out if answered(r) and int(r[0]) in (1, 2))
+        others = sum(1 for r in out if answered(r) and int(r[0]) in (0, -1))
         impossible = others > len(out) - self.quorum
         if not held_here:
             if ours >= self.quorum:
@@ -443,12 +321,12 @@ class RedlockLock:
             if impossible:
                 raise LockNotOwned("cannot release: this owner does not hold the lock "
                                    "on a quorum of its nodes", lock_name=self.name)
-            raise self._unavailable("release", out)
+            raise unavailable(self.name, "release", out, self.quorum)
         if lost_reason is None and ours < self.quorum:
             if not impossible:
                 if final:
                     heartbeat.set_releasing(self, hold_id, False)
-                raise self._unavailable("release", out)
+                raise unavailable(self.name, "release", out, self.quorum)
             lost_reason = "expired or taken on a majority of its nodes"
             self._mark_lost(lost_reason, hold_id)
         with self._state:
@@ -477,8 +355,8 @@ class RedlockLock:
         self._get_heartbeat().unregister(self, hold_id)
         self._settle_in_flight()
         for _ in range(depth):
-            out = self._call_all(RELEASE, (owner, _op_id()))
-            if not any(_answered(r) and int(r[0]) == 2 for r in out):
+            out = self._call_all(RELEASE, (owner, op_id()))
+            if not any(answered(r) and int(r[0]) == 2 for r in out):
                 break
         return depth
 
@@ -497,8 +375,8 @@ class RedlockLock:
         quorum, n = self.quorum, len(self._nodes)
 
         def tally(out: Outcome) -> tuple[int, int]:
-            ok = sum(1 for r in out if _answered(r) and int(r) == 1)
-            no = sum(1 for r in out if _answered(r) and int(r) != 1)
+            ok = sum(1 for r in out if answered(r) and int(r) == 1)
+            no = sum(1 for r in out if answered(r) and int(r) != 1)
             return ok, no
 
         def decided(out: Outcome) -> bool:
@@ -513,7 +391,7 @@ class RedlockLock:
                 heartbeat.confirmed(self, hold_id, ttl_ms, sent_at)
             return
         if no <= n - quorum:
-            raise self._unavailable("extend", out)
+            raise unavailable(self.name, "extend", out, self.quorum)
         if held_here:
             self._mark_lost("expired or taken on a majority of its nodes", hold_id)
             raise LockLost("cannot extend: lock expired or taken on a majority of its "
@@ -521,38 +399,9 @@ class RedlockLock:
         raise LockNotOwned("cannot extend: this owner does not hold the lock on a "
                            "quorum of its nodes", lock_name=self.name)
 
-    def _read(self, what: str, owner: str | None = None
-              ) -> tuple[dict[str | None, list[Holder]], int]:
-        """Who holds the lock on each node that answered (by owner; None: free) and
-        how many did not answer; stops asking once the answer is settled (for
-        ``owner`` when given, else for whoever holds a quorum)."""
-        n, quorum = len(self._nodes), self.quorum
-
-        def group(out: Outcome) -> tuple[dict[str | None, list[Holder]], int]:
-            found: dict[str | None, list[Holder]] = {}
-            for reply in out:
-                if not _answered(reply):
-                    continue
-                pttl, secs, usecs = (int(x) for x in reply[:3])
-                holder = (parse_holder(reply[3:], pttl, secs * 1000 + usecs // 1000)
-                          if len(reply) > 3 else None)
-                key = holder.owner if holder is not None else None
-                found.setdefault(key, []).append(holder or Holder())
-            return found, n - sum(len(v) for v in found.values())
-
-        def settled(out: Outcome) -> bool:
-            found, unknown = group(out)
-            if owner is not None:
-                count = len(found.get(owner, ()))
-                return count >= quorum or count + unknown < quorum
-            best = max((len(v) for k, v in found.items() if k is not None), default=0)
-            return best >= quorum or best + unknown < quorum
-
-        out = self._call_all(READ_HOLD, (), settled)
-        self._conflict(out)
-        if not settled(out):
-            raise self._unavailable(what, out)
-        return group(out)
+    def _read(self, what: str, owner: str | None = None) -> Holds:
+        return read_holds(self._nodes, self.keys, self.name, what, self.node_timeout,
+                          self.quorum, owner)
 
     def locked(self) -> bool:
         """Whether some owner holds the lock on a quorum of nodes."""
@@ -563,7 +412,7 @@ class RedlockLock:
         owner, _, _, lost_reason = self._caller_view()
         if lost_reason is not None:
             return False
-        found, _ = self._read("owned", owner)
+        found = self._read("owned", owner)
         return len(found.get(owner, ())) >= self.quorum
 
     def ensure_held(self) -> None:
@@ -572,7 +421,7 @@ class RedlockLock:
         owner, held_here, hold_id, lost_reason = self._caller_view()
         if lost_reason is not None:
             raise LockLost(f"lock lost: {lost_reason}", lock_name=self.name)
-        found, _ = self._read("ensure_held", owner)
+        found = self._read("ensure_held", owner)
         if len(found.get(owner, ())) >= self.quorum:
             return
         reason = "expired or taken on a majority of its nodes"
@@ -584,50 +433,12 @@ class RedlockLock:
     def holder(self) -> Holder | None:
         """The holder a quorum of nodes agrees on (None: nobody holds a quorum); its
         ``ttl`` is how long that quorum lasts without renewal."""
-        found, _ = self._read("holder")
-        for owner, holders in found.items():
-            if owner is not None and len(holders) >= self.quorum:
-                ttls = sorted((h.ttl or 0.0 for h in holders), reverse=True)
-                first = holders[0]
-                return Holder(owner=first.owner, count=first.count, fence=None,
-                              age=first.age, ttl=ttls[self.quorum - 1],
-                              info=dict(first.info))
-        return None
+        return quorum_holder(self._read("holder"), self.quorum)
 
     @property
     def fence(self) -> int | None:
         """Always raises :class:`FencingUnavailable`: see the module docs."""
         raise FencingUnavailable(FENCE_REFUSAL, lock_name=self.name)
-
-    @property
-    def lost(self) -> bool:
-        """Whether this object's last hold was found lost."""
-        return self._lost_reason is not None
-
-    @property
-    def depth(self) -> int:
-        """How many acquires of this object are not yet released."""
-        with self._state:
-            self._sync_generation()
-            return self._depth
-
-    def _mark_lost(self, reason: str, hold_id: int | None = None) -> bool:
-        """Record that hold ``hold_id`` (default: the current one) is lost; on_lost
-        runs once per hold."""
-        with self._state:
-            if self._depth == 0 or self._lost_reason is not None:
-                return False
-            if hold_id is not None and hold_id != self._hold_id:
-                return False
-            self._lost_reason = reason
-            hold_id = self._hold_id
-        self._get_heartbeat().unregister(self, hold_id)
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self)
-            except Exception:
-                logger.exception("on_lost callback for %r failed", self.name)
-        return True
 
     # -- context manager ------------------------------------------------------------
 
