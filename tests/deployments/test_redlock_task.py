@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,13 +18,15 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from celery_helpers import close_app
 from click.testing import CliRunner
+from dlock_helpers import wait_until
 from redlock_trio import Trio
 from task_env import new_app, running
 from test_docs import snippets
 
-from celery_dlock import InvalidLockConfig, LockedTask, signals
+from celery_dlock import InvalidLockConfig, LockedTask, RedlockLock, signals
 from celery_dlock.ops.cli import dlock
 from celery_dlock.task.config import check_conf, get_client
+from celery_dlock.task.hooks import _dead_child_release
 
 
 @pytest.fixture
@@ -134,3 +137,24 @@ def test_the_docs_snippet_runs(trio):
     namespace["app"].close()
     assert out.getvalue().strip().splitlines()[-1] == "True"
     assert trio.holders("dlock:{stock:42}") == [None] * 3
+
+
+def test_a_dead_childs_hold_is_freed_on_every_node(redis_url, trio):
+    """What the worker's main process does when a child dies holding a lock."""
+    app = Celery("rl", broker=redis_url, set_as_current=False)
+    app.conf.dlock_url = trio.urls()
+    app.conf.dlock_key_prefix = "rld"
+
+    @app.task(base=LockedTask, bind=True, lock_key="k:{x}")
+    def job(self: Any, x: int) -> None:
+        return None
+
+    hold = RedlockLock(list(get_client(app)), "k:7", prefix="rld", auto_renew=False,
+                       owner="dead-child", info={"task_id": "T-1"})
+    assert hold.acquire(blocking=False)
+    assert wait_until(lambda: trio.holders("rld:{k:7}") == ["dead-child"] * 3)
+    _dead_child_release(job, "T-2", os.getpid(), None, (7,), {})()  # another task id
+    assert trio.holders("rld:{k:7}") == ["dead-child"] * 3
+    _dead_child_release(job, "T-1", os.getpid(), None, (7,), {})()
+    assert trio.holders("rld:{k:7}") == [None] * 3
+    close_app(app)
