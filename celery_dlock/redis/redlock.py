@@ -143,7 +143,7 @@ class RedlockLock(HoldView):
         self._info_args = info_args
         # Calls of a granted acquire still out to slow nodes: a release waits for them
         # (at most node_timeout), so it never reaches a node before its acquire.
-        self._in_flight: list[cf.Future[Any]] = []
+        self._in_flight: dict[int, list[cf.Future[Any]]] = {}
 
     # -- helpers ------------------------------------------------------------------
 
@@ -163,16 +163,17 @@ class RedlockLock(HoldView):
         ``sent_at + ttl - drift`` (drift at least the heartbeat's margin)."""
         return lease_end(sent_at, ttl_ms) - self._extra_margin(ttl_ms)
 
-    def _settle_in_flight(self) -> None:
-        pending, self._in_flight = self._in_flight, []
-        if pending:
-            cf.wait(pending, timeout=self.node_timeout + POOL_SLACK)
-
     def _call_all(self, script: Any, args: Sequence[Any],
-                  decided: Callable[[Outcome], bool] | None = None) -> Outcome:
+                  decided: Callable[[Outcome], bool] | None = None,
+                  after: Mapping[int, list[cf.Future[Any]]] | None = None) -> Outcome:
+        """``script`` on every node at once; on a node with calls ``after`` still
+        running (a granted acquire's late calls), once they ended (at most
+        node_timeout), so a release never overtakes its acquire on a slow node."""
         keys = (self.keys.lock,)
 
-        def call(_: int, node: Any) -> Any:
+        def call(i: int, node: Any) -> Any:
+            if after and after.get(i):
+                cf.wait(after[i], timeout=self.node_timeout + POOL_SLACK)
             return script(node, keys, args)
 
         return fan_out(self._nodes, call, self.node_timeout, decided)
@@ -229,20 +230,25 @@ class RedlockLock(HoldView):
 
         heartbeat = self._get_heartbeat()
         sent_at = heartbeat.now()
-        leftover: list[cf.Future[Any]] = []
+        leftover: dict[int, cf.Future[Any]] = {}
+        def refused(out: Outcome) -> list[int]:
+            return [i for i, r in enumerate(out) if answered(r) and int(r[0]) == 0]
+
+        # Back as soon as a quorum granted, or can no longer grant.
         out = fan_out(self._nodes, call, self.node_timeout,
-                      lambda o: len(granted(o)) >= quorum, leftover)
+                      lambda o: len(granted(o)) >= quorum or
+                      len(refused(o)) > len(o) - quorum, leftover)
         now = heartbeat.now()
-        yes = granted(out)
-        refused = [i for i, r in enumerate(out) if answered(r) and int(r[0]) == 0]
+        yes, no = granted(out), refused(out)
         valid = now < self._valid_until(sent_at, self.ttl_ms)
         if len(yes) >= quorum and valid and not any(isinstance(r, NodeFailed) and
                                                     isinstance(r.error, ResponseError)
                                                     for r in out):
             self._acquired(owner, [int(out[i][2]) for i in yes], sent_at)
-            self._in_flight = [f for f in (*self._in_flight, *leftover) if not f.done()]
+            for i, future in leftover.items():
+                self._in_flight.setdefault(i, []).append(future)
             return True
-        give_back(self._nodes, self.keys, owner, args, out, self.node_timeout,
+        give_back(self._nodes, self.keys, owner, args, out, leftover, self.node_timeout,
                   self.name, self.ttl)
         raise_conflict(self._nodes, self.keys, self.name, out)
         if len(yes) >= quorum:
@@ -251,9 +257,9 @@ class RedlockLock(HoldView):
                            now - sent_at, self.ttl)
             self.last_holder = None
             return False
-        if len(yes) + len(refused) < quorum:
+        if len(yes) + len(no) < quorum:
             raise unavailable(self.name, "acquire", out, self.quorum)
-        self.last_holder = majority_holder(out, refused)
+        self.last_holder = majority_holder(out, no)
         return False
 
     def _acquired(self, owner: str, counts: list[int], sent_at: float) -> None:
@@ -310,11 +316,21 @@ class RedlockLock(HoldView):
         heartbeat = self._get_heartbeat()
         if final and lost_reason is None:
             heartbeat.set_releasing(self, hold_id, True)
-        self._settle_in_flight()
-        out = self._call_all(RELEASE, (owner, op))
-        ours = sum(1 for r in out if answered(r) and int(r[0]) in (1, 2))
-        others = sum(1 for r in out if answered(r) and int(r[0]) in (0, -1))
-        impossible = others > len(out) - self.quorum
+        late, self._in_flight = self._in_flight, {}
+        n, quorum = len(self._nodes), self.quorum
+
+        def tally(out: Outcome) -> tuple[int, int]:
+            ours = sum(1 for r in out if answered(r) and int(r[0]) in (1, 2))
+            return ours, sum(1 for r in out if answered(r) and int(r[0]) in (0, -1))
+
+        def decided(out: Outcome) -> bool:
+            ours, others = tally(out)
+            return ours >= quorum or others > n - quorum
+
+        # Back once the answers decide; a node that hangs gets the release later.
+        out = self._call_all(RELEASE, (owner, op), decided, late)
+        ours, others = tally(out)
+        impossible = others > n - quorum
         if not held_here:
             if ours >= self.quorum:
                 return
@@ -353,9 +369,9 @@ class RedlockLock(HoldView):
             self._hold_owner = None
             self._release_op = None
         self._get_heartbeat().unregister(self, hold_id)
-        self._settle_in_flight()
+        late, self._in_flight = self._in_flight, {}
         for _ in range(depth):
-            out = self._call_all(RELEASE, (owner, op_id()))
+            out = self._call_all(RELEASE, (owner, op_id()), after=late)
             if not any(answered(r) and int(r[0]) == 2 for r in out):
                 break
         return depth

@@ -40,6 +40,7 @@ __all__ = [
     "node_client",
     "quorum_of",
     "renew_target",
+    "submit",
 ]
 
 #: The fewest nodes a Redlock accepts.
@@ -164,6 +165,11 @@ def _executor() -> cf.ThreadPoolExecutor:
         return _pool
 
 
+def submit(fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+    """Run ``fn(*args)`` on the pool, without waiting."""
+    return _executor().submit(fn, *args)
+
+
 class NodeFailed:
     """A node's call failed or did not answer in time."""
 
@@ -182,12 +188,13 @@ Outcome = list[Any]
 
 def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: float,
             decided: Callable[[Outcome], bool] | None = None,
-            leftover: list[cf.Future[Any]] | None = None) -> Outcome:
+            leftover: dict[int, cf.Future[Any]] | None = None) -> Outcome:
     """Run ``call(i, node)`` for every node at once; per node its reply, a
     :class:`NodeFailed` (an exception, or no answer within ``timeout``), or None
     when the caller stopped waiting before it answered because ``decided`` said the
     answers so far settle the question.  A call still running goes on by itself (its
-    client's socket timeout ends it; it is added to ``leftover`` when given)."""
+    client's socket timeout ends it; it is put in ``leftover``, by node, when
+    given)."""
     pending: dict[cf.Future[Any], int] = {}
     executor = _executor()
     for i, node in enumerate(nodes):
@@ -206,7 +213,7 @@ def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: floa
             out[i] = NodeFailed(error) if error is not None else future.result()
         if decided is not None and decided(out):
             if leftover is not None:
-                leftover.extend(waiting)
+                leftover.update((pending[f], f) for f in waiting)
             return out
     for future in waiting:
         out[pending[future]] = NodeFailed(None)

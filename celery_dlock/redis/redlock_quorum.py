@@ -7,17 +7,18 @@ None for a node not waited for), used by :mod:`celery_dlock.redis.redlock`.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from ..core.errors import BackendUnavailable, Holder, InvalidLockConfig, LockKeyConflict
 from .keyspace import LockKeys, foreign_keys, parse_holder
-from .redlock_nodes import NodeFailed, Outcome, fan_out
+from .redlock_nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
 from .scripts import ACQUIRE, READ_HOLD, RELEASE
 
 __all__ = [
@@ -105,28 +106,41 @@ def majority_holder(out: Outcome, refused: Sequence[int]) -> Holder | None:
 
 
 def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[Any],
-              out: Outcome, timeout: float, name: str, ttl: float) -> None:
+              out: Outcome, late: Mapping[int, cf.Future[Any]], timeout: float,
+              name: str, ttl: float) -> None:
     """Undo an acquire attempt (``args``, with its operation id) on every node that
-    granted it or did not answer: a node that did not answer gets the same request
-    again first (if the first ran, this is its answer), so a give-back never undoes
-    an earlier acquire of the same owner."""
+    granted it or did not answer.  A granted node gets a release, waited for.  A node
+    that did not answer is undone in the background, once its first request ended
+    (``late``): the same request again (if the first ran, this is its answer, else it
+    runs now), then a release if it granted; acquire-then-release changes nothing
+    whatever order it takes with the caller's next attempt, so a hung node costs the
+    caller nothing more."""
     lock = (keys.lock,)
-    todo = {i for i, r in enumerate(out) if not answered(r) or int(r[0]) == 1}
-    if not todo:
-        return
+    granted = {i for i, r in enumerate(out) if answered(r) and int(r[0]) == 1}
 
-    def call(i: int, node: Any) -> Any:
-        if i not in todo:
-            return None
-        if not answered(out[i]) and int(ACQUIRE(node, lock, args)[0]) != 1:
-            return None
-        return RELEASE(node, lock, (owner, op_id()))
+    def release(i: int, node: Any) -> Any:
+        return RELEASE(node, lock, (owner, op_id())) if i in granted else None
 
-    results = fan_out(nodes, call, timeout * 2)
-    missed = sum(1 for i in todo if isinstance(results[i], NodeFailed))
-    if missed:
-        logger.warning("lock %r: %d node(s) did not confirm the give-back; a hold "
-                       "left there expires within %gs", name, missed, ttl)
+    def undo(i: int, node: Any) -> None:
+        first = late.get(i)
+        if first is not None:
+            cf.wait([first], timeout=timeout + POOL_SLACK)
+        try:
+            if int(ACQUIRE(node, lock, args)[0]) == 1:
+                RELEASE(node, lock, (owner, op_id()))
+        except RedisError as exc:
+            logger.warning("lock %r: a node did not confirm the give-back (%s); a "
+                           "hold left there expires within %gs", name, exc, ttl)
+
+    for i, reply in enumerate(out):
+        if not answered(reply):
+            submit(undo, i, nodes[i])
+    if granted:
+        results = fan_out(nodes, release, timeout)
+        missed = sum(1 for i in granted if isinstance(results[i], NodeFailed))
+        if missed:
+            logger.warning("lock %r: %d node(s) did not confirm the give-back; a hold "
+                           "left there expires within %gs", name, missed, ttl)
 
 
 def _group(out: Outcome) -> tuple[Holds, int]:
