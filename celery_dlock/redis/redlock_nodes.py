@@ -134,6 +134,14 @@ def _bounded_copy(client: Any, timeout: float) -> Any:
     return redis.Redis(connection_pool=own)
 
 
+def _close_all(copies: dict[tuple[str, float], Any]) -> None:
+    for copy in copies.values():
+        pool = getattr(copy, "connection_pool", None)
+        if pool is not None:
+            pool.disconnect()
+    copies.clear()
+
+
 def node_client(client: Any, timeout: float, use: str = "calls") -> Any:
     """A client of ``client``'s server whose every call gives up after ``timeout``
     seconds (one per client, timeout and ``use``, and process): a connection pool of
@@ -141,12 +149,19 @@ def node_client(client: Any, timeout: float, use: str = "calls") -> Any:
     key = (use, timeout)
     with _clients_lock:
         try:
-            per = _node_clients.setdefault(client, {})
+            per = _node_clients.get(client)
+            if per is None:
+                per = _node_clients[client] = {}
+                # When the user's client goes, close our copies' connections (else
+                # the collector finds their sockets open).
+                weakref.finalize(client, _close_all, per)
         except TypeError:  # not weak-referenceable: no cache
             return _bounded_copy(client, timeout)
         found = per.get(key)
         if found is None:
-            found = per[key] = _bounded_copy(client, timeout)
+            found = _bounded_copy(client, timeout)
+            if found is not client:  # never close the user's own connections
+                per[key] = found
         return found
 
 
