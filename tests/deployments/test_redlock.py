@@ -311,3 +311,10 @@ def test_an_undecided_release_changes_nothing_and_can_be_sent_again(trio):
     a.release()  # the same operation again: node 0 says "released" again
     assert a.depth == 0 and not a.lost
     assert wait_until(lambda: trio.holders(a.keys.lock) == [None] * 3)
+
+
+def test_a_cluster_client_is_refused(trio, cluster_client):
+    c = trio.clients()
+    with pytest.raises(InvalidLockConfig, match="not a cluster client") as caught:
+        RedlockLock([c[0], c[1], cluster_client], "bad")
+    assert "\n" not in str(caught.value)
