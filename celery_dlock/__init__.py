@@ -18,6 +18,7 @@ from __future__ import annotations
 from .core.errors import (
     BackendUnavailable,
     DLockError,
+    FencingUnavailable,
     Holder,
     InvalidLockConfig,
     LockKeyConflict,
@@ -28,6 +29,7 @@ from .core.errors import (
 )
 from .core.owner import owner_context
 from .redis.lock import RedisLock
+from .redis.redlock import RedlockLock
 from .task import signals
 from .task.contention import ACQUIRED, Contention, is_skipped
 from .task.locked_task import LockedTask, LockLostInterrupt
@@ -39,6 +41,7 @@ __all__ = [
     "BackendUnavailable",
     "Contention",
     "DLockError",
+    "FencingUnavailable",
     "Holder",
     "InvalidLockConfig",
     "LockKeyConflict",
@@ -48,6 +51,7 @@ __all__ = [
     "LockNotOwned",
     "LockedTask",
     "RedisLock",
+    "RedlockLock",
     "UnkeyableArgument",
     "__version__",
     "is_skipped",

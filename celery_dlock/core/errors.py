@@ -20,6 +20,7 @@ from typing import Any
 __all__ = [
     "BackendUnavailable",
     "DLockError",
+    "FencingUnavailable",
     "Holder",
     "InvalidLockConfig",
     "LockKeyConflict",
@@ -234,3 +235,9 @@ class LockKeyConflict(DLockError):
 
 class BackendUnavailable(DLockError):
     """Redis could not be reached or did not answer in time."""
+
+
+class FencingUnavailable(DLockError):
+    """This kind of lock cannot give a fencing token that is safe to rely on (Redlock:
+    a node that restarts empty starts its counter again, so tokens could go backwards);
+    use a monotonic token source of your own (a database sequence)."""

@@ -121,6 +121,8 @@ class _Entry:
     in_flight: bool = False
     releasing: bool = False
     fence: int | None = None
+    #: Seconds taken off every deadline on top of :func:`lease_end`'s margin.
+    margin: float = 0.0
 
     @property
     def interval(self) -> float:
@@ -192,13 +194,15 @@ class Heartbeat:
 
     def register(self, lock: _Hold, hold_id: int, target: RenewTarget | None, key: str,
                  owner: str, ttl_ms: int, sent_at: float, *,
-                 fence: int | None = None) -> None:
+                 fence: int | None = None, margin: float = 0.0) -> None:
         """Watch a hold confirmed by a request sent at ``sent_at`` (and renew it
         through ``target`` unless that is None); ``fence`` picks the :class:`LossNote`
-        that applies to it."""
+        that applies to it; ``margin`` seconds come off each of its deadlines on top
+        of :func:`lease_end`'s (a backend's larger drift)."""
         entry = _Entry(ref=weakref.ref(lock), lock_id=id(lock), hold_id=hold_id,
                        target=target, key=key, owner=owner, ttl_ms=ttl_ms,
-                       deadline=lease_end(sent_at, ttl_ms), next_due=0.0, fence=fence)
+                       deadline=lease_end(sent_at, ttl_ms) - margin, next_due=0.0,
+                       fence=fence, margin=margin)
         entry.next_due = sent_at + entry.interval
         with self._cond:
             self._entries[id(lock)] = entry
@@ -224,7 +228,8 @@ class Heartbeat:
             entry = self._entry(lock, hold_id)
             if entry is not None:
                 entry.ttl_ms = ttl_ms
-                entry.deadline = max(entry.deadline, lease_end(sent_at, ttl_ms))
+                entry.deadline = max(entry.deadline,
+                                     lease_end(sent_at, ttl_ms) - entry.margin)
                 entry.next_due = sent_at + entry.interval
                 self._poke()
 
@@ -328,7 +333,8 @@ class Heartbeat:
                 answer = status[(e.key, e.owner)]
                 code = answer.code if isinstance(answer, LossNote) else int(answer)
                 if code == 1:
-                    e.deadline = max(e.deadline, lease_end(sent_at, e.ttl_ms))
+                    e.deadline = max(e.deadline,
+                                     lease_end(sent_at, e.ttl_ms) - e.margin)
                     e.next_due = sent_at + e.interval
                 elif not e.releasing:
                     del self._entries[e.lock_id]

@@ -89,7 +89,13 @@ class _Target:
                 self._client = client_from_url(self.url, _default_client_options(),
                                                extra)
             else:
-                self._client = get_client(self.app)
+                client = get_client(self.app)
+                if isinstance(client, tuple):
+                    raise InvalidLockConfig(
+                        f"celery dlock reads one Redis; the locks are on {len(client)} "
+                        f"servers (Redlock): give --url with one of them to read that "
+                        f"node")
+                self._client = client
         return self._client
 
     def where(self) -> str:

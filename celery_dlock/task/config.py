@@ -310,6 +310,18 @@ def check_conf(conf: Any) -> None:
                                     f"a Redis client, got a {type(factory).__name__}")
         return
     options = connection.client_options(conf)
+    redlock = connection.redlock_urls(conf.get("dlock_url"))
+    if redlock is not None:
+        if record:
+            raise InvalidLockConfig("app.conf.dlock_record_events is not supported with "
+                                    "a Redlock dlock_url (several servers)")
+        for url in redlock:
+            client = connection.client_from_url(url, options)
+            try:
+                connection.check_client_options(client)
+            finally:
+                client.close()
+        return
     url = resolve_url(conf)
     if is_cluster_url(url):
         return  # a cluster client connects as it is made: checked at first use

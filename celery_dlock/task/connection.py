@@ -11,6 +11,13 @@ The Redis is found as Celery finds its own connections:
    Redis URL: so an AMQP or ``filesystem://`` broker with a Redis result backend works
    without ``dlock_url``.
 
+A ``dlock_url`` that names 3 or more independent servers, as a list (or tuple) of
+one-server URLs or as ``redlock://h1:6379/0;redlock://h2:6379/0;redlock://h3:6379/0``
+(each ``redlock://`` is a ``redis://`` URL under another name), asks for Redlock: the
+"client" is then a tuple of clients, one per server, and tasks take a
+:class:`~celery_dlock.redis.redlock.RedlockLock`.  So does a ``dlock_client`` that
+returns a list or tuple of clients.
+
 No URL is ever shown with its password: every message goes through :func:`mask_url`.
 """
 
@@ -32,7 +39,8 @@ from redis.retry import Retry
 from ..core.errors import BackendUnavailable, InvalidLockConfig
 from ..redis import topology
 
-__all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "resolve_url"]
+__all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "redlock_urls",
+           "resolve_url"]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Celery's and kombu's spellings of a Redis unix socket.
@@ -112,6 +120,47 @@ def redis_url_of(url: Any) -> str | None:
     return None
 
 
+REDLOCK_SCHEME = "redlock://"
+#: The fewest servers a Redlock ``dlock_url`` may name.
+REDLOCK_MIN_NODES = 3
+
+
+def redlock_urls(value: Any) -> tuple[str, ...] | None:
+    """The one-server URLs of a Redlock ``dlock_url`` (a list or tuple of URLs, or
+    ``redlock://``-URLs separated by ``;``); None when ``value`` does not ask for
+    Redlock.  :class:`InvalidLockConfig` naming ``dlock_url`` (masked) for a part that
+    is not one server, or fewer than 3 of them."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(";") if p.strip()]
+        redlock = [p.lower().startswith(REDLOCK_SCHEME) for p in parts]
+        if not any(redlock):
+            return None
+        if not all(redlock):
+            raise InvalidLockConfig(
+                f"app.conf.dlock_url mixes redlock:// with other URLs: "
+                f"{mask_url(value)!r}; give every server as redlock://host:port/db")
+        parts = ["redis://" + p[len(REDLOCK_SCHEME):] for p in parts]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        return None
+    urls: list[str] = []
+    for part in parts:
+        found = redis_url_of(part) if isinstance(part, str) else None
+        if found is None or topology.is_cluster_url(found) or \
+                topology.is_sentinel_url(found):
+            raise InvalidLockConfig(
+                f"app.conf.dlock_url: every Redlock server must be one redis://, "
+                f"rediss:// or unix:// URL, got {mask_url(part)!r}")
+        urls.append(found)
+    if len(urls) < REDLOCK_MIN_NODES:
+        raise InvalidLockConfig(
+            f"app.conf.dlock_url names {len(urls)} Redis server(s): a Redlock needs "
+            f"{REDLOCK_MIN_NODES} or more independent servers (one server: a plain "
+            f"URL)")
+    return tuple(urls)
+
+
 def _conf_value(conf: Any, name: str) -> Any:
     """A Celery setting as Celery resolves it (``app.conf.broker_url`` reads the
     environment too); plain mappings by key."""
@@ -123,8 +172,12 @@ def _conf_value(conf: Any, name: str) -> Any:
 def resolve_url(conf: Any) -> str:
     """The Redis URL for the locks: ``dlock_url``, else a Redis broker URL (code or
     environment), else a Redis result backend.  Raises :class:`InvalidLockConfig`
-    naming ``dlock_url``, with every URL masked."""
+    naming ``dlock_url``, with every URL masked.  For Redlock, the servers' URLs
+    joined by ``;`` (for messages: see :func:`redlock_urls`)."""
     url = conf.get("dlock_url")
+    redlock = redlock_urls(url) if url else None
+    if redlock is not None:
+        return ";".join(redlock)
     if url:
         found = redis_url_of(url)
         if found is None:
@@ -226,7 +279,8 @@ def get_client(app: Any) -> Any:
     topology redis-py supports: Sentinel, Cluster, ...); otherwise a client is built
     from :func:`resolve_url` with ``app.conf.dlock_redis_options`` merged over
     timeouts suited to locking (5 s socket timeout, 3 s connect timeout, 2 quick
-    retries).
+    retries).  For Redlock (:func:`redlock_urls`, or a ``dlock_client`` returning a
+    list or tuple), a tuple of clients, one per server.
     """
     try:
         return _by_app[app]
@@ -234,7 +288,13 @@ def get_client(app: Any) -> Any:
         pass
     conf = app.conf
     factory = conf.get("dlock_client")
-    cache_key = (id(app), "factory" if factory else resolve_url(conf))
+    redlock = None if factory else redlock_urls(conf.get("dlock_url"))
+    if factory:
+        cache_key = (id(app), "factory")
+    elif redlock is not None:
+        cache_key = (id(app), "redlock:" + ";".join(redlock))
+    else:
+        cache_key = (id(app), resolve_url(conf))
     client = _clients.get(cache_key)
     if client is not None:
         return client
@@ -246,6 +306,11 @@ def get_client(app: Any) -> Any:
                     raise InvalidLockConfig("app.conf.dlock_client must be a callable "
                                             "returning a Redis client")
                 client = factory()
+                if isinstance(client, list):
+                    client = tuple(client)
+            elif redlock is not None:
+                options = client_options(conf)
+                client = tuple(client_from_url(u, options) for u in redlock)
             else:
                 client = client_from_url(cache_key[1], client_options(conf),
                                          topology.transport_options(conf, cache_key[1]))

@@ -36,7 +36,7 @@ from celery import signature
 from celery.exceptions import Ignore, Retry
 
 from ..core.errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
-from ..redis.lock import RedisLock
+from ..redis.redlock import AnyLock
 
 __all__ = [
     "ACQUIRED",
@@ -101,7 +101,7 @@ class Contention:
     """
 
     task: Any
-    lock: RedisLock | None  # None: Redis could not be reached to make one
+    lock: AnyLock | None  # None: Redis could not be reached to make one
     error: DLockError
     args: tuple[Any, ...]
     kwargs: dict[str, Any]

@@ -30,6 +30,7 @@ from typing import Any
 from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
+from ..core.errors import DLockError
 from ..core.heartbeat import get_heartbeat
 from ..redis.keyspace import LockKeys
 from ..redis.scripts import FORCE_RELEASE
@@ -113,7 +114,6 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
     still holds it (to be called once ``pid`` is gone)."""
     key = task.lock_name(args, kwargs)
     keys = LockKeys.for_name(read_setting(task, "lock_prefix"), key)
-    client = get_client(task.app)
     # The conditions name the hold: that task id in that dead pid, which no newer hold
     # can match, so a re-sent call changes nothing.  No ':by' note: the holder is dead,
     # nobody would read a marker.
@@ -123,12 +123,23 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
 
     def release() -> None:
         try:
-            reply = FORCE_RELEASE(client, (keys.lock,), conditions)
-        except Exception as exc:
+            client = get_client(task.app)
+        except DLockError as exc:  # a cluster no node answers: the ttl frees it
             logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
                            task.name, task_id, exc)
             return
-        if int(reply[0]) == 1:
+        # Redlock: a tuple of clients; the conditions make it safe on every node.
+        nodes = client if isinstance(client, tuple) else (client,)
+        freed = False
+        for node in nodes:
+            try:
+                reply = FORCE_RELEASE(node, (keys.lock,), conditions)
+            except Exception as exc:
+                logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
+                               task.name, task_id, exc)
+                continue
+            freed = freed or int(reply[0]) == 1
+        if freed:
             logger.warning("freed lock %r of task %s[%s]: its process %s died", key,
                            task.name, task_id, pid)
 

@@ -47,6 +47,7 @@ from ..core.errors import (
 )
 from ..core.owner import owner_context
 from ..redis.lock import RedisLock
+from ..redis.redlock import AnyLock, RedlockLock
 from . import signals
 from .attempt import (
     DUPLICATE,
@@ -185,16 +186,21 @@ class LockedTask(Task):  # type: ignore[misc]
         return super().apply_async(*args, **options)
 
     @property
-    def lock(self) -> RedisLock | None:
+    def lock(self) -> AnyLock | None:
         """The lock held by the current run of this task (None outside one, or when it
         runs unlocked under fail-open)."""
         attempt = attempts.get().get(self.name)
         return attempt.lock if attempt is not None else None
 
     def _new_lock(self, key: str, settings: Mapping[str, Any],
-                  request: Any) -> RedisLock:
+                  request: Any) -> AnyLock:
+        client = get_client(self.app)
+        if isinstance(client, tuple):  # several servers: Redlock
+            return RedlockLock(client, key, settings["lock_ttl"],
+                               prefix=settings["lock_prefix"],
+                               info=hold_info(self.name, request))
         return RedisLock(
-            get_client(self.app), key, settings["lock_ttl"],
+            client, key, settings["lock_ttl"],
             prefix=settings["lock_prefix"], info=hold_info(self.name, request),
         )
 
@@ -223,7 +229,7 @@ class LockedTask(Task):  # type: ignore[misc]
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
         started = time.monotonic()
         error: DLockError | None = None
-        lock: RedisLock | None = None
+        lock: AnyLock | None = None
         try:
             lock = self._new_lock(key, settings, request)
             acquired = lock.acquire(blocking=False)
@@ -249,7 +255,7 @@ class LockedTask(Task):  # type: ignore[misc]
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
         return self._run_body(request, lock, args, kwargs, started, settings)
 
-    def _same_task_holder(self, lock: RedisLock, request: Any, args: tuple[Any, ...],
+    def _same_task_holder(self, lock: AnyLock, request: Any, args: tuple[Any, ...],
                           kwargs: dict[str, Any], settings: Mapping[str, Any]) -> bool:
         """When the holder is an attempt of this very task id: wait for an earlier
         generation (a retry's or replacement's predecessor) to unwind, whatever the
@@ -272,7 +278,7 @@ class LockedTask(Task):  # type: ignore[misc]
             if lock.acquire(blocking=True, timeout=PREDECESSOR_WAIT_SLICE):
                 return True
 
-    def _contended(self, key: str, lock: RedisLock | None, error: DLockError,
+    def _contended(self, key: str, lock: AnyLock | None, error: DLockError,
                    args: tuple[Any, ...], kwargs: dict[str, Any],
                    settings: Mapping[str, Any], requeue: bool) -> Any:
         policy = settings["on_contention"]
@@ -287,13 +293,13 @@ class LockedTask(Task):  # type: ignore[misc]
                                     error=error)
         return get_policy(policy)(contention)
 
-    def _run_body(self, request: Any, lock: RedisLock, args: tuple[Any, ...],
+    def _run_body(self, request: Any, lock: AnyLock, args: tuple[Any, ...],
                   kwargs: dict[str, Any], started: float,
                   settings: Mapping[str, Any]) -> Any:
         attempt = Attempt(lock, threading.get_ident(), request.id)
         lock.on_lost = functools.partial(self._on_lock_lost, attempt, settings)
         reset = attempts.set({**attempts.get(), self.name: attempt})
-        signals.lock_acquired.send(sender=self, key=lock.name, fence=lock.fence,
+        signals.lock_acquired.send(sender=self, key=lock.name, fence=attempt.fence,
                                    task_id=request.id, wait=time.monotonic() - started)
         # Everything the body runs (its except and finally blocks, with-exits, a
         # fallback after MaxRetriesExceededError) runs before the release below.
@@ -360,7 +366,7 @@ class LockedTask(Task):  # type: ignore[misc]
     # -- lock lost ----------------------------------------------------------------------
 
     def _on_lock_lost(self, attempt: Attempt, settings: Mapping[str, Any],
-                      lock: RedisLock) -> None:
+                      lock: AnyLock) -> None:
         attempt.lost_reason = lock._lost_reason or "lost"
         self._report_lost(attempt, attempt.lost_reason)
         if attempt.running and settings["lock_lost_action"] == "interrupt":

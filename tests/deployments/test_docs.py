@@ -36,7 +36,7 @@ def snippets() -> dict[str, str]:
 
 def test_every_snippet_is_tested():
     assert set(snippets()) == {"single", "tls", "unix", "cluster", "cluster_client",
-                               "sentinel", "sentinel_broker"}
+                               "sentinel", "sentinel_broker", "redlock"}
 
 
 def _run(name: str, replacements: dict[str, str]) -> int:

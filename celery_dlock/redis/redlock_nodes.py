@@ -1,0 +1,325 @@
+"""The nodes of a Redlock: their checks, bounded clients, concurrent calls and renewal.
+
+Used by :mod:`celery_dlock.redis.redlock`.  Every call to the N nodes goes out at once,
+from a small per-process thread pool, each on a client of its own with a short socket
+timeout (``node_timeout``) and no client-side re-sends; the caller stops waiting as
+soon as the answers it has decide the question (a quorum granted, or a quorum can no
+longer be reached), so one node that hangs (SIGSTOP, a partition) costs the caller at
+most ``node_timeout``, and nothing once the other nodes have answered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from ..core.errors import InvalidLockConfig
+from .cluster import is_cluster_client
+from .keyspace import check_client
+from .scripts import RENEW_MANY
+
+__all__ = [
+    "MIN_NODES",
+    "POOL_SLACK",
+    "NodeFailed",
+    "Outcome",
+    "QuorumNotReached",
+    "RedlockRenewTarget",
+    "check_nodes",
+    "fan_out",
+    "node_client",
+    "quorum_of",
+    "renew_target",
+    "submit",
+]
+
+#: The fewest nodes a Redlock accepts.
+MIN_NODES = 3
+#: Threads of the per-process pool that sends to the nodes.
+POOL_SIZE = 32
+#: How much longer than ``node_timeout`` a caller waits for a busy pool (seconds).
+POOL_SLACK = 0.1
+
+_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
+_LOCAL_HOSTS = {"localhost": "127.0.0.1", "::1": "127.0.0.1",
+                "ip6-localhost": "127.0.0.1"}
+
+
+def quorum_of(n: int) -> int:
+    """How many nodes of ``n`` make a majority."""
+    return n // 2 + 1
+
+
+def _address(client: Any) -> tuple[Any, ...] | None:
+    """Where ``client`` connects, as a comparable tuple (None when unknown)."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return None
+    db = int(kwargs.get("db", 0) or 0)
+    if kwargs.get("path"):
+        return ("unix", os.path.realpath(str(kwargs["path"])), db)
+    if "host" in kwargs:
+        host = str(kwargs["host"]).lower()
+        return ("tcp", _LOCAL_HOSTS.get(host, host), int(kwargs.get("port", 6379)), db)
+    return None
+
+
+def _describe(address: tuple[Any, ...]) -> str:
+    if address[0] == "unix":
+        return f"unix://{address[1]}?db={address[2]}"
+    return f"{address[1]}:{address[2]}/{address[3]}"
+
+
+def check_nodes(clients: Any, name: str) -> tuple[Any, ...]:
+    """The clients of a Redlock as a tuple; InvalidLockConfig (one line) for fewer
+    than :data:`MIN_NODES`, a cluster client, something that is not a client, or one
+    server given twice (same host, port and db, or unix socket and db)."""
+    if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence):
+        raise InvalidLockConfig(
+            f"a Redlock needs a list of {MIN_NODES} or more Redis clients, got "
+            f"{type(clients).__name__}", lock_name=name)
+    nodes = tuple(clients)
+    if len(nodes) < MIN_NODES:
+        raise InvalidLockConfig(
+            f"a Redlock needs {MIN_NODES} or more independent Redis servers, got "
+            f"{len(nodes)}", lock_name=name)
+    seen: dict[tuple[Any, ...], int] = {}
+    for i, client in enumerate(nodes):
+        check_client(client, name)
+        if is_cluster_client(client):
+            raise InvalidLockConfig(
+                f"a Redlock node must be one Redis server, not a cluster client "
+                f"(node {i})", lock_name=name)
+        address = _address(client)
+        if address is None:
+            continue
+        if address in seen:
+            raise InvalidLockConfig(
+                f"a Redlock's nodes must be independent servers: nodes {seen[address]} "
+                f"and {i} are both {_describe(address)}", lock_name=name)
+        seen[address] = i
+    return nodes
+
+
+# -- bounded clients ------------------------------------------------------------------
+
+_node_clients: weakref.WeakKeyDictionary[Any, dict[tuple[str, float], Any]] = \
+    weakref.WeakKeyDictionary()
+_clients_lock = threading.Lock()
+
+
+def _bounded_copy(client: Any, timeout: float) -> Any:
+    pool: Any = getattr(client, "connection_pool", None)
+    if type(pool) not in _PLAIN_POOLS:
+        return client  # Sentinel-managed and unknown pools: bounded by the wait only
+    kwargs = dict(pool.connection_kwargs)
+    for option in ("socket_timeout", "socket_connect_timeout"):
+        given = kwargs.get(option)
+        kwargs[option] = timeout if not given else min(float(given), timeout)
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    kwargs.pop("retry_on_timeout", None)
+    kwargs.pop("retry_on_error", None)
+    own = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+    return redis.Redis(connection_pool=own)
+
+
+def _close_all(copies: dict[tuple[str, float], Any]) -> None:
+    for copy in copies.values():
+        pool = getattr(copy, "connection_pool", None)
+        if pool is not None:
+            pool.disconnect()
+    copies.clear()
+
+
+def node_client(client: Any, timeout: float, use: str = "calls") -> Any:
+    """A client of ``client``'s server whose every call gives up after ``timeout``
+    seconds (one per client, timeout and ``use``, and process): a connection pool of
+    its own, no re-sends.  ``use`` separates renewal's connections from the rest."""
+    key = (use, timeout)
+    with _clients_lock:
+        try:
+            per = _node_clients.get(client)
+            if per is None:
+                per = _node_clients[client] = {}
+                # When the user's client goes, close our copies' connections (else
+                # the collector finds their sockets open).
+                weakref.finalize(client, _close_all, per)
+        except TypeError:  # not weak-referenceable: no cache
+            return _bounded_copy(client, timeout)
+        found = per.get(key)
+        if found is None:
+            found = _bounded_copy(client, timeout)
+            if found is not client:  # never close the user's own connections
+                per[key] = found
+        return found
+
+
+# -- concurrent calls -----------------------------------------------------------------
+
+_pool: cf.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> cf.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = cf.ThreadPoolExecutor(max_workers=POOL_SIZE,
+                                          thread_name_prefix="celery-dlock-redlock")
+        return _pool
+
+
+def submit(fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
+    """Run ``fn(*args)`` on the pool, without waiting."""
+    return _executor().submit(fn, *args)
+
+
+class NodeFailed:
+    """A node's call failed or did not answer in time."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"<NodeFailed {self.error!r}>"
+
+
+#: Per node: the reply, or NodeFailed; a caller's ``decided`` sees this list.
+Outcome = list[Any]
+
+
+def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: float,
+            decided: Callable[[Outcome], bool] | None = None,
+            leftover: dict[int, cf.Future[Any]] | None = None) -> Outcome:
+    """Run ``call(i, node)`` for every node at once; per node its reply, a
+    :class:`NodeFailed` (an exception, or no answer within ``timeout``), or None
+    when the caller stopped waiting before it answered because ``decided`` said the
+    answers so far settle the question.  A call still running goes on by itself (its
+    client's socket timeout ends it; it is put in ``leftover``, by node, when
+    given)."""
+    pending: dict[cf.Future[Any], int] = {}
+    executor = _executor()
+    for i, node in enumerate(nodes):
+        pending[executor.submit(call, i, node)] = i
+    out: Outcome = [None] * len(nodes)
+    waiting = set(pending)
+    end = time.monotonic() + timeout + POOL_SLACK
+    while waiting:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        done, waiting = cf.wait(waiting, timeout=left, return_when=cf.FIRST_COMPLETED)
+        for future in done:
+            i = pending[future]
+            error = future.exception()
+            out[i] = NodeFailed(error) if error is not None else future.result()
+        if decided is not None and decided(out):
+            if leftover is not None:
+                leftover.update((pending[f], f) for f in waiting)
+            return out
+    for future in waiting:
+        out[pending[future]] = NodeFailed(None)
+    return out
+
+
+# -- renewal ----------------------------------------------------------------------------
+
+
+class QuorumNotReached(RedisError):
+    """Renewal could not tell, for some hold, whether a quorum still has it (too few
+    nodes answered); the heartbeat retries until the hold's deadline."""
+
+
+class RedlockRenewTarget:
+    """Renews holds on every node of one Redlock at once (see
+    :class:`celery_dlock.core.heartbeat.RenewTarget`): per hold 1 when a quorum
+    renewed it, 0 or -1 (taken somewhere) when a quorum no longer can; raises
+    :class:`QuorumNotReached` when the answers leave it open."""
+
+    def __init__(self, clients: Sequence[Any], timeout: float) -> None:
+        self.clients = tuple(clients)
+        self.nodes = tuple(node_client(c, timeout, "renew") for c in clients)
+        self.timeout = timeout
+        self.quorum = quorum_of(len(self.nodes))
+
+    def _verdicts(self, out: Outcome, n_items: int) -> list[int | None]:
+        verdicts: list[int | None] = []
+        n = len(out)
+        for j in range(n_items):
+            ok = gone = taken = 0
+            for reply in out:
+                if reply is None or isinstance(reply, NodeFailed):
+                    continue
+                code = int(reply[j])
+                ok += code == 1
+                gone += code == 0
+                taken += code == -1
+            if ok >= self.quorum:
+                verdicts.append(1)
+            elif gone + taken > n - self.quorum:
+                verdicts.append(-1 if taken else 0)
+            else:
+                verdicts.append(None)
+        return verdicts
+
+    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+        keys = [key for key, _, _ in items]
+        args: list[Any] = []
+        for _, owner, ttl in items:
+            args += (owner, ttl)
+
+        def call(_: int, node: Any) -> Any:
+            return RENEW_MANY(node, keys, args)
+
+        out = fan_out(self.nodes, call, self.timeout,
+                      lambda o: None not in self._verdicts(o, len(items)))
+        verdicts = self._verdicts(out, len(items))
+        if None in verdicts:
+            answered = sum(1 for r in out
+                           if r is not None and not isinstance(r, NodeFailed))
+            raise QuorumNotReached(f"renewal answered by {answered} of {len(out)} "
+                                   f"Redlock nodes, {self.quorum} needed")
+        return [int(v) for v in verdicts if v is not None]
+
+
+_targets: weakref.WeakValueDictionary[tuple[Any, ...], RedlockRenewTarget] = \
+    weakref.WeakValueDictionary()
+_targets_lock = threading.Lock()
+
+
+def renew_target(clients: Sequence[Any], timeout: float) -> RedlockRenewTarget:
+    """The renew target of these clients (one per set of client objects, timeout and
+    process, while in use: the heartbeat gives each target its own renewer thread)."""
+    key = (*(id(c) for c in clients), timeout)
+    with _targets_lock:
+        target = _targets.get(key)
+        if target is None:
+            target = _targets[key] = RedlockRenewTarget(clients, timeout)
+        return target
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock, _clients_lock, _node_clients, _targets, _targets_lock
+    # The parent's pool threads do not exist here, and its connections are its own.
+    _pool = None
+    _pool_lock = threading.Lock()
+    _clients_lock = threading.Lock()
+    _node_clients = weakref.WeakKeyDictionary()
+    _targets = weakref.WeakValueDictionary()
+    _targets_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,193 @@
+"""What the answers of a Redlock's nodes say, and how a failed attempt is undone.
+
+Pure functions over the per-node outcomes of
+:func:`celery_dlock.redis.redlock_nodes.fan_out` (a reply, a :class:`NodeFailed`, or
+None for a node not waited for), used by :mod:`celery_dlock.redis.redlock`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError, ResponseError
+
+from ..core.errors import BackendUnavailable, Holder, InvalidLockConfig, LockKeyConflict
+from .keyspace import LockKeys, foreign_keys, parse_holder
+from .redlock_nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
+from .scripts import ACQUIRE, READ_HOLD, RELEASE
+
+__all__ = [
+    "DEFAULT_NODE_TIMEOUT",
+    "Holds",
+    "answered",
+    "check_timing",
+    "give_back",
+    "majority_holder",
+    "op_id",
+    "quorum_holder",
+    "raise_conflict",
+    "read_holds",
+    "unavailable",
+]
+
+logger = logging.getLogger("celery_dlock.redlock")
+
+#: The longest one node may take to answer (seconds; at most a tenth of the ttl).
+DEFAULT_NODE_TIMEOUT = 0.5
+
+#: Who holds the lock on the nodes that answered (by owner; None: free).
+Holds = dict[str | None, list[Holder]]
+
+
+def op_id() -> str:
+    """A fresh operation id (see :mod:`celery_dlock.redis.scripts`)."""
+    return os.urandom(8).hex()
+
+
+def answered(reply: Any) -> bool:
+    return reply is not None and not isinstance(reply, NodeFailed)
+
+
+def check_timing(name: str, ttl: float, drift_factor: Any,
+                 node_timeout: Any) -> tuple[float, float]:
+    """``(drift_factor, node_timeout)`` checked (InvalidLockConfig naming them);
+    ``node_timeout`` None: ``min(0.5, ttl / 10)``."""
+    if isinstance(drift_factor, bool) or not isinstance(drift_factor, (int, float)) \
+            or not 0 <= drift_factor < 0.5:
+        raise InvalidLockConfig(f"drift_factor must be a number in [0, 0.5), got "
+                                f"{drift_factor!r}", lock_name=name)
+    if node_timeout is None:
+        node_timeout = min(DEFAULT_NODE_TIMEOUT, ttl / 10)
+    elif isinstance(node_timeout, bool) or \
+            not isinstance(node_timeout, (int, float)) or \
+            not math.isfinite(node_timeout) or not 0 < node_timeout < ttl:
+        raise InvalidLockConfig(f"node_timeout must be a positive number of seconds "
+                                f"below the ttl, got {node_timeout!r}", lock_name=name)
+    return float(drift_factor), float(node_timeout)
+
+
+def unavailable(name: str, what: str, out: Outcome, quorum: int) -> BackendUnavailable:
+    """The error for too few answers: how many answered, and the first failure."""
+    count = sum(1 for r in out if answered(r))
+    error = "no answer"
+    for reply in out:
+        if isinstance(reply, NodeFailed):
+            error = str(reply.error) if reply.error is not None else "no answer in time"
+            break
+    return BackendUnavailable(
+        f"Redlock unavailable during {what}: {count} of {len(out)} nodes answered, "
+        f"{quorum} needed ({error})", lock_name=name)
+
+
+def raise_conflict(nodes: Sequence[Any], keys: LockKeys, name: str,
+                   out: Outcome) -> None:
+    """LockKeyConflict when a node holds another application's data at a lock key."""
+    for i, reply in enumerate(out):
+        if isinstance(reply, NodeFailed) and isinstance(reply.error, ResponseError) \
+                and "WRONGTYPE" in str(reply.error):
+            raise LockKeyConflict(foreign_keys(nodes[i], keys), lock_name=name)
+
+
+def majority_holder(out: Outcome, refused: Sequence[int]) -> Holder | None:
+    """The holder named by most of the nodes that refused an acquire."""
+    holders: Holds = {}
+    for i in refused:
+        reply = out[i]
+        holder = parse_holder(reply[3:], int(reply[1]), int(reply[2]))
+        holders.setdefault(holder.owner, []).append(holder)
+    if not holders:
+        return None
+    return max(holders.values(), key=len)[0]
+
+
+def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[Any],
+              out: Outcome, late: Mapping[int, cf.Future[Any]], timeout: float,
+              name: str, ttl: float) -> None:
+    """Undo an acquire attempt (``args``, with its operation id) on every node that
+    granted it or did not answer.  A granted node gets a release, waited for.  A node
+    that did not answer is undone in the background, once its first request ended
+    (``late``): the same request again (if the first ran, this is its answer, else it
+    runs now), then a release if it granted; acquire-then-release changes nothing
+    whatever order it takes with the caller's next attempt, so a hung node costs the
+    caller nothing more."""
+    lock = (keys.lock,)
+    granted = {i for i, r in enumerate(out) if answered(r) and int(r[0]) == 1}
+
+    def release(i: int, node: Any) -> Any:
+        return RELEASE(node, lock, (owner, op_id())) if i in granted else None
+
+    def undo(i: int, node: Any) -> None:
+        first = late.get(i)
+        if first is not None:
+            cf.wait([first], timeout=timeout + POOL_SLACK)
+        try:
+            if int(ACQUIRE(node, lock, args)[0]) == 1:
+                RELEASE(node, lock, (owner, op_id()))
+        except RedisError as exc:
+            logger.warning("lock %r: a node did not confirm the give-back (%s); a "
+                           "hold left there expires within %gs", name, exc, ttl)
+
+    for i, reply in enumerate(out):
+        if not answered(reply):
+            submit(undo, i, nodes[i])
+    if granted:
+        results = fan_out(nodes, release, timeout)
+        missed = sum(1 for i in granted if isinstance(results[i], NodeFailed))
+        if missed:
+            logger.warning("lock %r: %d node(s) did not confirm the give-back; a hold "
+                           "left there expires within %gs", name, missed, ttl)
+
+
+def _group(out: Outcome) -> tuple[Holds, int]:
+    found: Holds = {}
+    for reply in out:
+        if not answered(reply):
+            continue
+        pttl, secs, usecs = (int(x) for x in reply[:3])
+        holder = (parse_holder(reply[3:], pttl, secs * 1000 + usecs // 1000)
+                  if len(reply) > 3 else None)
+        found.setdefault(holder.owner if holder is not None else None, []).append(
+            holder or Holder())
+    return found, len(out) - sum(len(v) for v in found.values())
+
+
+def read_holds(nodes: Sequence[Any], keys: LockKeys, name: str, what: str,
+               timeout: float, quorum: int, owner: str | None = None) -> Holds:
+    """Who holds the lock on each node that answered; stops asking once the answer
+    is settled (for ``owner`` when given, else for whoever holds a quorum).
+    BackendUnavailable when the answers leave it open."""
+    lock = (keys.lock,)
+
+    def call(_: int, node: Any) -> Any:
+        return READ_HOLD(node, lock, ())
+
+    def settled(out: Outcome) -> bool:
+        found, unknown = _group(out)
+        if owner is not None:
+            count = len(found.get(owner, ()))
+        else:
+            count = max((len(v) for k, v in found.items() if k is not None), default=0)
+        return count >= quorum or count + unknown < quorum
+
+    out = fan_out(nodes, call, timeout, settled)
+    raise_conflict(nodes, keys, name, out)
+    if not settled(out):
+        raise unavailable(name, what, out, quorum)
+    return _group(out)[0]
+
+
+def quorum_holder(found: Holds, quorum: int) -> Holder | None:
+    """The holder on a quorum of nodes (None: nobody); its ``ttl`` is how long that
+    quorum lasts without renewal, and it has no fence."""
+    for owner, holders in found.items():
+        if owner is not None and len(holders) >= quorum:
+            ttls = sorted((h.ttl or 0.0 for h in holders), reverse=True)
+            first = holders[0]
+            return Holder(owner=first.owner, count=first.count, fence=None,
+                          age=first.age, ttl=ttls[quorum - 1], info=dict(first.info))
+    return None
