@@ -27,27 +27,22 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from ..core import owner as _owner
 from ..core.errors import (
     BackendUnavailable,
     DLockError,
     Holder,
-    InvalidLockConfig,
     LockKeyConflict,
     LockLost,
-    LockNotAcquired,
     LockNotOwned,
 )
-from ..core.heartbeat import Heartbeat, get_heartbeat, lease_end
+from ..core.heartbeat import Heartbeat, lease_end
+from ..core.hold import HoldView, acquire_timeout, check_lock_options
 from ..core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys, check_client, decode, foreign_keys, parse_holder
 from .released import read_loss_reason
@@ -61,9 +56,6 @@ __all__ = ["DEFAULT_PREFIX", "RedisLock"]
 logger = logging.getLogger("celery_dlock.lock")
 
 DEFAULT_PREFIX = "dlock"
-_HOST = socket.gethostname()
-
-_RESERVED = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid", "ops"})
 _hold_ids = itertools.count(1)
 
 
@@ -72,7 +64,7 @@ def _op_id() -> str:
     return os.urandom(8).hex()
 
 
-class RedisLock:
+class RedisLock(HoldView):
     """A reentrant distributed lock on one Redis (or one Redis Cluster slot).
 
     :param client: a synchronous ``redis.Redis`` (or ``RedisCluster``) client.
@@ -112,65 +104,22 @@ class RedisLock:
         blocking_timeout: float | None = None,
         heartbeat: Heartbeat | None = None,
     ) -> None:
-        if not isinstance(name, str) or not name:
-            raise InvalidLockConfig(f"a lock needs a non-empty name, got {name!r}")
-        if not isinstance(prefix, str) or not prefix:
-            raise InvalidLockConfig(f"prefix must be a non-empty string, got {prefix!r}",
-                                    lock_name=name)
-        if owner is not None and (not isinstance(owner, str) or not owner):
-            raise InvalidLockConfig(f"owner must be a non-empty string, got {owner!r}",
-                                    lock_name=name)
-        # NaN compares false with everything: refuse it rather than wait forever.
-        if blocking_timeout is not None and not blocking_timeout >= 0:
-            raise InvalidLockConfig("blocking_timeout must be >= 0 or None",
-                                    lock_name=name)
+        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info)
         check_client(client, name)
+        super().__init__(name, owner, on_lost, heartbeat)
         self.client = client
-        self.name = name
         self.prefix = prefix
         self.ttl_ms = _ttl_to_ms(ttl, "ttl", name)
         self.auto_renew = auto_renew
-        self.on_lost = on_lost
         self.blocking_timeout = blocking_timeout
         self.keys = LockKeys.for_name(prefix, name)
-        self._fixed_owner = owner
-        self._heartbeat = heartbeat
-        info_args: list[str] = []
-        for k, v in {"host": _HOST, **(info or {})}.items():
-            if k in _RESERVED:
-                raise InvalidLockConfig(f"info may not set the reserved field {k!r}",
-                                        lock_name=name)
-            if v is not None:
-                info_args += (str(k), str(v))
         self._info_args = info_args
-        self._state = threading.Lock()
-        self._depth = 0
-        self._hold_id = 0
-        self._hold_owner: str | None = None
-        self._fence: int | None = None
-        self._generation = _owner.generation()
-        self._lost_reason: str | None = None
-        #: What the last failed acquire learned about the holder.
-        self.last_holder: Holder | None = None
 
     # -- helpers ------------------------------------------------------------------
 
     @property
     def ttl(self) -> float:
         return self.ttl_ms / 1000.0
-
-    def _current_owner(self) -> str:
-        return self._fixed_owner or _owner.current_owner()
-
-    def _sync_generation(self) -> None:
-        # A forked child inherits this object's memory but not its hold.
-        gen = _owner.generation()
-        if self._generation != gen:
-            self._generation = gen
-            self._depth = 0
-            self._hold_owner = None
-            self._fence = None
-            self._lost_reason = None
 
     def _error(self, exc: RedisError, what: str) -> DLockError:
         """The DLockError for a failed Redis call."""
@@ -192,19 +141,6 @@ class RedisLock:
         except RedisError as exc:
             raise self._error(exc, getattr(fn, "__name__", "a command")) from exc
 
-    def _get_heartbeat(self) -> Heartbeat:
-        return self._heartbeat if self._heartbeat is not None else get_heartbeat()
-
-    def _caller_view(self) -> tuple[str, bool, int, str | None]:
-        """The calling owner, whether it holds the lock through this object, the id of
-        that hold and why it was lost (None: not lost)."""
-        caller = self._current_owner()
-        with self._state:
-            self._sync_generation()
-            held_here = self._depth > 0 and caller == self._hold_owner
-            return caller, held_here, self._hold_id, (self._lost_reason if held_here
-                                                      else None)
-
     # -- acquire ------------------------------------------------------------------
 
     def acquire(self, blocking: bool = True, timeout: float | None = None, *,
@@ -217,19 +153,8 @@ class RedisLock:
         ``None`` or ``-1`` there: no limit).  Raises :class:`BackendUnavailable` when
         Redis cannot be reached.
         """
-        if blocking_timeout is not None:
-            if timeout is not None and timeout != blocking_timeout:
-                raise ValueError("give timeout or blocking_timeout, not both")
-            timeout = blocking_timeout
-        if timeout is not None and timeout != -1:
-            if not blocking:
-                raise ValueError("can't specify a timeout for a non-blocking call")
-            if not timeout >= 0:  # negative, or NaN (which would wait forever)
-                raise ValueError("timeout must be >= 0, -1 or None")
-        elif timeout is None and blocking:
-            timeout = self.blocking_timeout
-        else:
-            timeout = None
+        timeout = acquire_timeout(blocking, timeout, blocking_timeout,
+                                  self.blocking_timeout)
         check_server(self.client)
         owner = self._current_owner()
         keys = self.keys
@@ -480,19 +405,6 @@ class RedisLock:
             self._sync_generation()
             return self._fence if self._depth > 0 else None
 
-    @property
-    def lost(self) -> bool:
-        """Whether this object's last hold was found lost (it stays True after the
-        release of a lost hold, until the next fresh hold)."""
-        return self._lost_reason is not None
-
-    @property
-    def depth(self) -> int:
-        """How many acquires of this object are not yet released."""
-        with self._state:
-            self._sync_generation()
-            return self._depth
-
     # -- lost ---------------------------------------------------------------------
 
     def _why_gone(self, default: str, owner: str) -> str:
@@ -501,50 +413,6 @@ class RedisLock:
         with self._state:
             fence = self._fence
         return read_loss_reason(self.client, self.keys.lock, owner, fence) or default
-
-    def _mark_lost(self, reason: str, hold_id: int | None = None) -> bool:
-        """Record that hold ``hold_id`` (default: the current one) is lost, whoever
-        found out; ``on_lost`` runs once per hold.  A report about an older hold
-        changes nothing."""
-        with self._state:
-            if self._depth == 0 or self._lost_reason is not None:
-                return False
-            if hold_id is not None and hold_id != self._hold_id:
-                return False
-            self._lost_reason = reason
-            hold_id = self._hold_id
-        self._get_heartbeat().unregister(self, hold_id)
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self)
-            except Exception:
-                logger.exception("on_lost callback for %r failed", self.name)
-        return True
-
-    # -- context manager ------------------------------------------------------------
-
-    def __enter__(self) -> RedisLock:
-        if not self.acquire(blocking=True, timeout=self.blocking_timeout):
-            raise LockNotAcquired(lock_name=self.name, holder=self.last_holder)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            self.release()
-        except DLockError as release_error:
-            if exc is None:
-                raise
-            # Never hide the body's exception behind a release problem.
-            logger.warning("releasing %r after an error also failed: %s",
-                           self.name, release_error)
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"celery-dlock: releasing lock {self.name!r} also failed: "
-                             f"{release_error}")
 
     def __repr__(self) -> str:
         return (f"<RedisLock {self.name!r} ttl={self.ttl:g}s depth={self._depth} "

@@ -32,24 +32,21 @@ import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any, TypeAlias
 
 from redis.exceptions import ResponseError
 
 from ..core.errors import (
-    DLockError,
     FencingUnavailable,
     Holder,
     LockLost,
-    LockNotAcquired,
     LockNotOwned,
 )
 from ..core.heartbeat import Heartbeat, lease_end
+from ..core.hold import HoldView, acquire_timeout, check_lock_options
 from ..core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys
 from .lock import RedisLock
-from .redlock_hold import HoldView, check_lock_options
 from .redlock_nodes import (
     POOL_SLACK,
     NodeFailed,
@@ -188,19 +185,8 @@ class RedlockLock(HoldView):
         to :data:`RETRY_DELAY`) for at most ``timeout`` seconds (as for RedisLock).
         Raises :class:`BackendUnavailable` when fewer than a quorum of nodes answer.
         """
-        if blocking_timeout is not None:
-            if timeout is not None and timeout != blocking_timeout:
-                raise ValueError("give timeout or blocking_timeout, not both")
-            timeout = blocking_timeout
-        if timeout is not None and timeout != -1:
-            if not blocking:
-                raise ValueError("can't specify a timeout for a non-blocking call")
-            if not timeout >= 0:
-                raise ValueError("timeout must be >= 0, -1 or None")
-        elif timeout is None and blocking:
-            timeout = self.blocking_timeout
-        else:
-            timeout = None
+        timeout = acquire_timeout(blocking, timeout, blocking_timeout,
+                                  self.blocking_timeout)
         owner = self._current_owner()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -455,26 +441,6 @@ class RedlockLock(HoldView):
     def fence(self) -> int | None:
         """Always raises :class:`FencingUnavailable`: see the module docs."""
         raise FencingUnavailable(FENCE_REFUSAL, lock_name=self.name)
-
-    # -- context manager ------------------------------------------------------------
-
-    def __enter__(self) -> RedlockLock:
-        if not self.acquire(blocking=True, timeout=self.blocking_timeout):
-            raise LockNotAcquired(lock_name=self.name, holder=self.last_holder)
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None,
-                 exc: BaseException | None, tb: TracebackType | None) -> None:
-        try:
-            self.release()
-        except DLockError as release_error:
-            if exc is None:
-                raise
-            logger.warning("releasing %r after an error also failed: %s",
-                           self.name, release_error)
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"celery-dlock: releasing lock {self.name!r} also failed: "
-                             f"{release_error}")
 
     def __repr__(self) -> str:
         return (f"<RedlockLock {self.name!r} nodes={len(self.clients)} "
