@@ -105,3 +105,25 @@ def wait_in_line(redis_url: str, prefix: str, name: str, owner: str) -> None:
     """Block in ``acquire`` (joining the line) until killed."""
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
     RedisLock(client, name, owner=owner, prefix=prefix).acquire(timeout=120)
+
+
+def try_acquire(lock: Any) -> bool:
+    """One non-blocking acquire; Redis unreachable (a failover under way) is False."""
+    from celery_dlock import BackendUnavailable
+
+    try:
+        return bool(lock.acquire(blocking=False))
+    except BackendUnavailable:
+        return False
+
+
+def until_while(predicate: Callable[[], bool], timeout: float,
+                also: Callable[[], None]) -> bool:
+    """``wait_until`` that calls ``also`` (e.g. another owner trying) on every round."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        also()
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

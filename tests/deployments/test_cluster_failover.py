@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 import redis
+from dlock_helpers import try_acquire, until_while
 from servers import Cluster, supports_cluster
 
-from celery_dlock import BackendUnavailable, RedisLock
+from celery_dlock import RedisLock
 from celery_dlock.redis.keyspace import LockKeys
 
 pytestmark = pytest.mark.slow
@@ -44,24 +45,6 @@ def cluster_with_replicas() -> Iterator[Cluster]:
 
 def _client(cluster: Cluster) -> Any:
     return cluster.client(socket_timeout=2, socket_connect_timeout=1)
-
-
-def _try(lock: RedisLock) -> bool:
-    try:
-        return lock.acquire(blocking=False)
-    except BackendUnavailable:
-        return False
-
-
-def _until(predicate: Callable[[], bool], timeout: float,
-           also: Callable[[], None]) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        also()
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def _kill_master_of(cluster: Cluster, key: str) -> int:
@@ -125,14 +108,14 @@ def test_a_hold_with_a_longer_ttl_survives_a_master_failover(cluster_with_replic
     b_got: list[float] = []
 
     def contend() -> None:
-        if _try(b):
+        if try_acquire(b):
             b_got.append(time.monotonic())
 
     try:
         old = _kill_master_of(cluster, key)
-        assert _until(_promoted(cluster, key, old), 30, contend), "no failover"
+        assert until_while(_promoted(cluster, key, old), 30, contend), "no failover"
         # two ttls on: the hold was renewed on the promoted replica all along
-        _until(lambda: False, 16, contend)
+        until_while(lambda: False, 16, contend)
         assert not b_got, "another owner got the lock during the failover"
         assert not lost and not a.lost and a.owned() and c.owned()
         holder = b.holder()
@@ -163,7 +146,8 @@ def test_a_hold_with_a_shorter_ttl_is_lost_before_anyone_else_acquires(
     try:
         killed_at = time.time()
         _kill_master_of(cluster, a.keys.lock)
-        assert _until(lambda: _try(b), 40, lambda: None), "B never got the lock"
+        assert until_while(lambda: try_acquire(b), 40, lambda: None), \
+            "B never got the lock"
         assert told_at, "the holder was never told"
         acquired_at_ms = int(other_client.hget(b.keys.lock, "acquired_at"))
         assert told_at[0] - killed_at < 1.0

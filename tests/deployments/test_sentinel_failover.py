@@ -19,12 +19,11 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
-from dlock_helpers import wait_until
+from dlock_helpers import try_acquire, until_while, wait_until
 from servers import SentinelGroup
 
 from celery_dlock import BackendUnavailable, RedisLock
@@ -65,24 +64,6 @@ def _bring_back(group: SentinelGroup, port: int) -> None:
         "the old master never became a healthy replica of the new one"
 
 
-def _try(lock: RedisLock) -> bool:
-    try:
-        return lock.acquire(blocking=False)
-    except BackendUnavailable:
-        return False
-
-
-def _until(predicate: Callable[[], bool], timeout: float,
-           also: Callable[[], None]) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        also()
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_a_hold_with_a_longer_ttl_survives_the_failover(sentinel_group):
     group = sentinel_group
     prefix = f"dlf{uuid.uuid4().hex[:8]}"
@@ -99,11 +80,11 @@ def test_a_hold_with_a_longer_ttl_survives_the_failover(sentinel_group):
     b_got: list[float] = []
 
     def contend() -> None:
-        if _try(b):
+        if try_acquire(b):
             b_got.append(time.monotonic())
 
     try:
-        assert _until(lambda: group.current_master_port() != old, 30, contend), \
+        assert until_while(lambda: group.current_master_port() != old, 30, contend), \
             "no failover"
 
         def a_holds_on_the_new_master() -> bool:
@@ -112,9 +93,9 @@ def test_a_hold_with_a_longer_ttl_survives_the_failover(sentinel_group):
             except BackendUnavailable:
                 return False
 
-        assert _until(a_holds_on_the_new_master, 15, contend)
+        assert until_while(a_holds_on_the_new_master, 15, contend)
         # a few renewal rounds on the new master, still contended
-        _until(lambda: False, 1.5, contend)
+        until_while(lambda: False, 1.5, contend)
         assert not b_got, "another owner got the lock during the failover"
         assert not lost and not a.lost
         assert a.fence == fence
@@ -144,7 +125,8 @@ def test_a_hold_with_a_shorter_ttl_is_lost_before_anyone_else_acquires(
     killed_at = time.time()
     old = _kill_master(group)
     try:
-        assert _until(lambda: _try(b), 30, lambda: None), "B never got the lock"
+        assert until_while(lambda: try_acquire(b), 30, lambda: None), \
+            "B never got the lock"
         assert told_at, "the holder was never told"
         acquired_at_ms = int(other_client.hget(b.keys.lock, "acquired_at"))
         # told at its deadline (within the ttl of the kill), before B's acquire ran
