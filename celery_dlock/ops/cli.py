@@ -59,6 +59,7 @@ from .inspect import (
     iter_locks,
     waiting_counts,
 )
+from .oneline import OneLineGroup
 
 __all__ = ["dlock"]
 
@@ -151,7 +152,7 @@ def _reports_redis_errors(fun: F) -> F:
 
 # -- the group ------------------------------------------------------------------------
 
-@click.group(name="dlock")
+@click.group(name="dlock", cls=OneLineGroup)
 @click.option("--url", metavar="URL",
               help="Redis to read (default: the app's, as the workers find it).")
 @click.option("--prefix", metavar="PREFIX",

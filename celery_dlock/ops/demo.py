@@ -30,6 +30,7 @@ from celery import Celery
 from ..task.connection import mask_url
 from ..task.locked_task import LockedTask
 from .embedded import EmbeddedRedis
+from .oneline import OneLineParser, mask_secrets
 
 __all__ = ["app", "main", "run_demo"]
 
@@ -314,7 +315,7 @@ def _unreachable(redis_url: str, timeout: float = 3.0) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="celery-dlock demo",
         description="Sell 200 units to 400 concurrent buyers on real Celery workers, "
                     "with and without LockedTask.")
@@ -345,4 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("\ncelery-dlock demo: interrupted; workers stopped and the "
                          "demo's keys removed\n")
         return 130
+    except (RuntimeError, OSError, redis.RedisError) as exc:
+        # No redis-server to start, workers that did not come up, a Redis that went
+        # away: what went wrong, on one line (the workers are stopped by now).
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        sys.stderr.write(f"\ncelery-dlock demo: {mask_secrets(reason)}\n")
+        return 1
     return 0 if locked.sold == min(args.stock, args.buyers) else 1
