@@ -38,9 +38,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..core.errors import BackendUnavailable, InvalidLockConfig
+from ..redis import topology
 from ..redis.keyspace import LockKeys
 from ..task.config import get_client, mask_url, resolve_url
-from ..task.connection import _default_client_options, client_from_url
+from ..task.connection import _default_client_options
 from ..task.events import Event, recent_events, recording_enabled
 from .audit import record_release
 from .formatting import (
@@ -87,8 +88,13 @@ class _Target:
                 conf = getattr(self.app, "conf", None)
                 extra = (conf.get("dlock_transport_options") if conf is not None
                          else None) or {}
-                self._client = client_from_url(self.url, _default_client_options(),
-                                               extra)
+                try:
+                    self._client = topology.client_from_url(
+                        self.url, _default_client_options(), extra)
+                except (ValueError, TypeError) as exc:
+                    text = str(exc).replace(self.url, mask_url(self.url))
+                    raise InvalidLockConfig(f"--url {mask_url(self.url)!r} is not a "
+                                            f"Redis URL it can use: {text}") from None
             else:
                 self._client = get_client(self.app)
         return self._client

@@ -337,3 +337,10 @@ def test_dlock_bad_input_is_one_line(newcomer: Newcomer, args: tuple[str, ...],
                                      url: str | None, code: int) -> None:
     proc = newcomer.dlock(*args, url=url)
     assert_one_line_failure(proc, code=code)
+
+
+def test_dlock_a_bad_url_option_is_named_as_the_option(newcomer: Newcomer) -> None:
+    """A --url that cannot be used is blamed on --url, not on the app's settings."""
+    proc = newcomer.dlock("--url", f"http://:{PASSWORD}@127.0.0.1/0", "ls")
+    line = assert_one_line_failure(proc, code=2)
+    assert "--url" in line and "dlock_url" not in line, line
