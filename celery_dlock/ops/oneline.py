@@ -44,8 +44,14 @@ class OneLineUsageError(click.UsageError):
                    f"(see '{path} --help')", file=file, err=file is None)
 
 
-def _one_line(exc: click.UsageError) -> OneLineUsageError:
-    if isinstance(exc, OneLineUsageError):
+# click >= 8.2 raises this for a group called without a sub-command: it shows the help.
+_SHOWS_HELP: tuple[type[click.UsageError], ...] = tuple(
+    t for t in (getattr(click.exceptions, "NoArgsIsHelpError", None),)
+    if isinstance(t, type))
+
+
+def _one_line(exc: click.UsageError) -> click.UsageError:
+    if isinstance(exc, (OneLineUsageError, *_SHOWS_HELP)):
         return exc
     return OneLineUsageError(exc.format_message(), exc.ctx)
 

@@ -344,3 +344,18 @@ def test_dlock_a_bad_url_option_is_named_as_the_option(newcomer: Newcomer) -> No
     proc = newcomer.dlock("--url", f"http://:{PASSWORD}@127.0.0.1/0", "ls")
     line = assert_one_line_failure(proc, code=2)
     assert "--url" in line and "dlock_url" not in line, line
+
+
+def test_dlock_without_a_sub_command_shows_the_help(newcomer: Newcomer) -> None:
+    proc = newcomer.dlock()
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out and PASSWORD not in out, out
+    assert out.lstrip().startswith("Usage: celery dlock"), out
+    assert "Commands:" in out and "release" in out, out
+
+
+def test_demo_with_a_wrong_password_is_one_line(newcomer: Newcomer) -> None:
+    wrong = newcomer.redis_url.replace(PASSWORD, "wrong-" + PASSWORD)
+    proc = newcomer.run("celery-dlock", "demo", "--redis-url", wrong)
+    line = assert_one_line_failure(proc, code=1)
+    assert "wrong-" not in line and "redis://:**@" in line, line
