@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from dlock_helpers import wait_until
 
 from celery_dlock.ops.embedded import EmbeddedRedis
 from celery_dlock.redis.lock import RedisLock
@@ -359,3 +360,30 @@ def test_demo_with_a_wrong_password_is_one_line(newcomer: Newcomer) -> None:
     proc = newcomer.run("celery-dlock", "demo", "--redis-url", wrong)
     line = assert_one_line_failure(proc, code=1)
     assert "wrong-" not in line and "redis://:**@" in line, line
+
+
+def test_demo_whose_redis_goes_away_midway_is_one_line(newcomer: Newcomer) -> None:
+    """The Redis stops while buyers are being sent: one line, exit 1, workers stopped."""
+    with EmbeddedRedis(password=PASSWORD) as server:
+        client = redis.Redis.from_url(server.url, socket_timeout=5)
+        base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.Popen(
+            [str(newcomer.bin / "celery-dlock"), "demo", "--redis-url", server.url,
+             "--workers", "1", "--concurrency", "1", "--stock", "20000",
+             "--buyers", "20000"],
+            cwd=newcomer.home, env=base, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert wait_until(lambda: any(client.scan_iter(match="dlock-demo-*:plain:*")),
+                              timeout=60, interval=0.05)
+            client.close()
+            server.stop()
+            out, err = proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    gone = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    line = assert_one_line_failure(gone, code=1)
+    assert line.startswith("celery-dlock demo: "), line
+    assert "stopping workers" in out
