@@ -80,13 +80,31 @@ class Newcomer:
                         input=input, timeout=timeout)
 
 
-def _install(tmp: Path) -> Path:
+def _pip_install(python: Path, *requirements: str) -> None:
+    pip = subprocess.run([str(python), "-m", "pip", "install", "--quiet",
+                          "--disable-pip-version-check", *requirements],
+                         capture_output=True, text=True, timeout=400, check=False)
+    out = pip.stdout + pip.stderr
+    if pip.returncode != 0 and any(sign in out for sign in _OFFLINE):
+        pytest.skip(f"PyPI unreachable (pip install {' '.join(requirements)}): "
+                    f"{out[-300:]}")
+    assert pip.returncode == 0, out[-3000:]
+
+
+def _builder(tmp: Path) -> Path:
+    """A Python with ``build``: this one (the dev extra), else a venv made for it."""
     try:
         import build  # noqa: F401
     except ImportError:
-        pytest.skip("needs the 'build' package (pip install -e '.[dev]')")
+        venv.EnvBuilder(with_pip=True, clear=True).create(tmp / "builder")
+        _pip_install(tmp / "builder" / "bin" / "python", "build")
+        return tmp / "builder" / "bin" / "python"
+    return Path(sys.executable)
+
+
+def _install(tmp: Path) -> Path:
     dist = tmp / "dist"
-    made = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir",
+    made = subprocess.run([str(_builder(tmp)), "-m", "build", "--sdist", "--outdir",
                            str(dist), str(REPO)],
                           capture_output=True, text=True, timeout=240, check=False)
     out = made.stdout + made.stderr
@@ -97,14 +115,7 @@ def _install(tmp: Path) -> Path:
 
     env_dir = tmp / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
-    pip = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install",
-                          "--quiet", "--disable-pip-version-check",
-                          f"{sdist}[embedded]"],
-                         capture_output=True, text=True, timeout=400, check=False)
-    out = pip.stdout + pip.stderr
-    if pip.returncode != 0 and any(sign in out for sign in _OFFLINE):
-        pytest.skip(f"PyPI unreachable (installing the sdist): {out[-300:]}")
-    assert pip.returncode == 0, out[-3000:]
+    _pip_install(env_dir / "bin" / "python", f"{sdist}[embedded]")
     return env_dir / "bin"
 
 
