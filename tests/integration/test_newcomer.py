@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import uuid
 import venv
 from collections.abc import Iterator
@@ -60,6 +61,7 @@ class Newcomer:
     bin: Path
     home: Path  # a directory outside the checkout: the cwd of every command
     redis_url: str  # the external Redis, with its password
+    sdist: Path
 
     def run(self, exe: str, *args: str, timeout: float = 60, input: str | None = None,
             env: dict[str, str] | None = None) -> Run:
@@ -102,7 +104,7 @@ def _builder(tmp: Path) -> Path:
     return Path(sys.executable)
 
 
-def _install(tmp: Path) -> Path:
+def _install(tmp: Path) -> tuple[Path, Path]:
     dist = tmp / "dist"
     made = subprocess.run([str(_builder(tmp)), "-m", "build", "--sdist", "--outdir",
                            str(dist), str(REPO)],
@@ -116,7 +118,7 @@ def _install(tmp: Path) -> Path:
     env_dir = tmp / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     _pip_install(env_dir / "bin" / "python", f"{sdist}[embedded]")
-    return env_dir / "bin"
+    return env_dir / "bin", sdist
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +131,11 @@ def external() -> Iterator[EmbeddedRedis]:
 def newcomer(tmp_path_factory: pytest.TempPathFactory,
              external: EmbeddedRedis) -> Iterator[Newcomer]:
     tmp = tmp_path_factory.mktemp("newcomer")
-    bin_dir = _install(tmp)
+    bin_dir, sdist = _install(tmp)
     home = tmp / "home"
     home.mkdir()
     (home / "ncapp.py").write_text(APP_MODULE)
-    yield Newcomer(bin=bin_dir, home=home, redis_url=external.url)
+    yield Newcomer(bin=bin_dir, home=home, redis_url=external.url, sdist=sdist)
     shutil.rmtree(tmp / "venv", ignore_errors=True)
 
 
@@ -189,6 +191,16 @@ def test_the_installed_package_is_the_sdist_not_the_checkout(newcomer: Newcomer)
     assert typed == "True"  # py.typed is installed, not only in the sdist
     assert newcomer.run("celery-dlock", "version").stdout.strip() == (
         f"celery-dlock {__version__}")
+
+
+def test_the_sdist_carries_every_doc_and_example(newcomer: Newcomer) -> None:
+    """test_packaging checks a few named files; here: every one under docs/, examples/."""
+    with tarfile.open(newcomer.sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    wanted = {str(path.relative_to(REPO)) for folder in ("docs", "examples")
+              for path in (REPO / folder).rglob("*")
+              if path.is_file() and "__pycache__" not in path.parts}
+    assert wanted and wanted <= names, sorted(wanted - names)
 
 
 # -- celery-dlock and its demo -------------------------------------------------------
