@@ -68,6 +68,7 @@ class Newcomer:
         base = {k: v for k, v in os.environ.items()
                 if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
         base["PATH"] = f"{self.bin}{os.pathsep}{base.get('PATH', '')}"
+        base.update(COLUMNS="200", LINES="50")  # top fits its table to the terminal
         return subprocess.run([str(self.bin / exe), *args], cwd=self.home,
                               env={**base, **(env or {})}, input=input,
                               stdin=None if input is not None else subprocess.DEVNULL,
