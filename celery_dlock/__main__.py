@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .ops.demo import main as demo_main
+from .ops.oneline import mask_secrets
 
 USAGE = """usage: celery-dlock COMMAND [options]
 
@@ -30,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command in ("version", "--version"):
         sys.stdout.write(f"celery-dlock {__version__}\n")
         return 0
-    sys.stderr.write(f"celery-dlock: unknown command {command!r}\n\n{USAGE}")
+    sys.stderr.write(f"celery-dlock: unknown command {mask_secrets(repr(command))} "
+                     "(commands: demo, version; see celery-dlock --help)\n")
     return 2
 
 

@@ -34,13 +34,14 @@ from typing import Any, TypeVar
 import click
 from celery import current_app
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..core.errors import BackendUnavailable, InvalidLockConfig, LockKeyConflict
+from ..redis import topology
 from ..redis.keyspace import LockKeys
 from ..task.config import get_client, mask_url, resolve_url
-from ..task.connection import _default_client_options, client_from_url
+from ..task.connection import _default_client_options
 from ..task.events import Event, recent_events, recording_enabled
 from .audit import record_release, released_by
 from .formatting import (
@@ -59,6 +60,7 @@ from .inspect import (
     iter_locks,
     waiting_counts,
 )
+from .oneline import OneLineGroup
 
 __all__ = ["dlock"]
 
@@ -86,8 +88,17 @@ class _Target:
                 conf = getattr(self.app, "conf", None)
                 extra = (conf.get("dlock_transport_options") if conf is not None
                          else None) or {}
-                self._client = client_from_url(self.url, _default_client_options(),
-                                               extra)
+                try:
+                    self._client = topology.client_from_url(
+                        self.url, _default_client_options(), extra)
+                except (ValueError, TypeError) as exc:
+                    text = str(exc).replace(self.url, mask_url(self.url))
+                    raise InvalidLockConfig(f"--url {mask_url(self.url)!r} is not a "
+                                            f"Redis URL it can use: {text}") from None
+                except (RedisClusterException, RedisError) as exc:  # a dead cluster
+                    text = str(exc).replace(self.url, mask_url(self.url))
+                    raise BackendUnavailable(f"Redis unavailable at "
+                                             f"{mask_url(self.url)}: {text}") from None
             else:
                 client = get_client(self.app)
                 if isinstance(client, tuple):
@@ -157,7 +168,7 @@ def _reports_redis_errors(fun: F) -> F:
 
 # -- the group ------------------------------------------------------------------------
 
-@click.group(name="dlock")
+@click.group(name="dlock", cls=OneLineGroup)
 @click.option("--url", metavar="URL",
               help="Redis to read (default: the app's, as the workers find it).")
 @click.option("--prefix", metavar="PREFIX",

@@ -26,10 +26,12 @@ from typing import Any, TextIO
 
 import redis
 from celery import Celery
+from kombu.exceptions import KombuError
 
 from ..task.connection import mask_url
 from ..task.locked_task import LockedTask
 from .embedded import EmbeddedRedis
+from .oneline import OneLineParser, mask_secrets
 
 __all__ = ["app", "main", "run_demo"]
 
@@ -160,11 +162,10 @@ def _run_phase(demo_app: Celery, r: redis.Redis, prefix: str, phase: str, label:
     r.set(f"{prefix}:{phase}:done", 0)
     name = "demo.buy_locked" if phase == "locked" else "demo.buy_plain"
     started = time.monotonic()
-    results = []
     for _ in range(buyers):
         task_id = uuid.uuid4().hex
         task_ids.append(task_id)  # before sending: an interrupt cleans it up too
-        results.append(demo_app.send_task(name, args=(product_id,), task_id=task_id))
+        demo_app.send_task(name, args=(product_id,), task_id=task_id)
     deadline = started + timeout
     done = 0
     while done < buyers:
@@ -177,8 +178,6 @@ def _run_phase(demo_app: Celery, r: redis.Redis, prefix: str, phase: str, label:
         time.sleep(0.05)
     elapsed = time.monotonic() - started
     out.write(f"  {elapsed:.1f}s\n")
-    for result in results:
-        result.forget()
     return PhaseResult(label=label, stock=stock, buyers=buyers,
                        sold=int(r.get(f"{prefix}:{phase}:sold") or 0),
                        left=int(r.get(f"{prefix}:{phase}:stock:{product_id}") or 0),
@@ -241,7 +240,10 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
         out.write(f"{redis_url}\n")
     tag = uuid.uuid4().hex[:8]
     prefix, queue = f"dlock-demo-{tag}", f"dlock-demo-{tag}"
-    demo_app = Celery("celery_dlock.ops.demo.client", broker=redis_url, backend=redis_url,
+    # No result backend here: progress is read from Redis counters, and results the
+    # workers store are deleted by task id.  (With one, every sent task would subscribe
+    # to its result, and a Redis gone away would make them complain at exit.)
+    demo_app = Celery("celery_dlock.ops.demo.client", broker=redis_url,
                       set_as_current=False)
     demo_app.conf.update(task_default_queue=queue,
                          broker_transport_options={"polling_interval": 0.1})
@@ -314,7 +316,7 @@ def _unreachable(redis_url: str, timeout: float = 3.0) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="celery-dlock demo",
         description="Sell 200 units to 400 concurrent buyers on real Celery workers, "
                     "with and without LockedTask.")
@@ -345,4 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("\ncelery-dlock demo: interrupted; workers stopped and the "
                          "demo's keys removed\n")
         return 130
+    except (RuntimeError, OSError, redis.RedisError, KombuError) as exc:
+        # No redis-server to start, workers that did not come up, a Redis that went
+        # away: what went wrong, on one line (the workers are stopped by now).
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        sys.stderr.write(f"\ncelery-dlock demo: {mask_secrets(reason)}\n")
+        return 1
     return 0 if locked.sold == min(args.stock, args.buyers) else 1
