@@ -21,6 +21,7 @@ from typing import Any
 
 import redis
 from celery import Celery, signals
+from celery.utils.nodenames import host_format
 
 from celery_dlock import LockedTask
 
@@ -32,6 +33,8 @@ except ImportError:
 ENV_URL = "DLOCK_PF_REDIS_URL"
 ENV_PREFIX = "DLOCK_PF_PREFIX"
 ENV_QUEUE = "DLOCK_PF_QUEUE"
+#: The worker's node name as given to ``-n`` (``%h`` not yet expanded).
+ENV_NODE = "DLOCK_PF_NODE"
 #: JSON object of extra ``app.conf`` settings for the worker (fault tests).
 ENV_CONF = "DLOCK_PF_CONF"
 
@@ -184,7 +187,10 @@ def _connect_markers(prefix: str) -> None:
     dp = data_prefix(prefix)
 
     def on_process_init(sender: Any = None, **_: Any) -> None:
-        data().incr(f"{dp}:children:{sender}")
+        # Celery before 5.6 sends this signal without the node name: the harness gives
+        # the worker's -n value in the environment, expanded here as Celery does.
+        node = sender or host_format(os.environ.get(ENV_NODE, ""))
+        data().incr(f"{dp}:children:{node}")
 
     def on_ready(sender: Any = None, **_: Any) -> None:
         data().sadd(f"{dp}:ready", str(sender.hostname))

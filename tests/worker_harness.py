@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import redis
 from dlock_helpers import release_marker
-from prefork_app import ENV_PREFIX, ENV_QUEUE, ENV_URL, data_prefix, make_app
+from prefork_app import ENV_NODE, ENV_PREFIX, ENV_QUEUE, ENV_URL, data_prefix, make_app
 
 from celery_dlock.redis.keyspace import LockKeys
 
@@ -133,6 +133,7 @@ class Harness:
             ENV_URL: self.url,
             ENV_PREFIX: self.prefix,
             ENV_QUEUE: self.queue,
+            ENV_NODE: f"{label}@%h",
             "PYTHONPATH": os.pathsep.join(
                 [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
             "PYTHONUNBUFFERED": "1",
@@ -141,7 +142,7 @@ class Harness:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "tests.prefork_app", "worker",
                  f"--pool={pool}", "-c", str(concurrency), "-Q", self.queue,
-                 "-n", f"{label}@%h", "--without-gossip", "--without-mingle",
+                 "-n", env[ENV_NODE], "--without-gossip", "--without-mingle",
                  "--without-heartbeat", "-l", "info"],
                 cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -207,6 +207,9 @@ def _default_client_options() -> dict[str, Any]:
         "health_check_interval": 30,
         # Fail over quickly to BackendUnavailable rather than hang a task.
         "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        # What ``retry`` re-sends on: redis-py 6+ reads it from ``retry``, older
+        # versions only from here (without it they re-send nothing).
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
     }
 
 

@@ -27,10 +27,12 @@ pytestmark = pytest.mark.slow
 
 def _client(url: str, *, timeout: float, retries: int = 0) -> redis.Redis:
     """A client whose socket timeout and re-sends we choose (redis-py re-sends a
-    command after a timeout when ``retries`` > 0, as its default client does)."""
+    command after a timeout when ``retries`` > 0, as its default client does; before
+    redis-py 6 only for the errors named in ``retry_on_error``)."""
     return redis.Redis.from_url(
         url, socket_timeout=timeout, socket_connect_timeout=timeout,
-        retry=redis.retry.Retry(redis.backoff.NoBackoff(), retries))
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 def _direct(server: EmbeddedRedis) -> redis.Redis:

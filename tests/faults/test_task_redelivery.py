@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kombu.transport.redis
 import pytest
 import redis
 from celery import states
@@ -67,7 +69,30 @@ def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
         "unacked_index_key": f"{prefix}-unacked_index",
         "unacked_mutex_key": f"{prefix}-unacked_mutex",
     }}))
-    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+    stop = threading.Event()
+    for h in open_harness(redis_url, r, prefix, tmp_path, request):
+        restorer = None
+        if not hasattr(kombu.transport.redis.Channel, "unacked_restore_interval"):
+            restorer = threading.Thread(target=_restore_unacked, args=(h.app, stop),
+                                        daemon=True)
+            restorer.start()
+        try:
+            yield h
+        finally:
+            stop.set()
+            if restorer is not None:
+                restorer.join(10)
+
+
+def _restore_unacked(app: Any, stop: threading.Event) -> None:
+    """kombu before 5.7 has no ``unacked_restore_interval``: a worker restores unacked
+    messages every 10 s, scanning on every 10th time only (about 100 s). Run kombu's
+    own restore (``QoS.restore_visible``, on the same keys) every 0.5 s instead."""
+    deadline = time.monotonic() + 300
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        while not stop.wait(0.5) and time.monotonic() < deadline:
+            channel.qos.restore_visible(num=channel.unacked_restore_limit, interval=1)
 
 
 @pytest.mark.slow
