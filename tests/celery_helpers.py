@@ -6,6 +6,8 @@ import gc
 import warnings
 from typing import Any
 
+import pytest
+
 
 def close_app(app: Any) -> None:
     """Let go of an app's result consumer while its Redis is still up.
@@ -25,3 +27,20 @@ def close_app(app: Any) -> None:
     if consumer is not None:
         consumer.stop()
     app.close()
+
+
+def _celery_version() -> tuple[int, ...]:
+    import celery
+
+    return tuple(int(p) for p in celery.__version__.split(".")[:2] if p.isdigit())
+
+
+#: For tests whose in-process worker (``celery.contrib.testing``) must run an ETA
+#: (countdown) message: before Celery 5.7 that worker never runs one once an earlier
+#: test in the process used it.  Real workers do, on every pool, at the floors too:
+#: tests/integration/test_contention_retry_workers.py.
+needs_inprocess_eta = pytest.mark.skipif(
+    _celery_version() < (5, 7),
+    reason="celery.contrib.testing's in-process worker before Celery 5.7 never runs a "
+           "countdown message after an earlier test; real workers are checked by "
+           "test_contention_retry_workers.py")

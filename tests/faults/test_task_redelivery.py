@@ -23,6 +23,7 @@ import kombu.transport.redis
 import pytest
 import redis
 from celery import states
+from celery_helpers import needs_inprocess_eta
 from task_env import TaskEnv, new_app, running
 from worker_harness import Harness, open_harness, wait_for
 
@@ -120,6 +121,7 @@ def test_redelivered_running_task_runs_once_and_keeps_its_result(
     wait_for(lambda: h.lock_keys_left() == [], 5, what="the lock to be released")
 
 
+@needs_inprocess_eta
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_duplicate_of_a_run_that_died_recovers_the_task(harness: Harness) -> None:

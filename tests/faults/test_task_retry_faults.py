@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery_helpers import needs_inprocess_eta
 from task_env import TaskEnv, new_app, running
 from worker_harness import Harness, assert_disjoint, open_harness, spans, wait_for
 
@@ -122,6 +123,7 @@ def _contentions(seen: list[dict[str, Any]], task_id: str) -> int:
     return sum(1 for kw in seen if kw.get("task_id") == task_id)
 
 
+@needs_inprocess_eta
 def test_contention_budget_resets_once_the_body_has_ran(env: TaskEnv) -> None:
     x = uuid.uuid4().hex[:8]
     seen: list[dict[str, Any]] = []
@@ -159,6 +161,7 @@ def test_contention_budget_resets_once_the_body_has_ran(env: TaskEnv) -> None:
           f"episodes with lock_retry_max=3")
 
 
+@needs_inprocess_eta
 def test_contention_budget_still_bounds_one_episode(env: TaskEnv) -> None:
     x = uuid.uuid4().hex[:8]
     holder = RedisLock(env.r, f"b:{x}", prefix=env.prefix, owner="test-holder")

@@ -20,7 +20,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
-from celery_helpers import close_app
+from celery_helpers import close_app, needs_inprocess_eta
 from task_env import new_app
 
 from celery_dlock import (
@@ -211,6 +211,7 @@ def test_task_declares_its_lock_name(env):
     assert env.tasks.interval.lock_name((), {"x": 5, "seconds": 2}) == "k:5"
 
 
+@needs_inprocess_eta
 def test_runs_of_one_key_never_overlap_and_all_run(env):
     x = _x()
     results = [env.tasks.interval.delay(x, 0.3, f"r{i}") for i in range(3)]
@@ -306,6 +307,7 @@ def test_wait_wakes_on_release(env):
     assert got["fence"] > 0
 
 
+@needs_inprocess_eta
 def test_retry_does_not_consume_max_retries(env):
     x = _x()
     holder = _hold(env, x)
@@ -317,6 +319,7 @@ def test_retry_does_not_consume_max_retries(env):
     assert got["contention"] >= 1
 
 
+@needs_inprocess_eta
 def test_retry_gives_up_after_its_bound(env):
     x = _x()
     holder = _hold(env, x)

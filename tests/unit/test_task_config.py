@@ -18,7 +18,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, needs_inprocess_eta
 
 from celery_dlock import InvalidLockConfig, LockedTask, LockNotAcquired, RedisLock
 from celery_dlock.task import config
@@ -140,6 +140,7 @@ def test_per_call_headers_beat_everything(annotated, r):
     assert caught.value.lock_name == "plain:c"
 
 
+@needs_inprocess_eta
 def test_per_call_headers_ride_with_contention_retries(annotated, r):
     """Without the call's bound (app default: 20 retries, backoff from 1 s doubling to
     30 s) this would take minutes; the headers travel with each re-queued message."""
