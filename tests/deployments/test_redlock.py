@@ -9,17 +9,14 @@ from __future__ import annotations
 import importlib.util
 import pickle
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from dlock_helpers import wait_until
-from redlock_trio import Trio
 from servers import Server
 
 from celery_dlock import (
@@ -41,16 +38,6 @@ def _load_proxy() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FaultProxy
-
-
-@pytest.fixture
-def trio() -> Iterator[Trio]:
-    with tempfile.TemporaryDirectory(prefix="dlock-redlock-") as tmp:
-        started = Trio(tmp).start()
-        try:
-            yield started
-        finally:
-            started.close()
 
 
 def _lock(clients: list[redis.Redis], name: str, owner: str,

@@ -8,9 +8,7 @@ import contextlib
 import io
 import itertools
 import os
-import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +17,6 @@ from celery.bin.base import CLIContext
 from celery_helpers import close_app
 from click.testing import CliRunner
 from dlock_helpers import wait_until
-from redlock_trio import Trio
 from task_env import new_app, running
 from test_docs import snippets
 
@@ -27,16 +24,6 @@ from celery_dlock import InvalidLockConfig, LockedTask, RedlockLock, signals
 from celery_dlock.ops.cli import dlock
 from celery_dlock.task.config import check_conf, get_client
 from celery_dlock.task.hooks import _dead_child_release
-
-
-@pytest.fixture
-def trio() -> Iterator[Trio]:
-    with tempfile.TemporaryDirectory(prefix="dlock-redlock-") as tmp:
-        started = Trio(tmp).start()
-        try:
-            yield started
-        finally:
-            started.close()
 
 
 def test_a_list_dlock_url_runs_tasks_one_at_a_time(redis_url, trio):

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,7 +31,6 @@ from celery_dlock.ops.cli import dlock
 from celery_dlock.ops.inspect import SUMMARY_FIELDS, get_lock
 
 RESULT_TIMEOUT = 30
-TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -289,13 +285,7 @@ def test_unreachable_redis_from_the_app_settings(redis_url):
 def test_celery_finds_the_dlock_command_in_a_subprocess(env):
     x, result = start_hold(env)
     try:
-        path = os.pathsep.join(p for p in (str(TESTS_DIR),
-                                           os.environ.get("PYTHONPATH")) if p)
-        proc = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "cli_app", "dlock", "ls", "--json"],
-            env={**os.environ, "PYTHONPATH": path, cli_app.ENV_URL: env.url,
-                 cli_app.ENV_PREFIX: env.prefix},
-            capture_output=True, text=True, timeout=60, check=False)
+        proc = cli_app.run_cli(env.url, env.prefix, "ls", "--json")
         assert proc.returncode == 0, proc.stderr
         rows = json.loads(proc.stdout)
         row = next(row for row in rows if row["key"] == f"cli:{x}")

@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import cli_app
 import redis
 
 from celery_dlock import RedisLock
 from celery_dlock.task.events import recent_events
-
-TESTS_DIR = Path(__file__).resolve().parents[1]
-
-
-def _cli(url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH"))
-                           if p)
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "cli_app", "dlock", *args],
-        env={**os.environ, "PYTHONPATH": path, cli_app.ENV_URL: url,
-             cli_app.ENV_PREFIX: prefix},
-        capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_forced_release_records_who_and_why(redis_url: str) -> None:
@@ -34,7 +18,7 @@ def test_forced_release_records_who_and_why(redis_url: str) -> None:
                      info={"task_name": "shop.sync", "task_id": "t-123"})
     assert lock.acquire(blocking=False)
     try:
-        proc = _cli(redis_url, prefix, "release", "job:7", "--force",
+        proc = cli_app.run_cli(redis_url, prefix, "release", "job:7", "--force",
                     "--reason", "worker host died, ticket 42")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "Released lock 'job:7'" in proc.stdout
@@ -46,7 +30,8 @@ def test_forced_release_records_who_and_why(redis_url: str) -> None:
         assert event.key == "job:7" and event.detail == "worker host died, ticket 42"
         assert event.holder_task_id == "t-123" and event.holder_task_name == "shop.sync"
         assert event.worker and "@" in event.worker
-        top = _cli(redis_url, prefix, "top", "--iterations", "1", "--interval", "0.1")
+        top = cli_app.run_cli(redis_url, prefix, "top", "--iterations", "1",
+                              "--interval", "0.1")
         assert top.returncode == 0, top.stderr
         assert "released" in top.stdout and "ticket 42" in top.stdout, top.stdout
     finally:

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import cli_app
 import redis
 
 from celery_dlock import RedisLock
-
-TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 def test_a_held_lock_row_fits_80_columns(redis_url: str) -> None:
@@ -25,15 +20,10 @@ def test_a_held_lock_row_fits_80_columns(redis_url: str) -> None:
         "task_id": str(uuid.uuid4()),
         "worker": "celery@worker-pool-7.eu-central-1.internal.example.com"})
     assert lock.acquire(blocking=False)
-    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH"))
-                           if p)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "cli_app", "dlock", "top",
-             "--iterations", "1", "--interval", "0.1"],
-            env={**os.environ, "PYTHONPATH": path, cli_app.ENV_URL: redis_url,
-                 cli_app.ENV_PREFIX: prefix, "COLUMNS": "80", "LINES": "24"},
-            capture_output=True, text=True, timeout=60, check=False)
+        proc = cli_app.run_cli(redis_url, prefix, "top", "--iterations", "1",
+                               "--interval", "0.1",
+                               extra_env={"COLUMNS": "80", "LINES": "24"})
         assert proc.returncode == 0, proc.stderr
         lines = proc.stdout.splitlines()
         (header,) = [line for line in lines if line.startswith("KEY")]

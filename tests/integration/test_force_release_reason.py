@@ -10,14 +10,10 @@ REASON``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import cli_app
@@ -30,23 +26,13 @@ from celery_dlock import LockedTask, LockKeyConflict, LockLost, RedisLock, signa
 from celery_dlock.ops.inspect import force_release, iter_locks
 from celery_dlock.redis.scripts import FORCE_RELEASE
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
 RESULT_TIMEOUT = 30
 
 
-def _cli(url: str, prefix: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``celery -A cli_app dlock ARGS`` as an operator runs it."""
-    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH"))
-                           if p)
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "cli_app", "dlock", *args],
-        env={**os.environ, "PYTHONPATH": path, cli_app.ENV_URL: url,
-             cli_app.ENV_PREFIX: prefix},
-        capture_output=True, text=True, timeout=60, check=False)
 
 
 def _release(url: str, prefix: str, name: str, reason: str) -> None:
-    proc = _cli(url, prefix, "release", name, "--force", "--reason", reason)
+    proc = cli_app.run_cli(url, prefix, "release", name, "--force", "--reason", reason)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"Released lock {name!r}" in proc.stdout
 
@@ -151,10 +137,10 @@ def test_marker_expires_and_is_never_listed_as_a_lock(redis_url: str, r: redis.R
     assert 50_000 < r.pttl(_marker(prefix, name)) <= 60_000
     assert 590_000 < r.pttl(_marker(prefix, name + "-long")) <= 600_000
     assert list(iter_locks(r, prefix)) == []
-    proc = _cli(redis_url, prefix, "ls", "--json")
+    proc = cli_app.run_cli(redis_url, prefix, "ls", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
-    proc = _cli(redis_url, prefix, "show", name)
+    proc = cli_app.run_cli(redis_url, prefix, "show", name)
     assert proc.returncode != 0 and "No lock named" in proc.stderr
     # The lock itself works as before, and a new hold is listed alone.
     assert short.acquire(blocking=False)
@@ -164,7 +150,8 @@ def test_marker_expires_and_is_never_listed_as_a_lock(redis_url: str, r: redis.R
 
 def test_no_marker_when_nothing_was_removed(redis_url: str, r: redis.Redis, prefix: str,
                                             name: str) -> None:
-    proc = _cli(redis_url, prefix, "release", name, "--force", "--reason", "nothing")
+    proc = cli_app.run_cli(redis_url, prefix, "release", name, "--force", "--reason",
+                           "nothing")
     assert proc.returncode != 0 and "No lock named" in proc.stderr
     assert not r.exists(_marker(prefix, name))
     lock = RedisLock(r, name, ttl=30, prefix=prefix, auto_renew=False)
