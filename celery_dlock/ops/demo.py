@@ -13,6 +13,7 @@ demo command sets for the workers it starts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -112,7 +113,9 @@ def _progress(out: TextIO, label: str, done: int, total: int, width: int = 36) -
 
 @contextmanager
 def _workers(url: str, prefix: str, queue: str, count: int, concurrency: int,
-             out: TextIO) -> Iterator[list[str]]:
+             out: TextIO, grace: float = 30.0) -> Iterator[list[str]]:
+    """``count`` prefork workers on ``queue``; stopped on the way out: a warm shutdown
+    (SIGTERM), and SIGKILL for a worker still running ``grace`` seconds later."""
     env = dict(os.environ, DLOCK_DEMO_REDIS_URL=url, DLOCK_DEMO_PREFIX=prefix,
                DLOCK_DEMO_QUEUE=queue)
     procs: list[subprocess.Popen[bytes]] = []
@@ -134,7 +137,7 @@ def _workers(url: str, prefix: str, queue: str, count: int, concurrency: int,
                 proc.send_signal(signal.SIGTERM)
         for proc in procs:
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 with suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -200,19 +203,51 @@ def _table(plain: PhaseResult, locked: PhaseResult) -> str:
 
 
 _DEADLINES = "_kombu.binding_deadlines"
+# kombu's record of delivered, not yet acknowledged messages (a hash by delivery tag
+# and its index by time): a worker killed before its warm shutdown put them back
+# leaves its entries there.
+_UNACKED, _UNACKED_INDEX = "unacked", "unacked_index"
 
 
 def _deadline_members(r: redis.Redis) -> set[bytes]:
     return {m for m in r.zrange(_DEADLINES, 0, -1) if isinstance(m, bytes)}
 
 
+def _unacked_tags(r: redis.Redis, queue: str) -> list[bytes]:
+    """Delivery tags of the unacknowledged messages that were routed to ``queue``
+    (kombu keeps each as JSON ``[message, exchange, routing_key]``)."""
+    tags = []
+    for tag, entry in r.hscan_iter(_UNACKED, count=1000):
+        try:
+            _, exchange, routing_key = json.loads(entry)
+        except (ValueError, TypeError):
+            continue  # not kombu's, or not a form it writes: not the demo's either
+        if queue in (exchange, routing_key):
+            tags.append(tag)
+    return tags
+
+
+def _drop_worker_bindings(r: redis.Redis, queue: str) -> None:
+    """Unbind the remote-control queues of this run's workers (``demoN-<queue>@...``)
+    from the pidbox exchange: a killed worker never unbound its own."""
+    for table in (b"_kombu.binding.celery.pidbox",
+                  b"_kombu.binding_permanent.celery.pidbox"):
+        ours = [member for member in r.sscan_iter(table, count=1000)
+                if member.rpartition(b"\x06\x16")[2].startswith(b"demo")
+                and f"-{queue}@".encode() in member]
+        if ours:
+            r.srem(table, *ours)
+
+
 def _cleanup(r: redis.Redis, prefix: str, queue: str, task_ids: Sequence[str],
              deadlines_before: set[bytes]) -> int:
     """Delete what this run created in Redis, and only that: the keys under its own
     prefix (stock, counters, locks), its queue and kombu's bindings of it, the
-    results of the tasks it sent, and the entries kombu added for this run to its
-    binding-deadline index (the ping's pidbox exchanges included) when no binding
-    table is left that needs them.  Returns how many keys went."""
+    results of the tasks it sent, what a worker that had to be killed left behind
+    (its messages in kombu's unacked record, its pidbox binding), and the entries kombu
+    added for this run to its binding-deadline index (the ping's pidbox exchanges
+    included) when no binding table is left that needs them.  Returns how many keys
+    went."""
     keys: list[Any] = list(r.scan_iter(match=f"{prefix}:*", count=1000))
     keys += [queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}"]
     keys += [f"{queue}\x06\x16{priority}" for priority in range(10)]
@@ -220,11 +255,28 @@ def _cleanup(r: redis.Redis, prefix: str, queue: str, task_ids: Sequence[str],
     deleted = 0
     for start in range(0, len(keys), 500):
         deleted += int(r.delete(*keys[start:start + 500]))
+    tags = _unacked_tags(r, queue)
+    for start in range(0, len(tags), 500):
+        r.hdel(_UNACKED, *tags[start:start + 500])
+        r.zrem(_UNACKED_INDEX, *tags[start:start + 500])
+    _drop_worker_bindings(r, queue)
     for member in _deadline_members(r):
         if member not in deadlines_before and not r.exists(
                 b"_kombu.binding." + member):
             r.zrem(_DEADLINES, member)
     return deleted
+
+
+def _client_app(redis_url: str, queue: str) -> Celery:
+    """The app the demo sends its buyers with (to ``queue``, the demo's own)."""
+    # No result backend here: progress is read from Redis counters, and results the
+    # workers store are deleted by task id.  (With one, every sent task would subscribe
+    # to its result, and a Redis gone away would make them complain at exit.)
+    demo_app = Celery("celery_dlock.ops.demo.client", broker=redis_url,
+                      set_as_current=False)
+    demo_app.conf.update(task_default_queue=queue,
+                         broker_transport_options={"polling_interval": 0.1})
+    return demo_app
 
 
 def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int = 4,
@@ -240,13 +292,7 @@ def run_demo(redis_url: str | None = None, *, workers: int = 2, concurrency: int
         out.write(f"{redis_url}\n")
     tag = uuid.uuid4().hex[:8]
     prefix, queue = f"dlock-demo-{tag}", f"dlock-demo-{tag}"
-    # No result backend here: progress is read from Redis counters, and results the
-    # workers store are deleted by task id.  (With one, every sent task would subscribe
-    # to its result, and a Redis gone away would make them complain at exit.)
-    demo_app = Celery("celery_dlock.ops.demo.client", broker=redis_url,
-                      set_as_current=False)
-    demo_app.conf.update(task_default_queue=queue,
-                         broker_transport_options={"polling_interval": 0.1})
+    demo_app = _client_app(redis_url, queue)
     r = redis.Redis.from_url(redis_url)
     task_ids: list[str] = []
     deadlines_before: set[bytes] = set()

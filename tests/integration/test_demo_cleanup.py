@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import redis
 from dlock_helpers import wait_until
 
+from celery_dlock.ops import demo
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,7 +44,8 @@ def test_a_full_run_removes_everything_it_created(own_server: EmbeddedRedis) -> 
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exactly 5 units were sold" in proc.stdout
-    assert _snapshot(r) == before
+    after = _snapshot(r)
+    assert after == before, sorted(set(after) ^ set(before))
     r.close()
 
 
@@ -68,5 +72,36 @@ def test_ctrl_c_mid_run_stops_the_workers_and_removes_everything(
     assert proc.returncode == 130, stdout + stderr
     assert "Traceback" not in stderr, stderr
     assert "interrupted" in stderr
-    assert _snapshot(r) == before
+    after = _snapshot(r)
+    assert after == before, sorted(set(after) ^ set(before))
+    r.close()
+
+
+@pytest.mark.slow
+def test_workers_killed_before_their_warm_shutdown_leave_nothing_behind(
+        own_server: EmbeddedRedis) -> None:
+    """A worker that does not stop in time is killed with messages it had taken but
+    not acknowledged: kombu's unacked record keeps them, and the cleanup removes the
+    demo's entries there too."""
+    r = redis.Redis.from_url(own_server.url)
+    _seed(r)
+    before = _snapshot(r)
+    tag = uuid.uuid4().hex[:8]
+    prefix = queue = f"dlock-demo-{tag}"
+    app = demo._client_app(own_server.url, queue)
+    task_ids = [uuid.uuid4().hex for _ in range(2000)]
+    try:
+        with demo._workers(own_server.url, prefix, queue, 1, 2, io.StringIO(),
+                           grace=0) as names:
+            demo._wait_ready(app, names, timeout=60)
+            for task_id in task_ids:
+                app.send_task("demo.buy_plain", args=(1,), task_id=task_id)
+            # the worker has messages reserved that it has not acknowledged
+            assert wait_until(lambda: r.hlen("unacked") > 0, timeout=60, interval=0.02)
+        assert r.hlen("unacked") > 0  # killed: nothing put them back
+        demo._cleanup(r, prefix, queue, task_ids, set())
+    finally:
+        app.close()
+    after = _snapshot(r)
+    assert after == before, sorted(set(after) ^ set(before))
     r.close()
