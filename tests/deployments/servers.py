@@ -36,12 +36,33 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections and ``bind(0)``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+#: Ports this process handed out already: a server is configured with its port (and
+#: its TLS port) before it binds, so two picks in a row must not return the same one.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A free loopback port below 45536 whose cluster bus port (+10000) is free too
-    (a cluster node refuses ports above 55535)."""
-    for _ in range(200):
-        port = random.randrange(20000, 45536)
+    """A free loopback port whose cluster bus port (+10000) is free too, both below the
+    kernel's ephemeral range: a port picked from inside that range can be taken by any
+    outgoing connection between this check and the server's own bind."""
+    low, top = 10000, min(_ephemeral_floor(), 55536) - 10000
+    if top - low < 2000:  # a kernel whose ephemeral range starts low: take the rest
+        low, top = 20000, 45536
+    for _ in range(500):
+        port = random.randrange(low, top)
+        if port in _handed_out or port + 10000 in _handed_out:
+            continue
         if _bindable(port) and _bindable(port + 10000):
+            _handed_out.update((port, port + 10000))
             return port
     raise RuntimeError("no free port pair found")
 
