@@ -1,6 +1,7 @@
 /*
- * celery-dlock's lock protocol, as implemented (celery_dlock/scripts.py, lock.py,
- * heartbeat.py), checked with spin.  See docs/protocol.md for the prose.
+ * celery-dlock's lock protocol, as implemented (celery_dlock/redis/scripts.py,
+ * redis/lock.py, core/heartbeat.py, core/deadline.py), checked with spin.  See
+ * docs/protocol.md for the prose.
  *
  * Two clients (owners 1 and 2) each take one lock (possibly re-entering it), write to a
  * fenced resource while they believe they hold it, and release.  A heartbeat renews
@@ -26,7 +27,7 @@
 #define TTL 4
 #endif
 #ifndef MARGIN
-#define MARGIN 2          /* drift + pause allowance, as lease_end() in heartbeat.py */
+#define MARGIN 2          /* drift + pause allowance, as lease_end() in core/deadline.py */
 #endif
 #ifndef DRIFT
 #define DRIFT 1           /* server clock ahead of the client's over one ttl */

@@ -3,15 +3,10 @@
 Backend-neutral: a hold is renewed through a :class:`RenewTarget` that the backend
 supplies (for Redis, one per server: :mod:`celery_dlock.redis.renewal`).
 
-**Deadlines.**  Every hold, renewed or not, has a *local deadline* on the monotonic
-clock: the send time of its last confirmed acquire, renewal or extend, plus its ttl,
-minus a margin for clock drift and scheduling (:func:`lease_end`).  The server cannot
-expire the hold before that moment, because it started counting the ttl no earlier
-than the request was sent.  The watchdog thread wakes at the earliest deadline and
-declares a hold lost there if no renewal has been confirmed meanwhile, *whatever any
+**Deadlines.**  Every hold, renewed or not, has a *local deadline*
+(:mod:`celery_dlock.core.deadline`).  The watchdog thread wakes at the earliest deadline
+and declares a hold lost there if no renewal has been confirmed meanwhile, *whatever any
 Redis call is doing*: a renewal that hangs behind a partition does not delay the news.
-So the holder is told (``on_lost``) before any other owner can acquire, as long as this
-process is not paused for longer than the margin.
 
 **Renewal.**  Every ``ttl/3`` a hold falls due; the watchdog hands all holds of one
 target that are due within half an interval to that target's own *renewer* thread, as
@@ -44,17 +39,15 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
+
+from .deadline import lease_end
+from .renew_target import LossNote, RenewTarget
 
 __all__ = [
-    "DRIFT_RATE",
     "ERROR_RETRY_INTERVAL",
-    "MAX_MARGIN",
     "Heartbeat",
-    "LossNote",
-    "RenewTarget",
     "get_heartbeat",
-    "lease_end",
 ]
 
 logger = logging.getLogger("celery_dlock.heartbeat")
@@ -65,41 +58,6 @@ ERROR_RETRY_INTERVAL = 0.25
 IDLE_WAIT = 1.0
 #: A renewer thread with nothing to do for this long ends (a new one starts on demand).
 RENEWER_IDLE = 30.0
-#: The local clock may run this much faster than the server's (a fraction of the ttl).
-DRIFT_RATE = 0.01
-#: Time the watchdog gets to wake and tell the holder (seconds; at most 10% of the ttl).
-MAX_MARGIN = 0.05
-
-
-def lease_end(sent_at: float, ttl_ms: int) -> float:
-    """The local deadline of a hold confirmed by a request sent at ``sent_at``."""
-    ttl = ttl_ms / 1000.0
-    return sent_at + ttl * (1.0 - DRIFT_RATE) - min(MAX_MARGIN, ttl * 0.1)
-
-
-class LossNote(NamedTuple):
-    """A renew target's answer for a hold found gone when the backend knows why:
-    ``code`` as the plain answer (0 gone, -1 taken), and ``reason``, which applies to
-    the hold with fencing token ``fence`` only (an older hold of the same owner may
-    have left it)."""
-
-    code: int
-    fence: int
-    reason: str
-
-
-class RenewTarget(Protocol):
-    """Renews holds on one server (supplied by the backend)."""
-
-    def renew(self, items: Sequence[tuple[str, str, int]]
-              ) -> Sequence[int | LossNote]:
-        """Renew each ``(key, owner, ttl_ms)``; per item 1 renewed, 0 gone, -1 taken,
-        or a :class:`LossNote` (gone, and why).
-
-        Raises on a failure of the whole call (the heartbeat retries)."""
-        ...
-
-
 class _Hold(Protocol):
     @property
     def name(self) -> str: ...

@@ -33,6 +33,7 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
+from ..core.deadline import lease_end
 from ..core.errors import (
     BackendUnavailable,
     DLockError,
@@ -41,7 +42,7 @@ from ..core.errors import (
     LockLost,
     LockNotOwned,
 )
-from ..core.heartbeat import Heartbeat, lease_end
+from ..core.heartbeat import Heartbeat
 from ..core.hold import HoldView, acquire_timeout, check_lock_options
 from ..core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys, check_client, decode, foreign_keys, parse_holder

@@ -36,13 +36,14 @@ from typing import Any, TypeAlias
 
 from redis.exceptions import ResponseError
 
+from ..core.deadline import lease_end
 from ..core.errors import (
     FencingUnavailable,
     Holder,
     LockLost,
     LockNotOwned,
 )
-from ..core.heartbeat import Heartbeat, lease_end
+from ..core.heartbeat import Heartbeat
 from ..core.hold import HoldView, acquire_timeout, check_lock_options
 from ..core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys
