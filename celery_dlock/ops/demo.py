@@ -233,8 +233,7 @@ def _drop_worker_bindings(r: redis.Redis, queue: str) -> None:
     for table in (b"_kombu.binding.celery.pidbox",
                   b"_kombu.binding_permanent.celery.pidbox"):
         ours = [member for member in r.sscan_iter(table, count=1000)
-                if member.rpartition(b"\x06\x16")[2].startswith(b"demo")
-                and f"-{queue}@".encode() in member]
+                if f"-{queue}@".encode() in member.rpartition(b"\x06\x16")[2]]
         if ours:
             r.srem(table, *ours)
 
