@@ -15,6 +15,9 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
+# One process runs the whole module: the plot test draws what the smoke runs wrote.
+pytestmark = pytest.mark.xdist_group("bench-smoke")
+
 #: script -> the header row of the table it prints
 SCRIPTS = {
     "bench_core.py": "| variant | cycles/s | us/cycle | x floor |",

@@ -31,7 +31,8 @@ from dlock_helpers import wait_until
 from celery_dlock.ops.embedded import EmbeddedRedis
 from celery_dlock.redis.lock import RedisLock
 
-pytestmark = pytest.mark.slow
+# (xdist_group: one process at a time runs `python -m build` in the checkout)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sdist")]
 
 REPO = Path(__file__).resolve().parents[2]
 PASSWORD = "nc-S3cret-pw"

@@ -12,6 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# (xdist_group: one process at a time runs `python -m build` in the checkout)
+pytestmark = pytest.mark.xdist_group("sdist")
+
 
 @pytest.mark.slow
 def test_sdist_and_wheel_carry_the_license_docs_and_examples(tmp_path: Path) -> None:
