@@ -25,6 +25,12 @@ def _snapshot(r: redis.Redis) -> dict[bytes, bytes | None]:
     return {key: r.dump(key) for key in r.scan_iter(count=1000)}
 
 
+def _assert_unchanged(r: redis.Redis, before: dict[bytes, bytes | None]) -> None:
+    """The keyspace is as ``before``; on failure, the keys that came or went."""
+    after = _snapshot(r)
+    assert after == before, sorted(set(after) ^ set(before))
+
+
 def _seed(r: redis.Redis) -> None:
     """Keys of somebody else's, some of them near the demo's own names."""
     r.set("mine", "1")
@@ -44,8 +50,7 @@ def test_a_full_run_removes_everything_it_created(own_server: EmbeddedRedis) -> 
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "exactly 5 units were sold" in proc.stdout
-    after = _snapshot(r)
-    assert after == before, sorted(set(after) ^ set(before))
+    _assert_unchanged(r, before)
     r.close()
 
 
@@ -72,8 +77,7 @@ def test_ctrl_c_mid_run_stops_the_workers_and_removes_everything(
     assert proc.returncode == 130, stdout + stderr
     assert "Traceback" not in stderr, stderr
     assert "interrupted" in stderr
-    after = _snapshot(r)
-    assert after == before, sorted(set(after) ^ set(before))
+    _assert_unchanged(r, before)
     r.close()
 
 
@@ -102,6 +106,5 @@ def test_workers_killed_before_their_warm_shutdown_leave_nothing_behind(
         demo._cleanup(r, prefix, queue, task_ids, set())
     finally:
         app.close()
-    after = _snapshot(r)
-    assert after == before, sorted(set(after) ^ set(before))
+    _assert_unchanged(r, before)
     r.close()
