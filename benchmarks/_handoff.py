@@ -17,7 +17,8 @@ commands, including those run inside Lua scripts); each child counts the command
 client sends inside the window (round trips).
 
 With ``breakdown``, celery_dlock's workers also note when their doorbell ``BLPOP``
-returned (by wrapping ``celery_dlock.redis.lock.ring_wait``), which splits a hand-off into
+returned (by wrapping ``celery_dlock.backends.redis.lock.ring_wait``), which splits a
+hand-off into
 *release -> woken* (the release script, the doorbell, the waiter's wake-up) and *woken
 -> acquired* (the waiter's ``ACQUIRE`` round trip).
 
@@ -99,7 +100,7 @@ def warm_up(url: str, variant: str, key: str) -> None:
 
 def _watch_doorbell() -> list[float | None]:
     """Wrap celery_dlock's doorbell wait so that it notes when it last rang."""
-    import celery_dlock.redis.lock as lock_module
+    import celery_dlock.backends.redis.lock as lock_module
 
     rang: list[float | None] = [None]
     ring_wait = getattr(lock_module, "ring_wait", None)

@@ -15,6 +15,8 @@ The lock core (:class:`RedisLock`) works without Celery::
 
 from __future__ import annotations
 
+from .backends.redis.lock import RedisLock
+from .backends.redis.redlock.lock import RedlockLock
 from .core.errors import (
     BackendUnavailable,
     DLockError,
@@ -28,8 +30,6 @@ from .core.errors import (
     UnkeyableArgument,
 )
 from .core.owner import owner_context
-from .redis.lock import RedisLock
-from .redis.redlock import RedlockLock
 from .task import signals
 from .task.contention import ACQUIRED, Contention, is_skipped
 from .task.locked_task import LockedTask, LockLostInterrupt

@@ -45,7 +45,7 @@ if not __package__:  # run as a file, python examples/long_task_fencing.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from celery_dlock import LockedTask, LockLost
-from celery_dlock.redis.keyspace import LockKeys
+from celery_dlock.backends.redis.keyspace import LockKeys
 from examples.celery_app import app, data, use_redis, wait_for_signal
 
 __all__ = ["FencedStore", "app", "main", "rebuild"]

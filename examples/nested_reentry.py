@@ -35,8 +35,8 @@ if not __package__:  # run as a file, python examples/nested_reentry.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from celery_dlock import LockedTask, RedisLock, signals
+from celery_dlock.backends.redis.keyspace import LockKeys
 from celery_dlock.core.owner import current_owner
-from celery_dlock.redis.keyspace import LockKeys
 from examples.celery_app import app, data, use_redis, wait_for_signal
 
 __all__ = ["app", "audit", "main", "transfer"]

@@ -24,7 +24,7 @@ import redis
 from dlock_helpers import release_marker
 from prefork_app import ENV_NODE, ENV_PREFIX, ENV_QUEUE, ENV_URL, data_prefix, make_app
 
-from celery_dlock.redis.keyspace import LockKeys
+from celery_dlock.backends.redis.keyspace import LockKeys
 
 REPO = Path(__file__).resolve().parents[1]
 

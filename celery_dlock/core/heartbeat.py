@@ -1,7 +1,7 @@
 """The per-process watchdog and renewal scheduler ("heartbeat") and its registry of holds.
 
 Backend-neutral: a hold is renewed through a :class:`RenewTarget` that the backend
-supplies (for Redis, one per server: :mod:`celery_dlock.redis.renewal`).
+supplies (for Redis, one per server: :mod:`celery_dlock.backends.redis.renewal`).
 
 **Deadlines.**  Every hold, renewed or not, has a *local deadline*
 (:mod:`celery_dlock.core.deadline`).  The watchdog thread wakes at the earliest deadline

@@ -2,7 +2,7 @@
 
 The heartbeat (:mod:`celery_dlock.core.heartbeat`) knows nothing of Redis; each backend
 supplies one :class:`RenewTarget` per server (for Redis:
-:mod:`celery_dlock.redis.renewal`), so that servers are renewed independently.
+:mod:`celery_dlock.backends.redis.renewal`), so that servers are renewed independently.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 ``released`` event naming the operator (``user@host``), the hold that was freed and
 the ``--reason`` given, and logs the same at WARNING on ``celery_dlock.audit``.  The
 holder is told too: the release script leaves a short-lived marker with who and why
-(:mod:`celery_dlock.redis.released`), which the holder reads when it finds its hold
+(:mod:`celery_dlock.backends.redis.released`), which the holder reads when it finds its
+hold
 gone, so its ``on_lost``, ``LockLost`` and ``lock_lost`` reason say
 ``released by alice@host with celery dlock release --force: <reason>``.
 """
@@ -19,7 +20,7 @@ import socket
 import time
 from typing import Any
 
-from ..redis.released import clean_text
+from ..backends.redis.released import clean_text
 from ..task.events import EVENTS_MAX, EVENTS_TTL, Event, events_key
 from .inspect import LockInfo
 

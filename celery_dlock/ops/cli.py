@@ -37,9 +37,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..backends.redis import topology
+from ..backends.redis.keyspace import LockKeys
 from ..core.errors import BackendUnavailable, InvalidLockConfig, LockKeyConflict
-from ..redis import topology
-from ..redis.keyspace import LockKeys
 from ..task.config import get_client, mask_url, resolve_url
 from ..task.connection import _default_client_options
 from ..task.events import Event, recent_events, recording_enabled

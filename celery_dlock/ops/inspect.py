@@ -1,7 +1,7 @@
 """Reading the locks held in Redis, for ``celery dlock`` and for metrics.
 
 Everything here reads (or, for :func:`force_release`, frees) the keys laid out in
-:mod:`celery_dlock.redis.scripts`; nothing depends on a running worker::
+:mod:`celery_dlock.backends.redis.scripts`; nothing depends on a running worker::
 
     from celery_dlock.ops.inspect import force_release, get_lock, iter_locks
 
@@ -33,13 +33,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..backends.redis.cluster import node_clients
+from ..backends.redis.hashtag import name_of_key
+from ..backends.redis.hashtag import scan_pattern as _scan_pattern
+from ..backends.redis.keyspace import LockKeys, decode, foreign_keys
+from ..backends.redis.released import clean_text
+from ..backends.redis.scripts import FORCE_RELEASE, READ_HOLD
 from ..core.errors import BackendUnavailable, DLockError, LockKeyConflict
-from ..redis.cluster import node_clients
-from ..redis.hashtag import name_of_key
-from ..redis.hashtag import scan_pattern as _scan_pattern
-from ..redis.keyspace import LockKeys, decode, foreign_keys
-from ..redis.released import clean_text
-from ..redis.scripts import FORCE_RELEASE, READ_HOLD
 
 __all__ = [
     "SUMMARY_FIELDS",
@@ -194,7 +194,7 @@ def scan_pattern(prefix: str) -> str:
 
 def lock_name_of(prefix: str, key: str) -> str | None:
     """The lock name in a lock hash's key (None for other keys); see
-    :mod:`celery_dlock.redis.hashtag` for the two forms of key."""
+    :mod:`celery_dlock.backends.redis.hashtag` for the two forms of key."""
     return name_of_key(prefix, key)
 
 
@@ -303,8 +303,9 @@ def force_release(client: Any, prefix: str, name: str, *,
     The holder is not stopped: its heartbeat finds the hold gone and reports it lost
     (``on_lost``, ``signals.lock_lost``; ``ensure_held()`` raises) with the reason
     ``released by <by>: <reason>``, which the script leaves in a short-lived marker
-    (:mod:`celery_dlock.redis.released`).  ``by`` and ``reason`` are made one line of
-    at most :data:`~celery_dlock.redis.released.REASON_MAX` characters.
+    (:mod:`celery_dlock.backends.redis.released`).  ``by`` and ``reason`` are made one
+    line of
+    at most :data:`~celery_dlock.backends.redis.released.REASON_MAX` characters.
     """
     keys = LockKeys.for_name(prefix, name)
     notes = (":by", clean_text(by), ":reason", clean_text(reason))

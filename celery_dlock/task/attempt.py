@@ -34,8 +34,8 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore
 
+from ..backends.redis.redlock.lock import AnyLock, fence_of
 from ..core.errors import Holder, LockLost
-from ..redis.redlock import AnyLock, fence_of
 from .contention import backoff_delay
 
 __all__ = [

@@ -32,8 +32,8 @@ from typing import Any
 from celery import Task
 from celery.app.annotations import resolve_all as resolve_all_annotations
 
+from ..backends.redis.topology import is_cluster_url, transport_options
 from ..core.errors import InvalidLockConfig
-from ..redis.topology import is_cluster_url, transport_options
 from . import connection
 from .connection import mask_url, redis_url_of, resolve_url
 

@@ -15,8 +15,8 @@ A ``dlock_url`` that names 3 or more independent servers, as a list (or tuple) o
 one-server URLs or as ``redlock://h1:6379/0;redlock://h2:6379/0;redlock://h3:6379/0``
 (each ``redlock://`` is a ``redis://`` URL under another name), asks for Redlock: the
 "client" is then a tuple of clients, one per server, and tasks take a
-:class:`~celery_dlock.redis.redlock.RedlockLock`.  So does a ``dlock_client`` that
-returns a list or tuple of clients.
+:class:`~celery_dlock.backends.redis.redlock.lock.RedlockLock`.  So does a
+``dlock_client`` that returns a list or tuple of clients.
 
 No URL is ever shown with its password: every message goes through :func:`mask_url`.
 """
@@ -36,8 +36,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from ..backends.redis import topology
 from ..core.errors import BackendUnavailable, InvalidLockConfig
-from ..redis import topology
 
 __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "redlock_urls",
            "resolve_url"]
@@ -94,9 +94,9 @@ def _celery_query(url: str) -> str:
 def redis_url_of(url: Any) -> str | None:
     """``url`` as a URL redis-py opens, when it names one Redis server; else None.
 
-    Accepts ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and Celery's
-    ``sentinel://h1;sentinel://h2`` (see :mod:`celery_dlock.redis.topology`), and Celery's
-    unix socket spellings
+    Accepts ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and
+    Celery's ``sentinel://h1;sentinel://h2`` (see
+    :mod:`celery_dlock.backends.redis.topology`), and Celery's unix socket spellings
     ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db);
     ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's spelling) becomes redis-py's
     ``required``.  A list, or several URLs separated by ``;`` (broker failover,
@@ -105,7 +105,7 @@ def redis_url_of(url: Any) -> str | None:
     if not isinstance(url, str):
         return None
     if topology.is_cluster_url(url) or topology.is_sentinel_url(url):
-        return url  # several nodes by design (see celery_dlock.redis.topology)
+        return url  # several nodes by design (see celery_dlock.backends.redis.topology)
     if ";" in url:
         return None
     if url.startswith(_REDIS_SCHEMES):
@@ -227,8 +227,9 @@ def client_options(conf: Any) -> dict[str, Any]:
 
 def client_from_url(url: str, options: dict[str, Any],
                     transport: Any = None) -> Any:
-    """A client for ``url`` (:func:`celery_dlock.redis.topology.client_from_url`) whose
-    errors name ``dlock_url`` and mask the URL."""
+    """A client for ``url``
+    (:func:`celery_dlock.backends.redis.topology.client_from_url`) whose errors name
+    ``dlock_url`` and mask the URL."""
     try:
         return topology.client_from_url(url, options, transport)
     except (ValueError, TypeError) as exc:

@@ -35,8 +35,8 @@ from typing import Any
 from celery import signature
 from celery.exceptions import Ignore, Retry
 
+from ..backends.redis.redlock.lock import AnyLock
 from ..core.errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
-from ..redis.redlock import AnyLock
 
 __all__ = [
     "ACQUIRED",

@@ -30,10 +30,10 @@ from typing import Any
 from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
+from ..backends.redis.keyspace import LockKeys
+from ..backends.redis.scripts import FORCE_RELEASE
 from ..core.errors import DLockError
 from ..core.heartbeat import get_heartbeat
-from ..redis.keyspace import LockKeys
-from ..redis.scripts import FORCE_RELEASE
 from . import events
 from .config import get_client, read_setting
 

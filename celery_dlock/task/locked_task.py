@@ -38,6 +38,8 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
+from ..backends.redis.lock import RedisLock
+from ..backends.redis.redlock.lock import AnyLock, RedlockLock
 from ..core.errors import (
     BackendUnavailable,
     DLockError,
@@ -46,8 +48,6 @@ from ..core.errors import (
     LockNotAcquired,
 )
 from ..core.owner import owner_context
-from ..redis.lock import RedisLock
-from ..redis.redlock import AnyLock, RedlockLock
 from . import signals
 from .attempt import (
     DUPLICATE,

@@ -2,7 +2,8 @@
 Cluster promotes its replica (three masters with a replica each, node timeout 2 s).
 
 Renewal goes to the master that served the slot when the hold was taken, over a
-connection of its own (:mod:`celery_dlock.redis.cluster`); when that master is gone,
+connection of its own (:mod:`celery_dlock.backends.redis.cluster`); when that master is
+gone,
 renewal falls back to the user's cluster client, which finds the promoted replica.
 
 * ttl longer than the failover: the hold survives on the promoted replica and no other
@@ -27,7 +28,7 @@ from dlock_helpers import try_acquire, until_while
 from servers import Cluster, supports_cluster
 
 from celery_dlock import RedisLock
-from celery_dlock.redis.keyspace import LockKeys
+from celery_dlock.backends.redis.keyspace import LockKeys
 
 pytestmark = pytest.mark.slow
 

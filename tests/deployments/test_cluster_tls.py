@@ -23,7 +23,7 @@ from servers import Cluster, make_certificates, supports_cluster, tls_unsupporte
 from task_helpers import check_runs, run_locked_task
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.redis.keyspace import LockKeys
+from celery_dlock.backends.redis.keyspace import LockKeys
 from celery_dlock.task.config import get_client
 
 

@@ -27,7 +27,7 @@ from dlock_helpers import try_acquire, until_while, wait_until
 from servers import SentinelGroup
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.redis.topology import client_from_url
+from celery_dlock.backends.redis.topology import client_from_url
 from celery_dlock.task.connection import _default_client_options
 
 pytestmark = pytest.mark.slow

@@ -18,10 +18,10 @@ import redis.retry
 from proxy import FaultProxy
 
 from celery_dlock import RedisLock
+from celery_dlock.backends.redis.keyspace import LockKeys
+from celery_dlock.backends.redis.scripts import FORCE_RELEASE
 from celery_dlock.ops.embedded import EmbeddedRedis
 from celery_dlock.ops.inspect import force_release
-from celery_dlock.redis.keyspace import LockKeys
-from celery_dlock.redis.scripts import FORCE_RELEASE
 
 pytestmark = pytest.mark.slow
 

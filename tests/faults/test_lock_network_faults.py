@@ -19,8 +19,8 @@ import redis.retry
 from dlock_helpers import wait_until
 
 from celery_dlock import BackendUnavailable, LockLost, RedisLock
+from celery_dlock.backends.redis.scripts import ACQUIRE, RELEASE
 from celery_dlock.ops.embedded import EmbeddedRedis
-from celery_dlock.redis.scripts import ACQUIRE, RELEASE
 
 pytestmark = pytest.mark.slow
 

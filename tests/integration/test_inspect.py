@@ -13,6 +13,7 @@ import redis
 from dlock_helpers import closed_port, fast_failing_client, wait_until
 
 from celery_dlock import BackendUnavailable, RedisLock
+from celery_dlock.backends.redis.keyspace import LockKeys
 from celery_dlock.ops.inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
@@ -24,7 +25,6 @@ from celery_dlock.ops.inspect import (
     scan_pattern,
     waiting_counts,
 )
-from celery_dlock.redis.keyspace import LockKeys
 from celery_dlock.task.events import Event, events_key, recent_events
 
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 import redis
+from celery_dlock.redis.lock import RedisLock
 from dlock_helpers import wait_until
 
 from celery_dlock.ops.embedded import EmbeddedRedis
-from celery_dlock.redis.lock import RedisLock
 
 # (xdist_group: one process at a time runs `python -m build` in the checkout)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sdist")]

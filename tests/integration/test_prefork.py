@@ -33,7 +33,7 @@ from worker_harness import (
     wait_for,
 )
 
-from celery_dlock.redis.keyspace import LockKeys
+from celery_dlock.backends.redis.keyspace import LockKeys
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

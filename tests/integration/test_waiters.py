@@ -12,7 +12,7 @@ import redis
 from dlock_helpers import hold_until_killed, queue_members, wait_in_line, wait_until
 
 from celery_dlock import RedisLock
-from celery_dlock.redis.waiters import QUEUE_LEASE, WAIT_SLICE
+from celery_dlock.backends.redis.waiters import QUEUE_LEASE, WAIT_SLICE
 
 
 class Waiter(threading.Thread):

@@ -22,7 +22,7 @@ from celery_helpers import close_app
 from config_app import ENV_CONF, ENV_OPTIONS
 from dlock_helpers import wait_until
 
-from celery_dlock.redis.keyspace import LockKeys
+from celery_dlock.backends.redis.keyspace import LockKeys
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 #: Seconds a refused worker gets to exit; it exits during start-up, in about one.

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from redis.exceptions import RedisError
 
-from ..core.errors import Holder, InvalidLockConfig
+from ...core.errors import Holder, InvalidLockConfig
 from .hashtag import lock_key
 from .waiters import doorbell_suffix
 

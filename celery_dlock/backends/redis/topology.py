@@ -29,7 +29,7 @@ import redis
 import redis.cluster
 import redis.sentinel
 
-from ..core.errors import InvalidLockConfig
+from ...core.errors import InvalidLockConfig
 
 __all__ = [
     "LOCK_URL_SCHEMES",

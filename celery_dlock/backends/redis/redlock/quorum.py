@@ -16,10 +16,10 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from ..core.errors import BackendUnavailable, Holder, InvalidLockConfig, LockKeyConflict
-from .keyspace import LockKeys, foreign_keys, parse_holder
-from .redlock_nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
-from .scripts import ACQUIRE, READ_HOLD, RELEASE
+from ....core.errors import BackendUnavailable, Holder, InvalidLockConfig, LockKeyConflict
+from ..keyspace import LockKeys, foreign_keys, parse_holder
+from ..scripts import ACQUIRE, READ_HOLD, RELEASE
+from .nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",

@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..core.renew_target import LossNote
+from ...core.renew_target import LossNote
 from .cluster import ClusterNodeRenewTarget, is_cluster_client, node_name_of
 from .released import read_loss_reasons
 from .scripts import RENEW_MANY

@@ -36,19 +36,21 @@ from typing import Any, TypeAlias
 
 from redis.exceptions import ResponseError
 
-from ..core.deadline import lease_end
-from ..core.errors import (
+from ....core.deadline import lease_end
+from ....core.errors import (
     FencingUnavailable,
     Holder,
     LockLost,
     LockNotOwned,
 )
-from ..core.heartbeat import Heartbeat
-from ..core.hold import HoldView, acquire_timeout, check_lock_options
-from ..core.ttl import ttl_ms as _ttl_to_ms
-from .keyspace import LockKeys
-from .lock import RedisLock
-from .redlock_nodes import (
+from ....core.heartbeat import Heartbeat
+from ....core.hold import HoldView, acquire_timeout, check_lock_options
+from ....core.ttl import ttl_ms as _ttl_to_ms
+from ..keyspace import LockKeys
+from ..lock import RedisLock
+from ..scripts import ACQUIRE, EXTEND, RELEASE
+from ..server_checks import check_server
+from .nodes import (
     POOL_SLACK,
     NodeFailed,
     Outcome,
@@ -58,7 +60,7 @@ from .redlock_nodes import (
     quorum_of,
     renew_target,
 )
-from .redlock_quorum import (
+from .quorum import (
     DEFAULT_NODE_TIMEOUT,
     Holds,
     answered,
@@ -71,8 +73,6 @@ from .redlock_quorum import (
     read_holds,
     unavailable,
 )
-from .scripts import ACQUIRE, EXTEND, RELEASE
-from .server_checks import check_server
 
 __all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "AnyLock",
            "RedlockLock", "fence_of"]

@@ -23,10 +23,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from ..core.errors import InvalidLockConfig
-from .cluster import is_cluster_client
-from .keyspace import check_client
-from .scripts import RENEW_MANY
+from ....core.errors import InvalidLockConfig
+from ..cluster import is_cluster_client
+from ..keyspace import check_client
+from ..scripts import RENEW_MANY
 
 __all__ = [
     "MIN_NODES",

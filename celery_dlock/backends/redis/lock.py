@@ -33,8 +33,8 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from ..core.deadline import lease_end
-from ..core.errors import (
+from ...core.deadline import lease_end
+from ...core.errors import (
     BackendUnavailable,
     DLockError,
     Holder,
@@ -42,9 +42,9 @@ from ..core.errors import (
     LockLost,
     LockNotOwned,
 )
-from ..core.heartbeat import Heartbeat
-from ..core.hold import HoldView, acquire_timeout, check_lock_options
-from ..core.ttl import ttl_ms as _ttl_to_ms
+from ...core.heartbeat import Heartbeat
+from ...core.hold import HoldView, acquire_timeout, check_lock_options
+from ...core.ttl import ttl_ms as _ttl_to_ms
 from .keyspace import LockKeys, check_client, decode, foreign_keys, parse_holder
 from .released import read_loss_reason
 from .renewal import renew_target

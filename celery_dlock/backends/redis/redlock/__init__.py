@@ -1,0 +1,1 @@
+"""Redlock: the Redis lock held on a quorum of independent servers (opt-in)."""
