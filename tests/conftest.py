@@ -12,9 +12,11 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
+from lock_kinds import KINDS, make_kind, redlock_servers  # noqa: F401 (a fixture)
 
 from celery_dlock.ops.embedded import EmbeddedRedis, find_redis_server
 
@@ -101,3 +103,10 @@ def prefix() -> str:
 @pytest.fixture
 def name() -> str:
     return f"lock-{uuid.uuid4().hex[:8]}"
+
+
+
+@pytest.fixture(params=KINDS)
+def lock_kind(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Each kind of lock in turn (tests/lock_kinds.py)."""
+    yield from make_kind(request.param, request)

@@ -1,0 +1,93 @@
+"""Every kind of lock, as one parameter: tests of the lock's contract take the
+``lock_kind`` fixture and run once per kind (a new backend adds one entry here).
+
+A :class:`LockKind` makes locks (``kind.make(name, ttl=..., **options)``) and gives the
+tests the handles a fault needs: the clients of every server that keeps the lock,
+``lose_data()`` (every server forgets everything, as an empty restart would) and
+``force_release(name)`` (what an operator's ``celery dlock release --force`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+
+from celery_dlock import RedisLock, RedlockLock
+from celery_dlock.ops.embedded import EmbeddedRedis
+
+__all__ = ["KINDS", "LockKind", "redlock_servers"]
+
+#: The kinds of lock every lock-contract test runs on.
+KINDS = ("redis", "redlock")
+
+
+@dataclass
+class LockKind:
+    """One kind of lock, with its servers' clients."""
+
+    name: str
+    clients: list[redis.Redis]
+    factory: Callable[..., Any]
+    #: Whether ``fence`` gives fencing tokens on this kind.
+    fences: bool
+
+    def make(self, lock_name: str, ttl: float = 30.0, **options: Any) -> Any:
+        return self.factory(lock_name, ttl, **options)
+
+    def lose_data(self) -> None:
+        """Every server forgets everything (an empty restart, a failover to a replica
+        that missed the writes)."""
+        for c in self.clients:
+            c.flushall()
+
+    def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
+        """Free ``lock_name`` on every server whoever holds it (an operator's
+        ``celery dlock release --force``)."""
+        from celery_dlock.ops.inspect import force_release
+
+        for c in self.clients:
+            force_release(c, prefix, lock_name)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@pytest.fixture(scope="session")
+def redlock_servers() -> Iterator[list[EmbeddedRedis]]:
+    """Three independent redis-servers for the Redlock kind (started once)."""
+    servers = [EmbeddedRedis(extra_args=("--maxmemory-policy", "noeviction"))
+               for _ in range(3)]
+    try:
+        for s in servers:
+            s.start()
+        yield servers
+    finally:
+        for s in servers:
+            with contextlib.suppress(Exception):
+                s.stop()
+
+
+def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
+    """The :class:`LockKind` named ``kind`` (for the ``lock_kind`` fixture)."""
+    clients: list[redis.Redis]
+    if kind == "redis":
+        url = request.getfixturevalue("redis_url")
+        clients = [redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)]
+        yield LockKind("redis", clients,
+                       lambda n, ttl, **kw: RedisLock(clients[0], n, ttl, **kw), True)
+    elif kind == "redlock":
+        servers = request.getfixturevalue("redlock_servers")
+        clients = [redis.Redis.from_url(s.url, socket_timeout=10,
+                                        socket_connect_timeout=5)
+                   for s in servers]
+        yield LockKind("redlock", clients,
+                       lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False)
+    else:  # pragma: no cover - a typo in KINDS
+        raise ValueError(kind)
+    for c in clients:
+        c.close()
