@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .deadline import clock as _default_clock
 from .deadline import lease_end
 from .renew_target import LossNote, RenewTarget
 
@@ -79,8 +80,8 @@ class _Entry:
     in_flight: bool = False
     releasing: bool = False
     fence: int | None = None
-    #: Seconds taken off every deadline on top of :func:`lease_end`'s margin.
-    margin: float = 0.0
+    #: Seconds each deadline keeps back from the ttl (drift and pause budget).
+    margin: float | None = None
 
     @property
     def interval(self) -> float:
@@ -131,7 +132,7 @@ class Heartbeat:
     def __init__(
         self,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = _default_clock,
         start_thread: bool = True,
     ) -> None:
         self._clock = clock
@@ -152,14 +153,14 @@ class Heartbeat:
 
     def register(self, lock: _Hold, hold_id: int, target: RenewTarget | None, key: str,
                  owner: str, ttl_ms: int, sent_at: float, *,
-                 fence: int | None = None, margin: float = 0.0) -> None:
+                 fence: int | None = None, margin: float | None = None) -> None:
         """Watch a hold confirmed by a request sent at ``sent_at`` (and renew it
         through ``target`` unless that is None); ``fence`` picks the :class:`LossNote`
-        that applies to it; ``margin`` seconds come off each of its deadlines on top
-        of :func:`lease_end`'s (a backend's larger drift)."""
+        that applies to it; each of its deadlines keeps ``margin`` seconds back from
+        the ttl (default: :func:`~celery_dlock.core.deadline.margin_of` the ttl)."""
         entry = _Entry(ref=weakref.ref(lock), lock_id=id(lock), hold_id=hold_id,
                        target=target, key=key, owner=owner, ttl_ms=ttl_ms,
-                       deadline=lease_end(sent_at, ttl_ms) - margin, next_due=0.0,
+                       deadline=lease_end(sent_at, ttl_ms, margin), next_due=0.0,
                        fence=fence, margin=margin)
         entry.next_due = sent_at + entry.interval
         with self._cond:
@@ -179,15 +180,17 @@ class Heartbeat:
             if self._entry(lock, hold_id) is not None:
                 del self._entries[id(lock)]
 
-    def confirmed(self, lock: object, hold_id: int, ttl_ms: int, sent_at: float) -> None:
-        """An extend sent at ``sent_at`` was confirmed: renew with ``ttl_ms`` from now on
-        and move the deadline (never earlier)."""
+    def confirmed(self, lock: object, hold_id: int, ttl_ms: int, sent_at: float,
+                  margin: float | None = None) -> None:
+        """An extend sent at ``sent_at`` was confirmed: renew with ``ttl_ms`` (and its
+        ``margin``) from now on and move the deadline (never earlier)."""
         with self._cond:
             entry = self._entry(lock, hold_id)
             if entry is not None:
                 entry.ttl_ms = ttl_ms
+                entry.margin = margin
                 entry.deadline = max(entry.deadline,
-                                     lease_end(sent_at, ttl_ms) - entry.margin)
+                                     lease_end(sent_at, ttl_ms, margin))
                 entry.next_due = sent_at + entry.interval
                 self._poke()
 
@@ -198,11 +201,6 @@ class Heartbeat:
             if entry is not None:
                 entry.releasing = releasing
                 self._poke()
-
-    def deadline_of(self, lock: object) -> float | None:
-        with self._cond:
-            entry = self._entries.get(id(lock))
-            return entry.deadline if entry is not None else None
 
     def held_locks(self) -> list[Any]:
         """The live lock objects whose holds are registered."""
@@ -292,7 +290,7 @@ class Heartbeat:
                 code = answer.code if isinstance(answer, LossNote) else int(answer)
                 if code == 1:
                     e.deadline = max(e.deadline,
-                                     lease_end(sent_at, e.ttl_ms) - e.margin)
+                                     lease_end(sent_at, e.ttl_ms, e.margin))
                     e.next_due = sent_at + e.interval
                 elif not e.releasing:
                     del self._entries[e.lock_id]
@@ -363,8 +361,9 @@ class Heartbeat:
                 self._report_lost(lost)
                 with self._cond:
                     if not self._dirty and not self._stopping:
-                        timeout = (IDLE_WAIT if not self._entries
-                                   else max(0.0, wake - self._clock()))
+                        # At most IDLE_WAIT: a wait counts no suspended time, the
+                        # clock does, so a resumed process looks again soon.
+                        timeout = min(IDLE_WAIT, max(0.0, wake - self._clock()))
                         self._cond.wait(timeout)
             except Exception:  # never let the watchdog die
                 logger.exception("heartbeat pass failed")

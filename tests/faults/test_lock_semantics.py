@@ -157,7 +157,13 @@ def test_stale_loss_report_does_not_kill_a_new_hold(r, prefix, name):
         lock.acquire()
         r.delete(lock.keys.lock)  # the hold is gone; the heartbeat will notice
         assert handler.entered.wait(5)
-        # While the loss is being reported, the same object takes a new hold.
+        # While the loss is being reported, the holder ends its lost hold (a re-entry
+        # of a lost hold raises: it never takes a new hold in its place) and the same
+        # object takes a new hold.
+        with pytest.raises(LockLost):
+            lock.acquire(blocking=False)
+        with pytest.raises(LockLost):
+            lock.release()
         assert wait_until(lambda: lock.acquire(blocking=False), timeout=3)
         time.sleep(1.0)  # the report of the old hold completes meanwhile
     finally:

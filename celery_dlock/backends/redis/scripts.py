@@ -8,8 +8,14 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
                       results) and free-form metadata (task_id, task_name, worker, pid,
                       host).  It expires at least ``ttl`` after the last acquire, extend
                       or renewal: no operation ever brings its expiry closer.
-``P:{NAME}:fence``    integer, ``INCR``-ed once per fresh hold; never expires, so fencing
-                      tokens strictly increase across holders.
+``P:{NAME}:fence``    integer, the last fencing token handed out; never expires.  A fresh
+                      hold gets ``max(counter + 1, server clock in microseconds)``,
+                      so tokens strictly increase across holders, and also after the
+                      server lost its data (an empty restart, a failover to a replica
+                      that missed the write): the clock kept going while the counter
+                      was lost.  Assumes the server's clock never goes back and hands
+                      out fewer than one token per microsecond per lock (a script
+                      call takes longer than that).  See docs/fencing.md.
 ``P:{NAME}:q``        sorted set of blocked acquirers (owner -> arrival time in us): FIFO.
 ``P:{NAME}:ql``       sorted set owner -> lease deadline (ms); a waiter that stops
                       refreshing its lease (it died) is dropped from the line.  A waiter
@@ -117,6 +123,20 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- The next fencing token of ``lock``: above every token handed out before, also after
+-- a data loss reset the counter (it is floored at the server's clock in microseconds,
+-- about 1.7e15: exact in a Lua number, and it fits a signed 64-bit column).
+local function next_fence(lock)
+  local t = redis.call('TIME')
+  local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = redis.call('INCR', lock .. ':fence')
+  if fence < floor then
+    fence = floor
+    redis.call('SET', lock .. ':fence', string.format('%.0f', fence))
+  end
+  return fence
+end
+
 -- The doorbell of ``owner``: named by a digest, so no owner string reaches other keys.
 local function bell(lock, owner)
   return lock .. ':w:' .. redis.sha1hex(owner)
@@ -174,9 +194,14 @@ end
 
 # KEYS[1] lock hash
 # ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
-# ARGV[4] operation id, ARGV[5..] metadata field/value pairs
+# ARGV[4] operation id, ARGV[5] re-entry: '' (a plain acquire), '*' (the owner expects
+# to hold the lock already) or a fence (the owner expects to hold the hold with that
+# fence), ARGV[6..] metadata field/value pairs
 # Returns
 #   {1, fence, count}                       acquired (count > 1: re-entered)
+#   {2, code}                               a re-entry whose hold is gone: nothing
+#                                           taken; code 0 nobody holds the lock, -1
+#                                           another owner (or another hold) does
 #   {0, pttl, now_ms, field, value, ...}    not acquired; pttl is the holder's remaining
 #                                           ttl in ms, or -1 when the lock is free but
 #                                           promised to the first waiter in line (for
@@ -192,12 +217,16 @@ ACQUIRE = LuaScript(
     + """
 local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
+local expect = ARGV[5]
 local holder = redis.call('HGET', lock, 'owner')
 if holder == owner then
   local ops = redis.call('HGET', lock, 'ops')
   local fence = tonumber(redis.call('HGET', lock, 'fence'))
   local done = seen(ops, op)
   if done then return {1, fence, tonumber(done)} end
+  if expect ~= '' and expect ~= '*' and tonumber(expect) ~= fence then
+    return {2, -1}
+  end
   local count = redis.call('HINCRBY', lock, 'count', 1)
   if redis.call('PTTL', lock) < ttl then
     redis.call('PEXPIRE', lock, ttl)
@@ -207,6 +236,12 @@ if holder == owner then
   end
   remember(lock, ops, op, count)
   return {1, fence, count}
+end
+if expect ~= '' then
+  -- The owner's hold is gone (expired, released by force, lost with the server's
+  -- data): take nothing, so that the holder learns of the loss.
+  if holder then return {2, -1} end
+  return {2, 0}
 end
 local queue, leases = lock .. ':q', lock .. ':ql'
 local now = now_ms()
@@ -218,9 +253,10 @@ if not holder then
     head = redis.call('ZRANGE', queue, 0, 0)[1]
   end
   if (not head) or head == owner then
-    local fence = redis.call('INCR', lock .. ':fence')
-    redis.call('HSET', lock, 'owner', owner, 'count', 1, 'fence', fence,
-               'acquired_at', now, 'ttl', ttl, 'ops', '|' .. op .. '=1', unpack(ARGV, 5))
+    local fence = next_fence(lock)
+    redis.call('HSET', lock, 'owner', owner, 'count', 1,
+               'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
+               'ops', '|' .. op .. '=1', unpack(ARGV, 6))
     redis.call('PEXPIRE', lock, ttl)
     if head then
       redis.call('ZREM', queue, owner)

@@ -26,7 +26,7 @@ persistence or delayed restarts) and why fencing still matters.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import itertools
+import dataclasses
 import logging
 import os
 import random
@@ -36,16 +36,18 @@ from typing import Any, TypeAlias
 
 from redis.exceptions import ResponseError
 
-from ....core.deadline import lease_end
-from ....core.errors import (
-    FencingUnavailable,
-    Holder,
-    LockLost,
-    LockNotOwned,
-)
+from ....core.deadline import pause_budget
+from ....core.errors import FencingUnavailable, Holder
 from ....core.heartbeat import Heartbeat
-from ....core.hold import HoldView, acquire_timeout, check_lock_options
-from ....core.ttl import ttl_ms as _ttl_to_ms
+from ....core.hold import (
+    DEFAULT_PREFIX,
+    Grant,
+    Hold,
+    Refused,
+    check_lock_options,
+)
+from ....core.protocol import GONE, OK, STILL_HELD, TAKEN
+from ....core.renew_target import RenewTarget
 from ..keyspace import LockKeys
 from ..lock import RedisLock
 from ..scripts import ACQUIRE, EXTEND, RELEASE
@@ -67,7 +69,6 @@ from .quorum import (
     check_timing,
     give_back,
     majority_holder,
-    op_id,
     quorum_holder,
     raise_conflict,
     read_holds,
@@ -79,7 +80,6 @@ __all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "AnyLock",
 
 logger = logging.getLogger("celery_dlock.redlock")
 
-DEFAULT_PREFIX = "dlock"
 #: A blocked acquire tries again after a random delay of up to this (seconds).
 RETRY_DELAY = 0.2
 #: Fixed part of the drift allowance (seconds), as on the Redis distributed-lock page.
@@ -89,11 +89,10 @@ FENCE_REFUSAL = (
     "Redlock gives no fencing token: each node counts on its own and a node that "
     "restarts without its data starts again from 0, so the highest count of a quorum "
     "can go backwards; use a monotonic token of your own (a database sequence)")
+_LOST_ON_MAJORITY = "expired or taken on a majority of its nodes"
 
-_hold_ids = itertools.count(1)
 
-
-class RedlockLock(HoldView):
+class RedlockLock(Hold):
     """A reentrant lock held on a quorum of N independent Redis servers.
 
     The interface is :class:`~celery_dlock.RedisLock`'s (acquire, release, extend,
@@ -103,12 +102,15 @@ class RedlockLock(HoldView):
         cluster client; not one server twice).  ``N // 2 + 1`` of them make a quorum.
     :param drift_factor: the share of the ttl allowed for clock drift between this
         process and the servers; a hold is valid for ``ttl - elapsed - drift`` with
-        ``drift = ttl * drift_factor + 2 ms`` (never less than RedisLock's margin).
+        ``drift = ttl * drift_factor + 2 ms`` (never less than RedisLock's margin),
+        less the pause budget.
     :param node_timeout: the longest one node may take to answer a call (default
         ``min(0.5, ttl / 10)``): a node that hangs never costs more.
 
     :attr:`fence` raises :class:`FencingUnavailable` (see the module docs).
     """
+
+    fences = False
 
     def __init__(
         self,
@@ -125,18 +127,19 @@ class RedlockLock(HoldView):
         heartbeat: Heartbeat | None = None,
         drift_factor: float = 0.01,
         node_timeout: float | None = None,
+        pause_budget: float | None = None,
     ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info)
-        super().__init__(name, owner, on_lost, heartbeat)
+        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
+                                       pause_budget)
+        super().__init__(name, ttl, owner=owner, on_lost=on_lost, heartbeat=heartbeat,
+                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
+                         pause_budget=pause_budget)
         self.clients = check_nodes(clients, name)
         self.quorum = quorum_of(len(self.clients))
-        self.ttl_ms = _ttl_to_ms(ttl, "ttl", name)
         self.drift_factor, self.node_timeout = check_timing(name, self.ttl, drift_factor,
                                                             node_timeout)
         self._nodes = tuple(node_client(c, self.node_timeout) for c in self.clients)
         self.prefix = prefix
-        self.auto_renew = auto_renew
-        self.blocking_timeout = blocking_timeout
         self.keys = LockKeys.for_name(prefix, name)
         self._info_args = info_args
         # Calls of a granted acquire still out to slow nodes: a release waits for them
@@ -145,21 +148,12 @@ class RedlockLock(HoldView):
 
     # -- helpers ------------------------------------------------------------------
 
-    @property
-    def ttl(self) -> float:
-        return self.ttl_ms / 1000.0
-
-    def _extra_margin(self, ttl_ms: int) -> float:
-        """What the drift allowance takes off a deadline beyond the heartbeat's own
-        margin (:func:`lease_end`)."""
+    def _margin(self, ttl_ms: int) -> float:
+        """The drift allowance (``ttl * drift_factor + 2 ms``, never less than the
+        single server's) plus the pause budget."""
         ttl = ttl_ms / 1000.0
-        drift = ttl * self.drift_factor + DRIFT_FLOOR
-        return max(0.0, drift - (ttl - lease_end(0.0, ttl_ms)))
-
-    def _valid_until(self, sent_at: float, ttl_ms: int) -> float:
-        """End of the validity of a quorum confirmed by requests sent at ``sent_at``:
-        ``sent_at + ttl - drift`` (drift at least the heartbeat's margin)."""
-        return lease_end(sent_at, ttl_ms) - self._extra_margin(ttl_ms)
+        drift = max(ttl * self._drift_rate(), ttl * self.drift_factor + DRIFT_FLOOR)
+        return drift + pause_budget(ttl, self.pause_budget)
 
     def _call_all(self, script: Any, args: Sequence[Any],
                   decided: Callable[[Outcome], bool] | None = None,
@@ -176,139 +170,78 @@ class RedlockLock(HoldView):
 
         return fan_out(self._nodes, call, self.node_timeout, decided)
 
-    # -- acquire ------------------------------------------------------------------
+    # -- what the hold state machine asks -------------------------------------------
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None, *,
-                blocking_timeout: float | None = None) -> bool:
-        """Take the lock on a quorum of nodes (or re-enter it); True when held.
-
-        ``blocking=False`` tries once; otherwise tries again after a random delay (up
-        to :data:`RETRY_DELAY`) for at most ``timeout`` seconds (as for RedisLock).
-        Raises :class:`BackendUnavailable` when fewer than a quorum of nodes answer.
-        """
-        timeout = acquire_timeout(blocking, timeout, blocking_timeout,
-                                  self.blocking_timeout)
-        owner = self._current_owner()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if self._try_acquire(owner):
-                return True
-            if not blocking:
-                return False
-            delay = random.uniform(0.1, 1.0) * RETRY_DELAY
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                delay = min(delay, left)
-            time.sleep(delay)
-
-    def _try_acquire(self, owner: str) -> bool:
-        args = [owner, self.ttl_ms, 0, op_id(), "pid", os.getpid(), *self._info_args]
+    def _send_acquire(self, owner: str, op: str, *, queue: bool,
+                      reentry: bool) -> Grant | Refused | int:
+        args = [owner, self.ttl_ms, 0, op, "*" if reentry else "", "pid", os.getpid(),
+                *self._info_args]
         keys = (self.keys.lock,)
-        quorum = self.quorum
+        quorum, n = self.quorum, len(self._nodes)
 
         def call(_: int, node: Any) -> Any:
             check_server(node)
             return ACQUIRE(node, keys, args)
 
-        def granted(out: Outcome) -> list[int]:
-            return [i for i, r in enumerate(out) if answered(r) and int(r[0]) == 1]
+        def with_code(out: Outcome, code: int) -> list[int]:
+            return [i for i, r in enumerate(out) if answered(r) and int(r[0]) == code]
 
         heartbeat = self._get_heartbeat()
         sent_at = heartbeat.now()
         leftover: dict[int, cf.Future[Any]] = {}
-        def refused(out: Outcome) -> list[int]:
-            return [i for i, r in enumerate(out) if answered(r) and int(r[0]) == 0]
-
         # Back as soon as a quorum granted, or can no longer grant.
         out = fan_out(self._nodes, call, self.node_timeout,
-                      lambda o: len(granted(o)) >= quorum or
-                      len(refused(o)) > len(o) - quorum, leftover)
+                      lambda o: len(with_code(o, 1)) >= quorum
+                      or len(o) - len(with_code(o, 1)) - _pending(o) > n - quorum,
+                      leftover)
         now = heartbeat.now()
-        yes, no = granted(out), refused(out)
-        valid = now < self._valid_until(sent_at, self.ttl_ms)
-        if len(yes) >= quorum and valid and not any(isinstance(r, NodeFailed) and
-                                                    isinstance(r.error, ResponseError)
-                                                    for r in out):
-            self._acquired(owner, [int(out[i][2]) for i in yes], sent_at)
+        yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
+        valid = now < sent_at + self.ttl - self._margin(self.ttl_ms)
+        if len(yes) >= quorum and (reentry or valid) and not any(
+                isinstance(r, NodeFailed) and isinstance(r.error, ResponseError)
+                for r in out):
             for i, future in leftover.items():
                 self._in_flight.setdefault(i, []).append(future)
-            return True
+            reentered = reentry or sum(1 for i in yes if int(out[i][2]) > 1) >= quorum
+            return Grant(None, reentered)
         give_back(self._nodes, self.keys, owner, args, out, leftover, self.node_timeout,
                   self.name, self.ttl)
         raise_conflict(self._nodes, self.keys, self.name, out)
+        if reentry and len(gone) > n - quorum:
+            taken = sum(1 for i in gone if int(out[i][1]) == TAKEN)
+            return TAKEN if taken > len(gone) // 2 else GONE
         if len(yes) >= quorum:
             logger.warning("lock %r: a quorum granted it after its validity ended "
                            "(%.3fs for a ttl of %gs): given back", self.name,
                            now - sent_at, self.ttl)
             self.last_holder = None
-            return False
-        if len(yes) + len(no) < quorum:
+            return Refused()
+        if len(yes) + len(no) + len(gone) < quorum:
             raise unavailable(self.name, "acquire", out, self.quorum)
-        self.last_holder = majority_holder(out, no)
-        return False
+        holder = majority_holder(out, no)
+        # One node's counter is not a fencing token.
+        self.last_holder = None if holder is None else dataclasses.replace(holder,
+                                                                           fence=None)
+        return Refused()
 
-    def _acquired(self, owner: str, counts: list[int], sent_at: float) -> None:
-        heartbeat = self._get_heartbeat()
-        reentered = sum(1 for c in counts if c > 1) >= self.quorum
-        with self._state:
-            self._sync_generation()
-            if (self._depth == 0 or not reentered or self._lost_reason is not None
-                    or owner != self._hold_owner):
-                self._depth = 0
-                self._hold_id = next(_hold_ids)
-                self._hold_owner = owner
-                self._lost_reason = None
-                self._release_op = None
-                target = (renew_target(self.clients, self.node_timeout)
-                          if self.auto_renew else None)
-                heartbeat.register(self, self._hold_id, target, self.keys.lock, owner,
-                                   self.ttl_ms, sent_at,
-                                   margin=self._extra_margin(self.ttl_ms))
-            else:
-                heartbeat.confirmed(self, self._hold_id, self.ttl_ms, sent_at)
-            self._depth += 1
+    def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
+        delay = random.uniform(0.1, 1.0) * RETRY_DELAY
+        if left is not None:
+            delay = min(delay, left)
+        time.sleep(delay)
 
-    # -- release ------------------------------------------------------------------
+    def _give_back(self, owner: str) -> None:
+        out = self._call_all(RELEASE, (owner, os.urandom(8).hex()))
+        if sum(1 for r in out if answered(r)) < len(self._nodes):
+            logger.debug("lock %r: not every node confirmed the give-back", self.name)
 
-    def release(self) -> None:
-        """Undo one acquire on every node; freed when releases match acquires.
-
-        :class:`LockNotOwned` when the caller does not hold it on a quorum,
-        :class:`LockLost` when this object held it but a quorum no longer did,
-        :class:`BackendUnavailable` when too few nodes answered to tell: nothing
-        changed locally, and a second call re-sends the same operation (a node that
-        did answer changes nothing the second time).  Nodes that never answer drop
-        the hold when its ttl ends.
-        """
-        caller = self._current_owner()
-        with self._state:
-            self._sync_generation()
-            held_here = self._depth > 0
-            if held_here and caller != self._hold_owner:
-                raise LockNotOwned(
-                    "release by an owner that did not acquire it through this object",
-                    lock_name=self.name)
-            owner = self._hold_owner if held_here else caller
-            assert owner is not None
-            hold_id, lost_reason, depth = self._hold_id, self._lost_reason, self._depth
-            final = held_here and depth == 1
-            pending = self._release_op
-            if held_here and pending is not None and pending[:2] == (hold_id, depth):
-                op = pending[2]
-            else:
-                op = op_id()
-                self._release_op = (hold_id, depth, op) if held_here else None
-        heartbeat = self._get_heartbeat()
-        if final and lost_reason is None:
-            heartbeat.set_releasing(self, hold_id, True)
+    def _send_release(self, owner: str, op: str) -> int:
         late, self._in_flight = self._in_flight, {}
         n, quorum = len(self._nodes), self.quorum
 
         def tally(out: Outcome) -> tuple[int, int]:
-            ours = sum(1 for r in out if answered(r) and int(r[0]) in (1, 2))
-            return ours, sum(1 for r in out if answered(r) and int(r[0]) in (0, -1))
+            ours = sum(1 for r in out if answered(r) and int(r[0]) in (OK, STILL_HELD))
+            return ours, sum(1 for r in out if answered(r) and int(r[0]) in (GONE, TAKEN))
 
         def decided(out: Outcome) -> bool:
             ours, others = tally(out)
@@ -317,69 +250,20 @@ class RedlockLock(HoldView):
         # Back once the answers decide; a node that hangs gets the release later.
         out = self._call_all(RELEASE, (owner, op), decided, late)
         ours, others = tally(out)
-        impossible = others > n - quorum
-        if not held_here:
-            if ours >= self.quorum:
-                return
-            if impossible:
-                raise LockNotOwned("cannot release: this owner does not hold the lock "
-                                   "on a quorum of its nodes", lock_name=self.name)
-            raise unavailable(self.name, "release", out, self.quorum)
-        if lost_reason is None and ours < self.quorum:
-            if not impossible:
-                if final:
-                    heartbeat.set_releasing(self, hold_id, False)
-                raise unavailable(self.name, "release", out, self.quorum)
-            lost_reason = "expired or taken on a majority of its nodes"
-            self._mark_lost(lost_reason, hold_id)
-        with self._state:
-            if self._hold_id == hold_id and self._depth > 0:
-                self._depth -= 1
-                self._release_op = None
-                if self._depth == 0:
-                    self._hold_owner = None
-        if final:
-            heartbeat.unregister(self, hold_id)
-        if lost_reason is not None:
-            raise LockLost(f"lock lost before it was released ({lost_reason})",
-                           lock_name=self.name)
+        if ours >= quorum:
+            still = any(answered(r) and int(r[0]) == STILL_HELD for r in out)
+            return STILL_HELD if still else OK
+        if others > n - quorum:
+            taken = any(answered(r) and int(r[0]) == TAKEN for r in out)
+            return TAKEN if taken else GONE
+        raise unavailable(self.name, "release", out, self.quorum)
 
-    def release_all(self) -> int:
-        """Release every acquire of this object's hold on every node (best effort:
-        errors are logged); returns how many acquires were undone."""
-        with self._state:
-            self._sync_generation()
-            depth, owner, hold_id = self._depth, self._hold_owner, self._hold_id
-            if depth == 0 or owner is None:
-                return 0
-            self._depth = 0
-            self._hold_owner = None
-            self._release_op = None
-        self._get_heartbeat().unregister(self, hold_id)
-        late, self._in_flight = self._in_flight, {}
-        for _ in range(depth):
-            out = self._call_all(RELEASE, (owner, op_id()), after=late)
-            if not any(answered(r) and int(r[0]) == 2 for r in out):
-                break
-        return depth
-
-    # -- extend, inspect ------------------------------------------------------------
-
-    def extend(self, ttl: float | None = None) -> None:
-        """Make the hold expire at least ``ttl`` seconds from now on a quorum of nodes
-        (default: the lock's ttl); later renewals use the new ttl."""
-        ttl_ms = self.ttl_ms if ttl is None else _ttl_to_ms(ttl, "ttl", self.name)
-        owner, held_here, hold_id, lost_reason = self._caller_view()
-        if lost_reason is not None:
-            raise LockLost(f"cannot extend: lock lost ({lost_reason})",
-                           lock_name=self.name)
-        heartbeat = self._get_heartbeat()
-        sent_at = heartbeat.now()
+    def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
         quorum, n = self.quorum, len(self._nodes)
 
         def tally(out: Outcome) -> tuple[int, int]:
-            ok = sum(1 for r in out if answered(r) and int(r) == 1)
-            no = sum(1 for r in out if answered(r) and int(r) != 1)
+            ok = sum(1 for r in out if answered(r) and int(r) == OK)
+            no = sum(1 for r in out if answered(r) and int(r) != OK)
             return ok, no
 
         def decided(out: Outcome) -> bool:
@@ -389,49 +273,34 @@ class RedlockLock(HoldView):
         out = self._call_all(EXTEND, (owner, ttl_ms), decided)
         ok, no = tally(out)
         if ok >= quorum:
-            self.ttl_ms = ttl_ms
-            if held_here:
-                heartbeat.confirmed(self, hold_id, ttl_ms, sent_at)
-            return
-        if no <= n - quorum:
-            raise unavailable(self.name, "extend", out, self.quorum)
-        if held_here:
-            self._mark_lost("expired or taken on a majority of its nodes", hold_id)
-            raise LockLost("cannot extend: lock expired or taken on a majority of its "
-                           "nodes", lock_name=self.name)
-        raise LockNotOwned("cannot extend: this owner does not hold the lock on a "
-                           "quorum of its nodes", lock_name=self.name)
+            return OK
+        if no > n - quorum:
+            return GONE
+        raise unavailable(self.name, "extend", out, self.quorum)
 
     def _read(self, what: str, owner: str | None = None) -> Holds:
         return read_holds(self._nodes, self.keys, self.name, what, self.node_timeout,
                           self.quorum, owner)
 
+    def _read_status(self, owner: str) -> int:
+        found = self._read("owned", owner)
+        return OK if len(found.get(owner, ())) >= self.quorum else GONE
+
+    def _gone_reason(self, code: int, owner: str) -> str:
+        return _LOST_ON_MAJORITY
+
+    def _renew_target(self) -> RenewTarget | None:
+        target: RenewTarget = renew_target(self.clients, self.node_timeout)
+        return target
+
+    def _renew_key(self) -> str:
+        return self.keys.lock
+
+    # -- reading --------------------------------------------------------------------
+
     def locked(self) -> bool:
         """Whether some owner holds the lock on a quorum of nodes."""
         return self.holder() is not None
-
-    def owned(self) -> bool:
-        """Whether the calling owner holds the lock on a quorum of nodes."""
-        owner, _, _, lost_reason = self._caller_view()
-        if lost_reason is not None:
-            return False
-        found = self._read("owned", owner)
-        return len(found.get(owner, ())) >= self.quorum
-
-    def ensure_held(self) -> None:
-        """Raise :class:`LockLost` unless the calling owner holds the lock on a
-        quorum of nodes (asked now, of every node at once)."""
-        owner, held_here, hold_id, lost_reason = self._caller_view()
-        if lost_reason is not None:
-            raise LockLost(f"lock lost: {lost_reason}", lock_name=self.name)
-        found = self._read("ensure_held", owner)
-        if len(found.get(owner, ())) >= self.quorum:
-            return
-        reason = "expired or taken on a majority of its nodes"
-        if held_here:
-            self._mark_lost(reason, hold_id)
-            raise LockLost(f"lock lost: {reason}", lock_name=self.name)
-        raise LockLost(f"lock not held by this owner ({reason})", lock_name=self.name)
 
     def holder(self) -> Holder | None:
         """The holder a quorum of nodes agrees on (None: nobody holds a quorum); its
@@ -447,6 +316,10 @@ class RedlockLock(HoldView):
         return (f"<RedlockLock {self.name!r} nodes={len(self.clients)} "
                 f"quorum={self.quorum} ttl={self.ttl:g}s depth={self._depth}>")
 
+
+def _pending(out: Outcome) -> int:
+    """How many nodes have not answered yet (None in ``out``)."""
+    return sum(1 for r in out if r is None)
 
 
 #: Either kind of lock (what a LockedTask run holds).
