@@ -3,7 +3,7 @@
 
 A :class:`LockKind` makes locks (``kind.make(name, ttl=..., **options)``) and gives the
 tests the handles a fault needs: the clients of every server that keeps the lock,
-``lose_data()`` (every server forgets everything, as an empty restart would) and
+``lose_data(lock)`` (every server forgets the lock, as an empty restart would) and
 ``force_release(name)`` (what an operator's ``celery dlock release --force`` does).
 """
 
@@ -20,7 +20,7 @@ import redis
 from celery_dlock import RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "LockKind", "redlock_servers"]
+__all__ = ["KINDS", "LockKind", "lose_lock_data", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
 KINDS = ("redis", "redlock")
@@ -39,11 +39,12 @@ class LockKind:
     def make(self, lock_name: str, ttl: float = 30.0, **options: Any) -> Any:
         return self.factory(lock_name, ttl, **options)
 
-    def lose_data(self) -> None:
-        """Every server forgets everything (an empty restart, a failover to a replica
-        that missed the writes)."""
-        for c in self.clients:
-            c.flushall()
+    def lose_data(self, lock: Any) -> None:
+        """Every server forgets everything it had of ``lock``: its hold, its fence
+        counter, its line (what an empty restart, or a failover to a replica that
+        missed the writes, does to it; the servers may be shared with other tests, so
+        nothing else is touched)."""
+        lose_lock_data(self.clients, lock.keys.lock)
 
     def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
         """Free ``lock_name`` on every server whoever holds it (an operator's
@@ -55,6 +56,14 @@ class LockKind:
 
     def __str__(self) -> str:
         return self.name
+
+
+def lose_lock_data(clients: list[redis.Redis], lock_key: str) -> None:
+    """Delete the hash ``lock_key`` and every helper key of it on each client."""
+    pattern = lock_key.replace("[", "\\[").replace("*", "\\*").replace("?", "\\?")
+    for c in clients:
+        doomed = [lock_key, *c.scan_iter(match=pattern + ":*", count=1000)]
+        c.delete(*doomed)
 
 
 @pytest.fixture(scope="session")

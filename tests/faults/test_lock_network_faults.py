@@ -100,6 +100,32 @@ def test_resent_release_after_a_lost_reply_undoes_one_acquire(own_server, proxy,
     assert not direct.exists(lock.keys.lock)
 
 
+def test_a_release_tried_again_by_the_caller_undoes_one_acquire(own_server, proxy,
+                                                               prefix, name):
+    # No client re-sends: the release is applied, its reply is lost and the call
+    # raises. The docstring says a release may be tried again: the retry must re-send
+    # the same operation, not undo a second acquire (which freed the lock while its
+    # holder's depth still said 1).
+    client = _client(proxy.url, timeout=0.5, retries=0)
+    _load_scripts(client, prefix)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix)
+    lock.acquire()
+    lock.acquire()
+    matched = proxy.drop_reply(RELEASE.sha.encode())
+    with pytest.raises(BackendUnavailable):
+        lock.release()
+    assert matched.is_set()
+    proxy.heal()
+    direct = _direct(own_server)
+    assert direct.hget(lock.keys.lock, "count") == b"1"
+    assert lock.depth == 2  # nothing confirmed: the local view is unchanged
+    lock.release()  # tried again: the server recognises the operation
+    assert direct.hget(lock.keys.lock, "count") == b"1", "the retry undid a 2nd acquire"
+    assert lock.depth == 1 and lock.owned()
+    lock.release()
+    assert not direct.exists(lock.keys.lock)
+
+
 def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix, name):
     client = _client(proxy.url, timeout=0.5, retries=2)
     _load_scripts(client, prefix)
