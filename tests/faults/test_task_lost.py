@@ -40,6 +40,19 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
         e.tasks[action] = e.app.task(base=LockedTask, shared=False, bind=True,
                                      name=f"lost_{action}", lock_key="l:{x}",
                                      lock_ttl=1, **options)(body)
+    def reenter(self: Any, x: str) -> str:
+        """Delete the lock's keys, then re-enter the lock (a nested block)."""
+        e.r.delete(e.lock_key(f"l:{x}"))
+        try:
+            with self.lock:
+                e.log(kind="inner-ran", x=x)
+        except LockLost:
+            e.log(kind="reentry-lost", x=x, lost=self.lock.lost, depth=self.lock.depth)
+        return "body finished"
+
+    e.tasks["reenter"] = e.app.task(base=LockedTask, shared=False, bind=True,
+                                    name="lost_reenter", lock_key="l:{x}",
+                                    lock_ttl=30)(reenter)
     with running(e):
         yield e
 
@@ -98,3 +111,17 @@ def test_interrupt_stops_the_body_and_fails(env: TaskEnv) -> None:
         res.get(timeout=RESULT_TIMEOUT)
     assert res.state == states.FAILURE
     assert not env.events(kind="body-end", x=x)
+
+
+def test_a_reentry_that_finds_the_hold_gone_fails_the_attempt(
+        env: TaskEnv, lost_signals: list[dict[str, Any]]) -> None:
+    # Long before any renewal (ttl 30 s): the nested block is what finds the loss.
+    x = _x()
+    res = env.tasks["reenter"].delay(x)
+    with pytest.raises(LockLost):
+        res.get(timeout=RESULT_TIMEOUT)
+    assert res.state == states.FAILURE
+    assert not env.events(kind="inner-ran", x=x)
+    (seen,) = env.events(kind="reentry-lost", x=x)
+    assert seen["lost"] is True and seen["depth"] == 1
+    assert len([s for s in lost_signals if s["key"] == f"l:{x}"]) == 1
