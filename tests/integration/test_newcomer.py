@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery_dlock.redis.lock import RedisLock
 from dlock_helpers import wait_until
 
+from celery_dlock import RedisLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 # (xdist_group: one process at a time runs `python -m build` in the checkout)
