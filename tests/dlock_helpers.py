@@ -6,9 +6,12 @@ pytest and nothing heavy: only redis and the package itself.
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -127,3 +130,23 @@ def until_while(predicate: Callable[[], bool], timeout: float,
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def tracked_copy(repo: Path, dest: Path) -> Path:
+    """A copy of the files of ``repo`` that git tracks (every file but ``.venv``,
+    ``.git`` and build output when it is not a git checkout), under ``dest``: builds
+    run there, never in the checkout, whose build tree other runs may be using."""
+    dest.mkdir(parents=True, exist_ok=True)
+    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"],
+                            capture_output=True, check=False)
+    if listed.returncode == 0 and listed.stdout:
+        for rel in listed.stdout.decode().split("\0"):
+            if rel and (repo / rel).is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(repo / rel, dest / rel)
+        return dest
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info",
+                                  "__pycache__", ".pytest_cache", ".mypy_cache",
+                                  ".ruff_cache")
+    shutil.copytree(repo, dest, ignore=skip, dirs_exist_ok=True)
+    return dest

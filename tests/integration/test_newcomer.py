@@ -26,12 +26,12 @@ from pathlib import Path
 
 import pytest
 import redis
-from dlock_helpers import wait_until
+from dlock_helpers import tracked_copy, wait_until
 
 from celery_dlock import RedisLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-# (xdist_group: one process at a time runs `python -m build` in the checkout)
+# (xdist_group: the two modules that build the package run one at a time)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sdist")]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,8 +108,11 @@ def _builder(tmp: Path) -> Path:
 
 def _install(tmp: Path) -> tuple[Path, Path]:
     dist = tmp / "dist"
+    # From a copy of the tracked files: what a newcomer's clone has, and a build
+    # tree nobody else touches.
+    source = tracked_copy(REPO, tmp / "source")
     made = subprocess.run([str(_builder(tmp)), "-m", "build", "--sdist", "--outdir",
-                           str(dist), str(REPO)],
+                           str(dist), str(source)],
                           capture_output=True, text=True, timeout=240, check=False)
     out = made.stdout + made.stderr
     if made.returncode != 0 and any(sign in out for sign in _OFFLINE):

@@ -9,10 +9,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from dlock_helpers import tracked_copy
 
 REPO = Path(__file__).resolve().parents[2]
 
-# (xdist_group: one process at a time runs `python -m build` in the checkout)
+# (xdist_group: the two modules that build the package run one at a time)
 pytestmark = pytest.mark.xdist_group("sdist")
 
 
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.xdist_group("sdist")
 def test_sdist_and_wheel_carry_the_license_docs_and_examples(tmp_path: Path) -> None:
     pytest.importorskip("build")
     pytest.importorskip("twine")
+    source = tracked_copy(REPO, tmp_path / "source")  # never build in the checkout
     proc = subprocess.run([sys.executable, "-m", "build", "--sdist", "--wheel",
-                           "--outdir", str(tmp_path), str(REPO)],
+                           "--outdir", str(tmp_path), str(source)],
                           capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (sdist,) = tmp_path.glob("celery_dlock-*.tar.gz")
