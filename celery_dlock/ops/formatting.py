@@ -27,6 +27,9 @@ def cell_text(value: Any) -> str:
 
 
 _NUMERIC = {"pid", "count", "fence", "ttl", "held_for", "waiting"}
+#: The one number that may be cut when nothing else can give: a fence keeps its last
+#: digits (which tell holds apart), at least this many, behind a "~".
+_FENCE_DIGITS_KEPT = 7
 
 
 def table_lines(columns: Sequence[str], rows: Iterable[Sequence[str]],
@@ -38,7 +41,8 @@ def table_lines(columns: Sequence[str], rows: Iterable[Sequence[str]],
             for i, name in enumerate(columns):
                 cap = widths.get(name)
                 if cap and len(row[i]) > cap:
-                    row[i] = row[i][:cap - 1] + "~"
+                    row[i] = ("~" + row[i][-(cap - 1):] if name == "fence"
+                              else row[i][:cap - 1] + "~")
     sizes = [len(name) for name in columns]
     for row in cut:
         sizes = [max(size, len(cell)) for size, cell in zip(sizes, row, strict=True)]
@@ -53,7 +57,8 @@ def table_lines(columns: Sequence[str], rows: Iterable[Sequence[str]],
 def fit_widths(columns: Sequence[str], rows: Sequence[Sequence[str]],
                caps: dict[str, int], width: int, gap: int) -> dict[str, int]:
     """Caps for the text columns so a row fits ``width``: the widest text is cut
-    first, down to its header; numbers are never cut."""
+    first, down to its header; then the fence keeps only its last digits; other
+    numbers are never cut."""
     sizes = {name: max([len(name)] + [len(row[i]) for row in rows])
              for i, name in enumerate(columns)}
     sizes = {name: min(size, caps.get(name, size)) for name, size in sizes.items()}
@@ -64,6 +69,11 @@ def fit_widths(columns: Sequence[str], rows: Sequence[Sequence[str]],
         if sizes[widest] <= max(len(widest), 4):
             break
         sizes[widest] -= 1
+    fence_floor = max(len("fence"), _FENCE_DIGITS_KEPT + 1)
+    if "fence" in sizes and sum(sizes.values()) > budget and sizes["fence"] > fence_floor:
+        over = sum(sizes.values()) - budget
+        sizes["fence"] = max(fence_floor, sizes["fence"] - over)
+        text.append("fence")
     return {name: sizes[name] for name in text}
 
 

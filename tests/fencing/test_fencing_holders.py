@@ -189,9 +189,11 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
 
 def test_a_fence_counter_that_went_back_is_refused_not_trusted(
         db: Db, conn: Any, r: Any, redis_url: str, prefix: str, name: str) -> None:
-    """Fencing fails closed: if Redis loses the fence counter (eviction, a restart
-    without persistence), the next holder's lower fence is refused, not trusted; the
-    row accepts writes again once the counter is set past its fence."""
+    """Fencing fails closed: a lost fence counter does not make fences go back (the
+    next one starts from the server's clock, above every earlier one), and if a
+    counter that had run ahead of the clock is lost, the next holder's lower fence is
+    refused, not trusted; the row accepts writes again once the counter is set past
+    its fence."""
     import redis
 
     from celery_dlock import RedisLock
@@ -203,25 +205,32 @@ def test_a_fence_counter_that_went_back_is_refused_not_trusted(
     cur.close()
     conn.commit()
     client = redis.Redis.from_url(redis_url)
-    try:
-        for _ in range(3):
-            with RedisLock(client, name, ttl=5, prefix=prefix) as lock:
-                fenced_update(conn, table, {"sku": "A"}, lock.fence, {"qty": lock.fence})
-                conn.commit()
-                high = lock.fence
-        assert high is not None and high >= 3
-        fence_key = lock.keys.fence
-        assert r.delete(fence_key) == 1  # the counter is lost
+
+    def write(qty: int = 1) -> int:
         with RedisLock(client, name, ttl=5, prefix=prefix) as lock:
-            assert lock.fence is not None and lock.fence < high
+            assert lock.fence is not None
+            fenced_update(conn, table, {"sku": "A"}, lock.fence, {"qty": qty})
+            conn.commit()
+            return lock.fence
+
+    try:
+        fences = [write() for _ in range(3)]
+        fence_key = RedisLock(client, name, prefix=prefix).keys.fence
+        assert r.delete(fence_key) == 1  # the counter is lost (an empty restart)
+        fences.append(write())  # accepted: fences never go back
+        assert fences == sorted(set(fences))
+
+        r.set(fence_key, 2**52)  # a counter far ahead of the server's clock ...
+        ahead = write()
+        assert ahead == 2**52 + 1
+        assert r.delete(fence_key) == 1  # ... is lost: the next fence is lower
+        with RedisLock(client, name, ttl=5, prefix=prefix) as lock:
+            assert lock.fence is not None and lock.fence < ahead
             with pytest.raises(StaleFence) as caught:
                 fenced_update(conn, table, {"sku": "A"}, lock.fence, {"qty": 0})
             conn.rollback()
-            assert (caught.value.fence, caught.value.found) == (lock.fence, high)
-        r.set(fence_key, high)  # the documented recovery
-        with RedisLock(client, name, ttl=5, prefix=prefix) as lock:
-            assert lock.fence == high + 1
-            fenced_update(conn, table, {"sku": "A"}, lock.fence, {"qty": 0})
-            conn.commit()
+            assert (caught.value.fence, caught.value.found) == (lock.fence, ahead)
+        r.set(fence_key, ahead)  # the documented recovery
+        assert write(0) == ahead + 1
     finally:
         client.close()

@@ -103,6 +103,8 @@ def test_marker_of_an_older_hold_does_not_explain_a_newer_loss(r: redis.Redis,
     with pytest.raises(LockLost):
         lock.ensure_held()
     # The same owner takes the lock again (a new fence); that hold then expires.
+    with pytest.raises(LockLost):
+        lock.release()
     assert lock.acquire(blocking=False)
     r.delete(lock.keys.lock)
     assert r.exists(_marker(prefix, name))  # the first hold's marker is still there
@@ -142,7 +144,12 @@ def test_marker_expires_and_is_never_listed_as_a_lock(redis_url: str, r: redis.R
     assert json.loads(proc.stdout) == []
     proc = cli_app.run_cli(redis_url, prefix, "show", name)
     assert proc.returncode != 0 and "No lock named" in proc.stderr
-    # The lock itself works as before, and a new hold is listed alone.
+    # The lock itself works as before: its holder learns of the loss at its next
+    # contact (a re-entry takes nothing), and a new hold is listed alone.
+    with pytest.raises(LockLost, match="released by"):
+        short.acquire(blocking=False)
+    with pytest.raises(LockLost):
+        short.release()
     assert short.acquire(blocking=False)
     assert [i.key for i in iter_locks(r, prefix)] == [name]
     short.release()

@@ -192,7 +192,7 @@ class RedlockLock(Hold):
         # Back as soon as a quorum granted, or can no longer grant.
         out = fan_out(self._nodes, call, self.node_timeout,
                       lambda o: len(with_code(o, 1)) >= quorum
-                      or len(o) - len(with_code(o, 1)) - _pending(o) > n - quorum,
+                      or len(with_code(o, 0)) + len(with_code(o, 2)) > n - quorum,
                       leftover)
         now = heartbeat.now()
         yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
@@ -315,11 +315,6 @@ class RedlockLock(Hold):
     def __repr__(self) -> str:
         return (f"<RedlockLock {self.name!r} nodes={len(self.clients)} "
                 f"quorum={self.quorum} ttl={self.ttl:g}s depth={self._depth}>")
-
-
-def _pending(out: Outcome) -> int:
-    """How many nodes have not answered yet (None in ``out``)."""
-    return sum(1 for r in out if r is None)
 
 
 #: Either kind of lock (what a LockedTask run holds).
