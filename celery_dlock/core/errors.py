@@ -27,6 +27,7 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockNotOwned",
+    "NotSupported",
     "UnkeyableArgument",
 ]
 
@@ -189,6 +190,11 @@ def _rebuild(cls: type[DLockError], message: str, state: dict[str, Any]) -> DLoc
 
 class InvalidLockConfig(DLockError, ValueError):
     """A lock or task was declared with settings that cannot work (ttl <= 0, ...)."""
+
+
+class NotSupported(InvalidLockConfig):
+    """The configured backend cannot do this (yet): for example listing the locks of a
+    Redlock, whose holds live on several servers."""
 
 
 class UnkeyableArgument(DLockError, ValueError):

@@ -40,6 +40,16 @@ class HoldInfo:
     host: str | None = None
     extra: Mapping[str, str] = field(default_factory=dict, hash=False)
 
+    @classmethod
+    def matched(cls, name: str, conditions: Mapping[str, str]) -> HoldInfo:
+        """The little known of a hold freed because it matched ``conditions`` (a force
+        release on behalf of a dead process, which reads nothing first)."""
+        pid = conditions.get("pid")
+        return cls(key=name, task_name=None, task_id=conditions.get("task_id"),
+                   worker=conditions.get("worker"),
+                   pid=int(pid) if pid and pid.isdigit() else None, owner="", count=0,
+                   fence=None, ttl=None, held_for=None)
+
     def as_dict(self) -> dict[str, Any]:
         """Every field by name (``extra`` as a plain dict), ready for JSON."""
         return {

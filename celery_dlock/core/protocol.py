@@ -139,6 +139,10 @@ class Backend(Protocol):
         """How many owners wait in line for each of ``names``."""
         ...
 
+    def storage_key(self, prefix: str, name: str) -> str:
+        """Where the server keeps the hold of ``name`` (shown to operators)."""
+        ...
+
     def force_release(self, prefix: str, name: str, *, fence: int | None = None,
                       by: str | None = None, reason: str | None = None,
                       conditions: Mapping[str, str] | None = None) -> HoldInfo | None:

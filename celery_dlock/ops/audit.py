@@ -20,7 +20,7 @@ import socket
 import time
 from typing import Any
 
-from ..backends.redis.released import clean_text
+from ..core.text import clean_text
 from ..task.events import EVENTS_MAX, EVENTS_TTL, Event, events_key
 from .inspect import LockInfo
 

@@ -37,12 +37,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..backends.redis import topology
-from ..backends.redis.keyspace import LockKeys
 from ..core.errors import BackendUnavailable, InvalidLockConfig, LockKeyConflict
-from ..task.config import get_client, mask_url, resolve_url
-from ..task.connection import _default_client_options
+from ..core.hold import DEFAULT_PREFIX
+from ..core.protocol import Backend
+from ..task.backend import backend_for, backend_of_client
+from ..task.config import mask_url, resolve_url
+from ..task.connection import client_for_url
 from ..task.events import Event, recent_events, recording_enabled
+from ..task.settings import conf_of, conf_value
 from .audit import record_release, released_by
 from .formatting import (
     cell_text,
@@ -55,16 +57,11 @@ from .formatting import (
 from .inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
-    force_release,
-    get_lock,
-    iter_locks,
-    waiting_counts,
 )
 from .oneline import OneLineGroup
 
 __all__ = ["dlock"]
 
-DEFAULT_PREFIX = "dlock"
 EXIT_NOT_FOUND = 1
 EXIT_UNAVAILABLE = 2
 
@@ -72,50 +69,52 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _Target:
-    """Which Redis and prefix the sub-commands read; the client is made on first use."""
+    """Which backend and prefix the sub-commands read; made on first use."""
 
     def __init__(self, app: Any, url: str | None, prefix: str | None) -> None:
         self.app = app
         self.url = url
-        conf = getattr(app, "conf", None)
-        configured = conf.get("dlock_key_prefix") if conf is not None else None
-        self.prefix: str = prefix or configured or DEFAULT_PREFIX
+        self.prefix: str = prefix or conf_value(app, "dlock_key_prefix", DEFAULT_PREFIX)
+        self._backend: Backend | None = None
         self._client: Any = None
 
+    def backend(self) -> Backend:
+        """The backend the locks are read from (one Redis; a Redlock is refused in
+        one line: give --url with one of its servers)."""
+        if self._backend is None:
+            backend = (backend_of_client(self._url_client()) if self.url
+                       else backend_for(self.app))
+            if backend.kind == "redlock":
+                backend.holds(self.prefix)  # raises NotSupported, in one line
+            self._backend = backend
+        return self._backend
+
     def client(self) -> Any:
-        if self._client is None:
-            if self.url:
-                conf = getattr(self.app, "conf", None)
-                extra = (conf.get("dlock_transport_options") if conf is not None
-                         else None) or {}
-                try:
-                    self._client = topology.client_from_url(
-                        self.url, _default_client_options(), extra)
-                except (ValueError, TypeError) as exc:
-                    text = str(exc).replace(self.url, mask_url(self.url))
-                    raise InvalidLockConfig(f"--url {mask_url(self.url)!r} is not a "
-                                            f"Redis URL it can use: {text}") from None
-                except (RedisClusterException, RedisError) as exc:  # a dead cluster
-                    text = str(exc).replace(self.url, mask_url(self.url))
-                    raise BackendUnavailable(f"Redis unavailable at "
-                                             f"{mask_url(self.url)}: {text}") from None
-            else:
-                client = get_client(self.app)
-                if isinstance(client, tuple):
-                    raise InvalidLockConfig(
-                        f"celery dlock reads one Redis; the locks are on {len(client)} "
-                        f"servers (Redlock): give --url with one of them to read that "
-                        f"node")
-                self._client = client
+        """The Redis client of the backend (for the event history)."""
+        return getattr(self.backend(), "client", None)
+
+    def _url_client(self) -> Any:
+        if self._client is None and self.url:
+            try:
+                self._client = client_for_url(self.url, conf_of(self.app))
+            except (ValueError, TypeError) as exc:
+                text = str(exc).replace(self.url, mask_url(self.url))
+                raise InvalidLockConfig(f"--url {mask_url(self.url)!r} is not a "
+                                        f"Redis URL it can use: {text}") from None
+            except (RedisClusterException, RedisError) as exc:  # a dead cluster
+                text = str(exc).replace(self.url, mask_url(self.url))
+                raise BackendUnavailable(f"Redis unavailable at "
+                                         f"{mask_url(self.url)}: {text}") from None
         return self._client
 
     def where(self) -> str:
         """The Redis being read, for messages (passwords masked)."""
         if self.url:
             return mask_url(self.url)
-        conf = getattr(self.app, "conf", None)
-        if conf is not None and conf.get("dlock_client"):
-            kwargs = getattr(getattr(self._client, "connection_pool", None),
+        conf = conf_of(self.app)
+        if conf_value(conf, "dlock_client"):
+            client = getattr(self._backend, "client", None)
+            kwargs = getattr(getattr(client, "connection_pool", None),
                              "connection_kwargs", None) or {}
             if "path" in kwargs:
                 return f"unix://{kwargs['path']}"
@@ -197,7 +196,7 @@ def ls(ctx: click.Context, as_json: bool) -> None:
     since it was taken (by the Redis server's clock).
     """
     target = _target(ctx)
-    infos = sorted(iter_locks(target.client(), target.prefix), key=lambda i: i.key)
+    infos = sorted(target.backend().holds(target.prefix), key=lambda i: i.key)
     if as_json:
         click.echo(json.dumps([info.summary() for info in infos], indent=2))
         return
@@ -217,8 +216,8 @@ def ls(ctx: click.Context, as_json: bool) -> None:
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
     """Show one lock (KEY is the lock name, as ls shows it) with every field."""
     target = _target(ctx)
-    client = target.client()
-    info = get_lock(client, target.prefix, key)
+    backend = target.backend()
+    info = backend.read(target.prefix, key)
     if info is None:
         _fail(ctx, f"No lock named {key!r} is held under prefix {target.prefix!r}.",
               EXIT_NOT_FOUND)
@@ -226,7 +225,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info.as_dict(), indent=2))
         return
-    waiting = waiting_counts(client, target.prefix, [key]).get(key, 0)
+    waiting = backend.waiting(target.prefix, [key]).get(key, 0)
     fields: list[tuple[str, str]] = []
     for name, value in info.as_dict().items():
         if name == "extra":
@@ -236,7 +235,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         else:
             fields.append((name, cell_text(value)))
     fields.append(("waiting", str(waiting)))
-    fields.append(("redis_key", LockKeys.for_name(target.prefix, key).lock))
+    fields.append(("redis_key", backend.storage_key(target.prefix, key)))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(f"{name + ':':<{size}} {text}")
@@ -258,10 +257,10 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
     --force: REASON").  Without --force, asks first, and frees only the hold it showed.
     """
     target = _target(ctx)
-    client = target.client()
+    backend = target.backend()
     expected: int | None = None
     if not force:
-        info = get_lock(client, target.prefix, key)
+        info = backend.read(target.prefix, key)
         if info is None:
             _fail(ctx, f"No lock named {key!r} is held under prefix "
                        f"{target.prefix!r}.", EXIT_NOT_FOUND)
@@ -274,8 +273,8 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
             "running.\n(to skip this prompt use --force)\nRelease it?", abort=True)
         expected = info.fence
     try:
-        freed = force_release(client, target.prefix, key, fence=expected,
-                              by=released_by(force), reason=reason)
+        freed = backend.force_release(target.prefix, key, fence=expected,
+                                      by=released_by(force), reason=reason)
     except HoldChanged as exc:
         now = f": now {holder_text(exc.current)}" if exc.current else ""
         _fail(ctx, f"Lock {key!r} changed hands since it was shown{now}. "
@@ -288,7 +287,7 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
         _fail(ctx, f"No lock named {key!r} is held under prefix {target.prefix!r}.",
               EXIT_NOT_FOUND)
         return
-    record_release(client, target.prefix, key, freed, reason)
+    record_release(target.client(), target.prefix, key, freed, reason)
     click.echo(f"Released lock {key!r}: {holder_text(freed)}.")
 
 
@@ -321,14 +320,15 @@ def _event_line(event: Event) -> str:
 
 
 def _top_screen(target: _Target, max_events: int) -> list[str]:
+    backend = target.backend()
     client = target.client()
-    infos = list(iter_locks(client, target.prefix))
+    infos = list(backend.holds(target.prefix))
     infos.sort(key=lambda i: -1.0 if i.held_for is None else i.held_for, reverse=True)
     events = recent_events(client, target.prefix, max_events)
     size = shutil.get_terminal_size()
     room = max(3, size.lines - 7 - (len(events) or 1))
     shown = infos[:room]
-    waiting = waiting_counts(client, target.prefix, [i.key for i in shown])
+    waiting = backend.waiting(target.prefix, [i.key for i in shown])
     lines = [f"celery dlock top - {target.where()} - prefix {target.prefix!r} - "
              f"{time.strftime('%H:%M:%S')} - {len(infos)} held", ""]
     if shown:

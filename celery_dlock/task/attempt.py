@@ -34,8 +34,8 @@ from typing import Any, NoReturn
 from celery import states
 from celery.exceptions import Ignore
 
-from ..backends.redis.redlock.lock import AnyLock, fence_of
 from ..core.errors import Holder, LockLost
+from ..core.protocol import Lock
 from .contention import backoff_delay
 
 __all__ = [
@@ -96,11 +96,11 @@ class Attempt:
     __slots__ = ("fence", "key", "lock", "lost_reason", "running", "started",
                  "task_id", "thread_id")
 
-    def __init__(self, lock: AnyLock, thread_id: int, task_id: str | None) -> None:
+    def __init__(self, lock: Lock, thread_id: int, task_id: str | None) -> None:
         self.task_id = task_id
         self.lock = lock
         self.key = lock.name
-        self.fence = fence_of(lock)  # None under Redlock: it has no fencing token
+        self.fence = lock.fence if lock.fences else None  # Redlock gives none
         self.started = time.monotonic()
         self.thread_id = thread_id
         self.running = True
@@ -172,7 +172,7 @@ def first_run_ended(task: Any, task_id: str, grace: float = 0.0) -> bool:
         time.sleep(0.05)
 
 
-def requeue_duplicate(task: Any, lock: AnyLock, request: Any, args: tuple[Any, ...],
+def requeue_duplicate(task: Any, lock: Lock, request: Any, args: tuple[Any, ...],
                       kwargs: dict[str, Any], settings: Mapping[str, Any]) -> NoReturn:
     """End a duplicate delivery without a trace (``Ignore``), after re-queueing a copy
     that looks again later: it recovers the task if the first run dies."""

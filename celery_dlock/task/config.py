@@ -1,4 +1,6 @@
-"""``dlock_*`` settings and task options: where each value comes from, and checks.
+"""Checks of ``dlock_*`` settings and task options, per-call overrides, and the
+client.  The settings table and the one reader of them are in
+:mod:`celery_dlock.task.settings`.
 
 Every setting has a task option and an app-wide ``app.conf`` key.  A value is taken
 from the first of these that sets it, as Celery does for its own task options:
@@ -22,20 +24,30 @@ known name).
 from __future__ import annotations
 
 import difflib
-import inspect
-import math
 import types
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Task
 from celery.app.annotations import resolve_all as resolve_all_annotations
 
-from ..backends.redis.topology import is_cluster_url, transport_options
+from ..backends.redis.topology import is_cluster_url
 from ..core.errors import InvalidLockConfig
 from . import connection
 from .connection import mask_url, redis_url_of, resolve_url
+from .settings import (
+    CALL_OPTIONS,
+    CONF_KEYS,
+    KEY_OPTIONS,
+    NOT_PER_CALL,
+    SETTINGS,
+    TASK_OPTIONS,
+    Setting,
+    check_bool,
+    conf_value,
+    did_you_mean,
+    read_setting,
+)
 
 __all__ = [
     "CALL_OPTIONS",
@@ -55,153 +67,6 @@ __all__ = [
     "resolve_url",
 ]
 
-POLICIES = ("retry", "wait", "skip", "raise")
-LOST_ACTIONS = ("fail", "interrupt", "warn")
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value <= 0:
-        raise InvalidLockConfig(f"{name} must be a positive number of seconds, "
-                                f"got {value!r}")
-    return float(value)
-
-
-def _non_negative(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value < 0:
-        raise InvalidLockConfig(f"{name} must be a number of seconds >= 0, got {value!r}")
-    return float(value)
-
-
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidLockConfig(f"{name} must be a whole number >= 0, got {value!r}")
-    return value
-
-
-def _policy(name: str, value: Any) -> Any:
-    if callable(value) or value in POLICIES:
-        return value
-    raise InvalidLockConfig(f"{name} must be one of {', '.join(POLICIES)} or a callable, "
-                            f"got {value!r}")
-
-
-def _lost_action(name: str, value: Any) -> str:
-    if value in LOST_ACTIONS:
-        return str(value)
-    raise InvalidLockConfig(f"{name} must be one of {', '.join(LOST_ACTIONS)}, "
-                            f"got {value!r}")
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidLockConfig(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _prefix(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidLockConfig(f"{name} must be a non-empty string, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One setting: its task option, its app.conf key, default and validator."""
-
-    option: str
-    conf: str
-    default: Any
-    check: Callable[[str, Any], Any]
-    doc: str
-
-
-SETTINGS: dict[str, Setting] = {s.option: s for s in (
-    Setting("lock_ttl", "dlock_ttl", 30.0, _positive,
-            "seconds a hold lives after its last renewal; renewed every ttl/3"),
-    Setting("lock_prefix", "dlock_key_prefix", "dlock", _prefix,
-            "prefix of every Redis key"),
-    Setting("on_contention", "dlock_on_contention", "retry", _policy,
-            "what to do when the lock is held: retry, wait, skip, raise or a callable"),
-    Setting("lock_wait", "dlock_wait", 10.0, _non_negative,
-            "the wait policy blocks this long for a release before falling back to "
-            "retry"),
-    Setting("lock_retry_backoff", "dlock_retry_backoff", 1.0, _positive,
-            "first contention retry delay cap (seconds); doubles per retry, full jitter"),
-    Setting("lock_retry_backoff_max", "dlock_retry_backoff_max", 30.0, _positive,
-            "largest contention retry delay cap (seconds)"),
-    Setting("lock_retry_max", "dlock_retry_max", 20, _count,
-            "contention retries before the task fails with LockNotAcquired "
-            "(not counted against max_retries)"),
-    Setting("lock_fail_open", "dlock_fail_open", False, _bool,
-            "run the body unlocked (with a warning) when Redis is unreachable"),
-    Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
-            "when the lock is lost while the body runs: fail (the body finishes, the "
-            "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
-            "the task; FAILURE) or warn (signal + log; the result stands)"),
-)}
-
-
-#: Task options that make the lock's name: no app setting, no per-call override.
-KEY_OPTIONS = ("lock_key", "lock_args")
-#: Every task option of a LockedTask.
-TASK_OPTIONS: frozenset[str] = frozenset(SETTINGS) | frozenset(KEY_OPTIONS)
-#: Options no call may override, and why.
-NOT_PER_CALL = {
-    **dict.fromkeys(
-        (*KEY_OPTIONS, "lock_prefix"),
-        "it names the lock, which every call (and the worker's main process, which "
-        "frees a dead child's lock, and celery dlock) must agree on"),
-    "lock_lost_action": "a lost lock is handled outside the call, from the task's "
-                        "own settings",
-}
-#: Options one call may override in its message headers.
-CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)
-#: The ``app.conf`` keys that are not a task option's app-wide value.
-OTHER_CONF = {
-    "dlock_url": "the Redis of the locks",
-    "dlock_client": "a callable returning a redis-py client",
-    "dlock_redis_options": "extra redis.Redis.from_url keyword arguments",
-    "dlock_transport_options": "master_name and sentinel_kwargs for a sentinel:// URL",
-    "dlock_record_events": "keep a history of contention for celery dlock top",
-}
-#: Every ``app.conf.dlock_*`` key celery-dlock reads.
-CONF_KEYS: frozenset[str] = frozenset(s.conf for s in SETTINGS.values()) | \
-    frozenset(OTHER_CONF)
-
-
-def _closest(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=cutoff)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
-def _unbound(task: Any, value: Any) -> Any:
-    # A function given as a task option is a class attribute, so the instance gives
-    # it back bound to the task: the option is the function itself.
-    if inspect.ismethod(value) and value.__self__ is task:
-        return value.__func__
-    return value
-
-
-def read_setting(task: Any, option: str) -> Any:
-    """Task option (annotations, class) > ``app.conf`` > default, validated.
-
-    Per-call values are merged on top by :func:`call_overrides`.
-    """
-    setting = SETTINGS[option]
-    value = _unbound(task, getattr(task, option, None))
-    where = f"task {getattr(task, 'name', task)!r} option {option}"
-    if value is None:
-        app = getattr(task, "app", None)
-        conf = getattr(app, "conf", None)
-        value = conf.get(setting.conf) if conf is not None else None
-        where = f"app.conf.{setting.conf}"
-    if value is None:
-        return setting.default
-    return setting.check(where, value)
-
-
 def call_overrides(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     """The options one call sets in its message headers, checked.
 
@@ -220,7 +85,7 @@ def call_overrides(headers: Mapping[str, Any] | None) -> dict[str, Any]:
                                     f"{NOT_PER_CALL[name]}; set it on the task")
         if name not in CALL_OPTIONS:
             raise InvalidLockConfig(f"{where} is not a celery-dlock option"
-                                    f"{_closest(name, CALL_OPTIONS)}")
+                                    f"{did_you_mean(name, CALL_OPTIONS)}")
         if name == "on_contention" and not isinstance(value, str):
             raise InvalidLockConfig(f"{where} must be a policy name (retry, wait, skip, "
                                     f"raise), got a {type(value).__name__}")
@@ -259,7 +124,7 @@ def check_task_options(cls: type, where: str, base: type) -> None:
         if not decorated and isinstance(value, _METHODS):
             continue
         raise InvalidLockConfig(f"{where}: unknown option {name}"
-                                f"{_closest(name, TASK_OPTIONS)}")
+                                f"{did_you_mean(name, TASK_OPTIONS)}")
     for option, setting in SETTINGS.items():
         value = cls.__dict__.get(option)
         if value is not None:
@@ -292,25 +157,25 @@ def check_conf(conf: Any) -> None:
     for key in _conf_keys(conf):
         if key.startswith("dlock_") and key not in CONF_KEYS:
             raise InvalidLockConfig(f"app.conf.{key} is not a celery-dlock setting"
-                                    f"{_closest(key, CONF_KEYS)}")
+                                    f"{did_you_mean(key, CONF_KEYS)}")
         if key.lower().startswith("dlock_") and key != key.lower():
             raise InvalidLockConfig(f"app.conf.{key}: celery-dlock settings are lower "
-                                    f"case{_closest(key.lower(), CONF_KEYS)}")
+                                    f"case{did_you_mean(key.lower(), CONF_KEYS)}")
     for setting in SETTINGS.values():
-        value = conf.get(setting.conf)
+        value = conf_value(conf, setting.conf)
         if value is not None:
             setting.check(f"app.conf.{setting.conf}", value)
-    record = conf.get("dlock_record_events")
+    record = conf_value(conf, "dlock_record_events")
     if record is not None:
-        _bool("app.conf.dlock_record_events", record)
-    factory = conf.get("dlock_client")
+        check_bool("app.conf.dlock_record_events", record)
+    factory = conf_value(conf, "dlock_client")
     if factory is not None:
         if not callable(factory):
             raise InvalidLockConfig("app.conf.dlock_client must be a callable returning "
                                     f"a Redis client, got a {type(factory).__name__}")
         return
     options = connection.client_options(conf)
-    redlock = connection.redlock_urls(conf.get("dlock_url"))
+    redlock = connection.redlock_urls(conf_value(conf, "dlock_url"))
     if redlock is not None:
         if record:
             raise InvalidLockConfig("app.conf.dlock_record_events is not supported with "
@@ -327,7 +192,8 @@ def check_conf(conf: Any) -> None:
         return  # a cluster client connects as it is made: checked at first use
     # Parse it as the client will (a bad port, an unknown query argument), without
     # connecting: Redis may be down at this moment, which is not a configuration error.
-    client = connection.client_from_url(url, options, transport_options(conf, url))
+    client = connection.client_from_url(url, options,
+                                        connection.transport_options_for(conf, url))
     try:
         connection.check_client_options(client)
     finally:

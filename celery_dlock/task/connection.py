@@ -38,6 +38,7 @@ from redis.retry import Retry
 
 from ..backends.redis import topology
 from ..core.errors import BackendUnavailable, InvalidLockConfig
+from .settings import conf_value
 
 __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "redlock_urls",
            "resolve_url"]
@@ -169,12 +170,30 @@ def _conf_value(conf: Any, name: str) -> Any:
     return conf.get(name)
 
 
+def transport_options_for(conf: Any, url: str) -> Any:
+    """The transport options ``url`` takes: ``dlock_transport_options`` when
+    ``dlock_url`` is set, else the broker's (the lock then follows the broker's
+    Sentinel).  Only a ``sentinel://`` URL takes any."""
+    setting = ("dlock_transport_options" if conf_value(conf, "dlock_url")
+               else "broker_transport_options")
+    return topology.transport_options(url, conf_value(conf, setting), setting)
+
+
+def client_for_url(url: str, conf: Any = None) -> Any:
+    """A client for a URL given by hand (``celery dlock --url``), with the options
+    every client of the locks gets and the app's transport options."""
+    options = dict(_default_client_options())
+    transport = (conf_value(conf, "dlock_transport_options", {}) if conf is not None
+                 else {})
+    return topology.client_from_url(url, options, transport)
+
+
 def resolve_url(conf: Any) -> str:
     """The Redis URL for the locks: ``dlock_url``, else a Redis broker URL (code or
     environment), else a Redis result backend.  Raises :class:`InvalidLockConfig`
     naming ``dlock_url``, with every URL masked.  For Redlock, the servers' URLs
     joined by ``;`` (for messages: see :func:`redlock_urls`)."""
-    url = conf.get("dlock_url")
+    url = conf_value(conf, "dlock_url")
     redlock = redlock_urls(url) if url else None
     if redlock is not None:
         return ";".join(redlock)
@@ -217,7 +236,7 @@ def client_options(conf: Any) -> dict[str, Any]:
     """The keyword arguments of ``redis.Redis.from_url``: the defaults above with
     ``app.conf.dlock_redis_options`` merged over them."""
     options = _default_client_options()
-    extra = conf.get("dlock_redis_options") or {}
+    extra = conf_value(conf, "dlock_redis_options", {})
     if not isinstance(extra, dict):
         raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict, got "
                                 f"a {type(extra).__name__}")
@@ -291,8 +310,8 @@ def get_client(app: Any) -> Any:
     except (KeyError, TypeError):
         pass
     conf = app.conf
-    factory = conf.get("dlock_client")
-    redlock = None if factory else redlock_urls(conf.get("dlock_url"))
+    factory = conf_value(conf, "dlock_client")
+    redlock = None if factory else redlock_urls(conf_value(conf, "dlock_url"))
     if factory:
         cache_key = (id(app), "factory")
     elif redlock is not None:
@@ -317,7 +336,7 @@ def get_client(app: Any) -> Any:
                 client = tuple(client_from_url(u, options) for u in redlock)
             else:
                 client = client_from_url(cache_key[1], client_options(conf),
-                                         topology.transport_options(conf, cache_key[1]))
+                                         transport_options_for(conf, cache_key[1]))
             _clients[cache_key] = client
         with contextlib.suppress(TypeError):  # an app that takes no weak references
             _by_app[app] = client

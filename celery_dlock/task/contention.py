@@ -35,8 +35,9 @@ from typing import Any
 from celery import signature
 from celery.exceptions import Ignore, Retry
 
-from ..backends.redis.redlock.lock import AnyLock
 from ..core.errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
+from ..core.protocol import Lock
+from .settings import defaults
 
 __all__ = [
     "ACQUIRED",
@@ -101,13 +102,14 @@ class Contention:
     """
 
     task: Any
-    lock: AnyLock | None  # None: Redis could not be reached to make one
+    lock: Lock | None  # None: Redis could not be reached to make one
     error: DLockError
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     retries: int = 0
     can_requeue: bool = True
-    settings: Mapping[str, Any] = field(default_factory=dict)
+    #: The task's resolved settings (every option; the defaults when not given).
+    settings: Mapping[str, Any] = field(default_factory=defaults)
     name: str = ""
 
     @property
@@ -131,7 +133,7 @@ class Contention:
         if self.backend_down or self.lock is None:
             return False
         if seconds is None:
-            seconds = float(self.settings.get("lock_wait", 0.0))
+            seconds = float(self.settings["lock_wait"])
         try:
             acquired = self.lock.acquire(blocking=True, timeout=seconds)
         except BackendUnavailable as exc:
@@ -150,16 +152,15 @@ class Contention:
         """
         if not self.can_requeue:
             raise self.error
-        limit = int(self.settings.get("lock_retry_max", 0))
+        limit = int(self.settings["lock_retry_max"])
         if self.retries >= limit:
             raise LockNotAcquired(
                 f"gave up after {self.retries} contention retries: "
                 f"{self.error}", lock_name=self.key, holder=self.holder)
         if countdown is None:
             countdown = backoff_delay(self.retries,
-                                      float(self.settings.get("lock_retry_backoff", 1.0)),
-                                      float(self.settings.get("lock_retry_backoff_max",
-                                                              30.0)))
+                                      float(self.settings["lock_retry_backoff"]),
+                                      float(self.settings["lock_retry_backoff_max"]))
         task = self.task
         request = task.request
         headers = dict(request.headers or {})

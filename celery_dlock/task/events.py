@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from ..core.errors import BackendUnavailable, DLockError
 from . import signals
 from .config import get_client, read_setting
+from .settings import conf_value
 
 __all__ = ["EVENTS_MAX", "EVENTS_TTL", "Event", "events_key", "install",
            "recent_events", "recording_enabled"]
@@ -107,8 +108,7 @@ def recent_events(client: Any, prefix: str, limit: int = 20) -> list[Event]:
 
 def recording_enabled(app: Any) -> bool:
     """Whether ``app`` asked for contention history (``dlock_record_events``)."""
-    conf = getattr(app, "conf", None)
-    return bool(conf is not None and conf.get("dlock_record_events"))
+    return bool(conf_value(app, "dlock_record_events", False))
 
 
 def _record(task: Any, event: Event) -> None:
@@ -125,7 +125,7 @@ def _record(task: Any, event: Event) -> None:
                      exc)
 
 
-def _on_contended(sender: Any = None, key: str = "?", policy: str | None = None,
+def _on_contended(sender: Any = None, name: str = "?", policy: str | None = None,
                   holder: Any = None, task_id: str | None = None, error: Any = None,
                   **_: Any) -> None:
     if not recording_enabled(getattr(sender, "app", None)):
@@ -135,7 +135,7 @@ def _on_contended(sender: Any = None, key: str = "?", policy: str | None = None,
     info = getattr(holder, "info", None) or {}
     request = getattr(sender, "request", None)
     _record(sender, Event(
-        at=time.time(), kind="contended", key=key,
+        at=time.time(), kind="contended", key=name,
         task_name=getattr(sender, "name", None), task_id=task_id,
         worker=getattr(request, "hostname", None), policy=policy,
         holder_task_name=info.get("task_name"), holder_task_id=info.get("task_id"),
@@ -143,12 +143,12 @@ def _on_contended(sender: Any = None, key: str = "?", policy: str | None = None,
         detail=holder.describe() if holder is not None else None))
 
 
-def _on_lost(sender: Any = None, key: str = "?", task_id: str | None = None,
+def _on_lost(sender: Any = None, name: str = "?", task_id: str | None = None,
              reason: str | None = None, **_: Any) -> None:
     if not recording_enabled(getattr(sender, "app", None)):
         return
     # Sent from the heartbeat thread: the task's request context is not ours to read.
-    _record(sender, Event(at=time.time(), kind="lost", key=key,
+    _record(sender, Event(at=time.time(), kind="lost", key=name,
                           task_name=getattr(sender, "name", None), task_id=task_id,
                           detail=reason))
 

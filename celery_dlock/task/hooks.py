@@ -30,12 +30,11 @@ from typing import Any
 from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
-from ..backends.redis.keyspace import LockKeys
-from ..backends.redis.scripts import FORCE_RELEASE
 from ..core.errors import DLockError
 from ..core.heartbeat import get_heartbeat
 from . import events
-from .config import get_client, read_setting
+from .backend import backend_for
+from .config import read_setting
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
@@ -113,33 +112,23 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
     """A function freeing ``task``'s lock for this call if that task id in that pid
     still holds it (to be called once ``pid`` is gone)."""
     key = task.lock_name(args, kwargs)
-    keys = LockKeys.for_name(read_setting(task, "lock_prefix"), key)
+    prefix = read_setting(task, "lock_prefix")
     # The conditions name the hold: that task id in that dead pid, which no newer hold
-    # can match, so a re-sent call changes nothing.  No ':by' note: the holder is dead,
-    # nobody would read a marker.
-    conditions = ["task_id", task_id, "pid", str(pid)]
+    # can match, so a re-sent call changes nothing.  No reason is left: the holder is
+    # dead, nobody would read it.
+    conditions = {"task_id": task_id, "pid": str(pid)}
     if hostname:
-        conditions += ["worker", hostname]
+        conditions["worker"] = hostname
 
     def release() -> None:
         try:
-            client = get_client(task.app)
-        except DLockError as exc:  # a cluster no node answers: the ttl frees it
+            freed = backend_for(task.app).force_release(prefix, key,
+                                                        conditions=conditions)
+        except DLockError as exc:  # Redis down, a cluster no node answers: the ttl
             logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
                            task.name, task_id, exc)
             return
-        # Redlock: a tuple of clients; the conditions make it safe on every node.
-        nodes = client if isinstance(client, tuple) else (client,)
-        freed = False
-        for node in nodes:
-            try:
-                reply = FORCE_RELEASE(node, (keys.lock,), conditions)
-            except Exception as exc:
-                logger.warning("could not free lock %r of dead task %s[%s]: %s", key,
-                               task.name, task_id, exc)
-                continue
-            freed = freed or int(reply[0]) == 1
-        if freed:
+        if freed is not None:
             logger.warning("freed lock %r of task %s[%s]: its process %s died", key,
                            task.name, task_id, pid)
 

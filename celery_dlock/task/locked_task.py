@@ -38,8 +38,6 @@ from typing import Any, ClassVar
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from ..backends.redis.lock import RedisLock
-from ..backends.redis.redlock.lock import AnyLock, RedlockLock
 from ..core.errors import (
     BackendUnavailable,
     DLockError,
@@ -48,6 +46,7 @@ from ..core.errors import (
     LockNotAcquired,
 )
 from ..core.owner import owner_context
+from ..core.protocol import Lock
 from . import signals
 from .attempt import (
     DUPLICATE,
@@ -63,12 +62,12 @@ from .attempt import (
     relation,
     requeue_duplicate,
 )
+from .backend import backend_for
 from .config import (
     SETTINGS,
     apply_annotations,
     call_overrides,
     check_task_options,
-    get_client,
     read_setting,
 )
 from .contention import (
@@ -186,23 +185,17 @@ class LockedTask(Task):  # type: ignore[misc]
         return super().apply_async(*args, **options)
 
     @property
-    def lock(self) -> AnyLock | None:
+    def lock(self) -> Lock | None:
         """The lock held by the current run of this task (None outside one, or when it
         runs unlocked under fail-open)."""
         attempt = attempts.get().get(self.name)
         return attempt.lock if attempt is not None else None
 
     def _new_lock(self, key: str, settings: Mapping[str, Any],
-                  request: Any) -> AnyLock:
-        client = get_client(self.app)
-        if isinstance(client, tuple):  # several servers: Redlock
-            return RedlockLock(client, key, settings["lock_ttl"],
-                               prefix=settings["lock_prefix"],
-                               info=hold_info(self.name, request))
-        return RedisLock(
-            client, key, settings["lock_ttl"],
-            prefix=settings["lock_prefix"], info=hold_info(self.name, request),
-        )
+                  request: Any) -> Lock:
+        return backend_for(self.app).lock(key, settings["lock_ttl"],
+                                          prefix=settings["lock_prefix"],
+                                          info=hold_info(self.name, request))
 
     # -- running ----------------------------------------------------------------------
 
@@ -229,7 +222,7 @@ class LockedTask(Task):  # type: ignore[misc]
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
         started = time.monotonic()
         error: DLockError | None = None
-        lock: AnyLock | None = None
+        lock: Lock | None = None
         try:
             lock = self._new_lock(key, settings, request)
             acquired = lock.acquire(blocking=False)
@@ -255,7 +248,7 @@ class LockedTask(Task):  # type: ignore[misc]
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
         return self._run_body(request, lock, args, kwargs, started, settings)
 
-    def _same_task_holder(self, lock: AnyLock, request: Any, args: tuple[Any, ...],
+    def _same_task_holder(self, lock: Lock, request: Any, args: tuple[Any, ...],
                           kwargs: dict[str, Any], settings: Mapping[str, Any]) -> bool:
         """When the holder is an attempt of this very task id: wait for an earlier
         generation (a retry's or replacement's predecessor) to unwind, whatever the
@@ -267,8 +260,7 @@ class LockedTask(Task):  # type: ignore[misc]
             if kind is None:
                 return False
             if kind == DUPLICATE:
-                signals.lock_contended.send(
-                    sender=self, key=lock.name, policy="duplicate",
+                signals.send(signals.lock_contended, self, lock.name, policy="duplicate",
                     holder=lock.last_holder, task_id=request.id,
                     error=LockNotAcquired(lock_name=lock.name, holder=lock.last_holder))
                 requeue_duplicate(self, lock, request, args, kwargs, settings)
@@ -278,7 +270,7 @@ class LockedTask(Task):  # type: ignore[misc]
             if lock.acquire(blocking=True, timeout=PREDECESSOR_WAIT_SLICE):
                 return True
 
-    def _contended(self, key: str, lock: AnyLock | None, error: DLockError,
+    def _contended(self, key: str, lock: Lock | None, error: DLockError,
                    args: tuple[Any, ...], kwargs: dict[str, Any],
                    settings: Mapping[str, Any], requeue: bool) -> Any:
         policy = settings["on_contention"]
@@ -287,19 +279,19 @@ class LockedTask(Task):  # type: ignore[misc]
         contention = Contention(task=self, lock=lock, error=error, args=args,
                                 kwargs=kwargs, retries=retries, can_requeue=requeue,
                                 settings=settings, name=key)
-        signals.lock_contended.send(sender=self, key=key,
+        signals.send(signals.lock_contended, self, key,
                                     policy=policy_name(policy),
                                     holder=contention.holder, task_id=request.id,
                                     error=error)
         return get_policy(policy)(contention)
 
-    def _run_body(self, request: Any, lock: AnyLock, args: tuple[Any, ...],
+    def _run_body(self, request: Any, lock: Lock, args: tuple[Any, ...],
                   kwargs: dict[str, Any], started: float,
                   settings: Mapping[str, Any]) -> Any:
         attempt = Attempt(lock, threading.get_ident(), request.id)
         lock.on_lost = functools.partial(self._on_lock_lost, attempt, settings)
         reset = attempts.set({**attempts.get(), self.name: attempt})
-        signals.lock_acquired.send(sender=self, key=lock.name, fence=attempt.fence,
+        signals.send(signals.lock_acquired, self, lock.name, fence=attempt.fence,
                                    task_id=request.id, wait=time.monotonic() - started)
         # Everything the body runs (its except and finally blocks, with-exits, a
         # fallback after MaxRetriesExceededError) runs before the release below.
@@ -343,7 +335,7 @@ class LockedTask(Task):  # type: ignore[misc]
         if lost is not None and state == "SUCCESS" and \
                 settings["lock_lost_action"] != "warn":
             state = "FAILURE"
-        signals.lock_released.send(sender=self, key=attempt.key, fence=attempt.fence,
+        signals.send(signals.lock_released, self, attempt.key, fence=attempt.fence,
                                    task_id=attempt.task_id,
                                    held_for=time.monotonic() - attempt.started,
                                    state=state)
@@ -366,8 +358,8 @@ class LockedTask(Task):  # type: ignore[misc]
     # -- lock lost ----------------------------------------------------------------------
 
     def _on_lock_lost(self, attempt: Attempt, settings: Mapping[str, Any],
-                      lock: AnyLock) -> None:
-        attempt.lost_reason = lock._lost_reason or "lost"
+                      lock: Lock) -> None:
+        attempt.lost_reason = lock.lost_reason or "lost"
         self._report_lost(attempt, attempt.lost_reason)
         if attempt.running and settings["lock_lost_action"] == "interrupt":
             interrupt_thread(attempt.thread_id)
@@ -375,7 +367,7 @@ class LockedTask(Task):  # type: ignore[misc]
     def _report_lost(self, attempt: Attempt, reason: str) -> None:
         logger.warning("Task %s[%s]: lock %r lost while running: %s", self.name,
                        attempt.task_id, attempt.key, reason)
-        signals.lock_lost.send(sender=self, key=attempt.key, fence=attempt.fence,
+        signals.send(signals.lock_lost, self, attempt.key, fence=attempt.fence,
                                task_id=attempt.task_id, reason=reason)
 
 

@@ -5,35 +5,47 @@ Connect like any Celery signal::
     from celery_dlock import signals
 
     @signals.lock_contended.connect
-    def count_contention(sender, key, policy, holder, **kwargs):
+    def count_contention(sender, name, policy, holder, **kwargs):
         metrics.increment("contention", tags={"task": sender.name, "policy": policy})
 
-``sender`` is the task instance.  Every signal also passes ``key`` (the lock name) and
-``task_id``.  ``lock_lost`` is sent from the heartbeat thread.
+``sender`` is the task instance.  Every signal also passes ``name`` (the lock's name,
+as ``celery dlock ls`` shows it) and ``task_id``.  ``lock_lost`` is sent from the
+heartbeat thread.
+
+*Deprecated:* every signal also passes the lock's name as ``key``, its name before
+0.2; "key" now means only a backend's storage key.  Read ``name``: ``key`` will be
+removed in 1.0.
 
 This module imports nothing from the rest of the package.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released"]
+__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released", "send"]
 
-#: A locked task took its lock. Arguments: ``key``, ``fence``, ``task_id``,
+#: A locked task took its lock. Arguments: ``name``, ``fence``, ``task_id``,
 #: ``wait`` (seconds spent acquiring).
 lock_acquired = Signal(name="dlock_lock_acquired")
 
 #: A locked task found its lock held elsewhere (or Redis unreachable). Arguments:
-#: ``key``, ``policy`` (retry, wait, skip, raise or a callable's name), ``holder``
+#: ``name``, ``policy`` (retry, wait, skip, raise or a callable's name), ``holder``
 #: (a :class:`celery_dlock.Holder` or None), ``task_id``, ``error`` (the exception).
 lock_contended = Signal(name="dlock_lock_contended")
 
-#: A locked task released its lock when its attempt ended. Arguments: ``key``,
+#: A locked task released its lock when its attempt ended. Arguments: ``name``,
 #: ``fence``, ``task_id``, ``held_for`` (seconds), ``state`` (how the attempt ended:
 #: SUCCESS, FAILURE, RETRY, IGNORED, REJECTED).
 lock_released = Signal(name="dlock_lock_released")
 
-#: A running task's lock was found lost (expired or taken). Arguments: ``key``,
+#: A running task's lock was found lost (expired or taken). Arguments: ``name``,
 #: ``fence``, ``task_id``, ``reason``.
 lock_lost = Signal(name="dlock_lock_lost")
+
+
+def send(signal: Signal, sender: Any, name: str, **arguments: Any) -> Any:
+    """Send ``signal`` about the lock ``name`` (also as the deprecated ``key``)."""
+    return signal.send(sender=sender, name=name, key=name, **arguments)

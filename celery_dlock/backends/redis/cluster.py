@@ -19,12 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
+from .bounded import bounded_client
 from .scripts import RENEW_MANY
 
 __all__ = ["ClusterNodeRenewTarget", "is_cluster_client", "node_clients", "node_name_of"]
@@ -62,16 +61,8 @@ def _node_client(client: Any, node_name: str,
     if node is None or node.redis_connection is None:
         return None
     pool: Any = node.redis_connection.connection_pool
-    kwargs = dict(pool.connection_kwargs)
-    for k in ("retry_on_timeout", "retry_on_error", "redis_connect_func"):
-        kwargs.pop(k, None)
-    timeout = kwargs.get("socket_timeout")
-    kwargs["socket_timeout"] = (socket_timeout if not timeout
-                                else min(float(timeout), socket_timeout))
-    kwargs["retry"] = Retry(NoBackoff(), 0)
-    own = redis.ConnectionPool(connection_class=pool.connection_class,
-                               max_connections=2, **kwargs)
-    return redis.Redis(connection_pool=own)
+    return bounded_client(pool, socket_timeout, max_connections=2,
+                          drop_connect_func=True)
 
 
 class ClusterNodeRenewTarget:

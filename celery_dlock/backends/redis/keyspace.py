@@ -16,14 +16,29 @@ from ...core.errors import Holder, InvalidLockConfig
 from .hashtag import lock_key
 from .waiters import doorbell_suffix
 
-__all__ = ["RELEASED_SUFFIX", "LockKeys", "check_client", "decode", "foreign_keys",
-           "parse_holder"]
+__all__ = ["FENCE_SUFFIX", "RELEASED_SUFFIX", "SUFFIXES", "LockKeys", "check_client",
+           "decode", "foreign_keys", "parse_holder"]
 
 #: What a key of a lock must be (TYPE), to name a key holding foreign data.
 _KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset",
               "released": "hash"}
-#: The suffix of a force release's marker (:mod:`celery_dlock.redis.released`).
+# The suffixes of a lock's helper keys after its hash's key, defined once: the Lua
+# scripts get them from here (:mod:`celery_dlock.backends.redis.scripts`).
+#: The fence counter.
+FENCE_SUFFIX = ":fence"
+#: The FIFO line of waiters and their leases.
+QUEUE_SUFFIX = ":q"
+LEASES_SUFFIX = ":ql"
+#: A waiter's doorbell (followed by the sha1 of its owner).
+DOORBELL_SUFFIX = ":w:"
+#: A final release's marker (followed by its operation id).
+RELEASE_OP_SUFFIX = ":r:"
+#: The suffix of a force release's marker (:mod:`celery_dlock.backends.redis.released`).
 RELEASED_SUFFIX = ":released"
+#: Every suffix, by the name the Lua scripts know it by.
+SUFFIXES = {"FENCE_SUFFIX": FENCE_SUFFIX, "QUEUE_SUFFIX": QUEUE_SUFFIX,
+            "LEASES_SUFFIX": LEASES_SUFFIX, "DOORBELL_SUFFIX": DOORBELL_SUFFIX,
+            "RELEASE_OP_SUFFIX": RELEASE_OP_SUFFIX, "RELEASED_SUFFIX": RELEASED_SUFFIX}
 
 
 class LockKeys(NamedTuple):
@@ -40,8 +55,8 @@ class LockKeys(NamedTuple):
     @classmethod
     def for_name(cls, prefix: str, name: str) -> LockKeys:
         base = lock_key(prefix, name)
-        return cls(base, base + ":fence", base + ":q", base + ":ql", base + ":w:",
-                   base + RELEASED_SUFFIX)
+        return cls(base, base + FENCE_SUFFIX, base + QUEUE_SUFFIX, base + LEASES_SUFFIX,
+                   base + DOORBELL_SUFFIX, base + RELEASED_SUFFIX)
 
     def doorbell(self, owner: str) -> str:
         return self.doorbell_prefix + doorbell_suffix(owner)

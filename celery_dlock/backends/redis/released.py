@@ -16,12 +16,12 @@ masked, both when it is written and when it is read.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from ...core.text import REASON_MAX, clean_text
 from .keyspace import RELEASED_SUFFIX, decode
 
 __all__ = ["REASON_MAX", "SUFFIX", "clean_text", "loss_reason", "marker_key", "names",
@@ -29,26 +29,11 @@ __all__ = ["REASON_MAX", "SUFFIX", "clean_text", "loss_reason", "marker_key", "n
 
 #: The suffix of the marker's key after the lock hash's key.
 SUFFIX = RELEASED_SUFFIX
-#: The longest ``reason`` (and ``by``) kept, in characters.
-REASON_MAX = 200
-
-_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/@]*@")
 
 
 def marker_key(lock_key: str) -> str:
     """The marker's key for the lock hash ``lock_key`` (same hash tag)."""
     return lock_key + SUFFIX
-
-
-def clean_text(text: str | None, limit: int = REASON_MAX) -> str:
-    """``text`` as one line of at most ``limit`` characters, URL passwords masked."""
-    if not text:
-        return ""
-    line = " ".join(str(text).split())
-    line = _CREDENTIALS.sub(lambda m: m.group("scheme") + "***@", line)
-    if len(line) > limit:
-        line = line[:limit - 3].rstrip() + "..."
-    return line
 
 
 def loss_reason(fields: Mapping[str, str]) -> str:

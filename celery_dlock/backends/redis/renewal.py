@@ -23,10 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from ...core.renew_target import LossNote
+from .bounded import PLAIN_POOLS, bounded_client
 from .cluster import ClusterNodeRenewTarget, is_cluster_client, node_name_of
 from .released import read_loss_reasons
 from .scripts import RENEW_MANY
@@ -44,18 +43,9 @@ def _dedicated_client(client: Any) -> Any:
     """A client of the same server with a pool of its own, or ``client`` itself for
     the kinds of client it cannot copy (cluster, Sentinel, unknown)."""
     pool: Any = getattr(client, "connection_pool", None)
-    if type(pool) not in _PLAIN_POOLS:
+    if type(pool) not in PLAIN_POOLS:
         return client
-    kwargs = dict(pool.connection_kwargs)
-    timeout = kwargs.get("socket_timeout")
-    kwargs["socket_timeout"] = (RENEW_SOCKET_TIMEOUT if not timeout
-                                else min(float(timeout), RENEW_SOCKET_TIMEOUT))
-    kwargs["retry"] = Retry(NoBackoff(), 0)
-    kwargs.pop("retry_on_timeout", None)
-    kwargs.pop("retry_on_error", None)
-    own = redis.ConnectionPool(connection_class=pool.connection_class,
-                               max_connections=2, **kwargs)
-    return redis.Redis(connection_pool=own)
+    return bounded_client(pool, RENEW_SOCKET_TIMEOUT, max_connections=2)
 
 
 def with_loss_reasons(client: Any, items: Sequence[tuple[str, str, int]],

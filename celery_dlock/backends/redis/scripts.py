@@ -58,6 +58,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from .keyspace import SUFFIXES
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
 __all__ = [
@@ -117,7 +118,7 @@ local WAKE_GRACE = {WAKE_GRACE_MS}
 local LINE_TTL = {LINE_TTL_MS}
 local OPS_KEPT = {OPS_KEPT}
 local OP_MEMORY = {OP_MEMORY_MS}
-""" + """
+""" + "".join(f"local {name} = '{suffix}'\n" for name, suffix in SUFFIXES.items()) + """
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -129,17 +130,17 @@ end
 local function next_fence(lock)
   local t = redis.call('TIME')
   local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = redis.call('INCR', lock .. ':fence')
+  local fence = redis.call('INCR', lock .. FENCE_SUFFIX)
   if fence < floor then
     fence = floor
-    redis.call('SET', lock .. ':fence', string.format('%.0f', fence))
+    redis.call('SET', lock .. FENCE_SUFFIX, string.format('%.0f', fence))
   end
   return fence
 end
 
 -- The doorbell of ``owner``: named by a digest, so no owner string reaches other keys.
 local function bell(lock, owner)
-  return lock .. ':w:' .. redis.sha1hex(owner)
+  return lock .. DOORBELL_SUFFIX .. redis.sha1hex(owner)
 end
 
 -- The result remembered for operation ``op`` of this hold (nil when unknown).  Op ids
@@ -177,12 +178,12 @@ local function ring(lock, owner, now)
   redis.call('DEL', b)
   redis.call('RPUSH', b, 1)
   redis.call('PEXPIRE', b, DOORBELL_TTL)
-  redis.call('ZADD', lock .. ':ql', 'XX', 'LT', now + WAKE_GRACE, owner)
+  redis.call('ZADD', lock .. LEASES_SUFFIX, 'XX', 'LT', now + WAKE_GRACE, owner)
 end
 
 -- Ring the doorbell of the first waiter in line of ``lock``, if any.
 local function wake_head(lock, now)
-  local queue, leases = lock .. ':q', lock .. ':ql'
+  local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
   purge(queue, leases, now)
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if head then
@@ -243,7 +244,7 @@ if expect ~= '' then
   if holder then return {2, -1} end
   return {2, 0}
 end
-local queue, leases = lock .. ':q', lock .. ':ql'
+local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
 local now = now_ms()
 local pttl
 if not holder then
@@ -299,7 +300,7 @@ RELEASE = LuaScript(
 local lock, op = KEYS[1], ARGV[2]
 local holder = redis.call('HGET', lock, 'owner')
 if holder ~= ARGV[1] then
-  if redis.call('EXISTS', lock .. ':r:' .. op) == 1 then return {1} end
+  if redis.call('EXISTS', lock .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
   if not holder then return {0} end
   return {-1}
 end
@@ -312,8 +313,8 @@ if count > 0 then
   return {2, count}
 end
 redis.call('DEL', lock)
-redis.call('SET', lock .. ':r:' .. op, 1, 'PX', OP_MEMORY)
-if redis.call('EXISTS', lock .. ':q') == 1 then
+redis.call('SET', lock .. RELEASE_OP_SUFFIX .. op, 1, 'PX', OP_MEMORY)
+if redis.call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
 return {1}
@@ -389,7 +390,7 @@ FORCE_RELEASE = LuaScript(
 local RELEASED_MIN, RELEASED_MAX = {RELEASED_MIN_MS}, {RELEASED_MAX_MS}
 """ + """
 local lock = KEYS[1]
-local marker = lock .. ':released'
+local marker = lock .. RELEASED_SUFFIX
 local notes, conds = {}, {}
 for i = 1, #ARGV - 1, 2 do
   if string.sub(ARGV[i], 1, 1) == ':' then
@@ -445,10 +446,10 @@ LEAVE_QUEUE = LuaScript(
     _COMMON
     + """
 local lock, owner = KEYS[1], ARGV[1]
-local queue = lock .. ':q'
+local queue = lock .. QUEUE_SUFFIX
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 local was = redis.call('ZREM', queue, owner)
-redis.call('ZREM', lock .. ':ql', owner)
+redis.call('ZREM', lock .. LEASES_SUFFIX, owner)
 redis.call('DEL', bell(lock, owner))
 if head == owner and redis.call('EXISTS', lock) == 0 then
   wake_head(lock, now_ms())

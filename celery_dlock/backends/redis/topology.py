@@ -14,9 +14,8 @@ The spellings ``app.conf.dlock_url`` (and the broker URL) may take:
     are the master's, as in kombu.  The client asks the sentinels for the master on
     every new connection, so it follows a failover.
 
-The transport options are ``app.conf.dlock_transport_options`` when ``dlock_url`` is
-set, else ``app.conf.broker_transport_options`` (the lock then follows the broker's
-Sentinel setup).
+The transport options come from the Celery face (``dlock_transport_options`` when
+``dlock_url`` is set, else the broker's): this module reads no settings.
 """
 
 from __future__ import annotations
@@ -32,29 +31,20 @@ import redis.sentinel
 from ...core.errors import InvalidLockConfig
 
 __all__ = [
-    "LOCK_URL_SCHEMES",
     "client_from_url",
     "is_cluster_url",
-    "is_lock_url",
     "is_sentinel_url",
     "transport_options",
 ]
 
 _CLUSTER = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 _SENTINEL = "sentinel"
-#: Every scheme a lock URL may have.
-LOCK_URL_SCHEMES = ("redis", "rediss", "unix", *_CLUSTER, _SENTINEL)
 _SENTINEL_PORT = 26379
 
 
 def _scheme(url: str) -> str:
     head, sep, _ = url.partition("://")
     return head.lower() if sep else ""
-
-
-def is_lock_url(url: object) -> bool:
-    """Whether ``url`` is spelled in one of :data:`LOCK_URL_SCHEMES`."""
-    return isinstance(url, str) and _scheme(url) in LOCK_URL_SCHEMES
 
 
 def is_cluster_url(url: object) -> bool:
@@ -65,23 +55,12 @@ def is_sentinel_url(url: object) -> bool:
     return isinstance(url, str) and _scheme(url) == _SENTINEL
 
 
-def is_broker_url(url: object) -> bool:
-    """Whether a Celery broker URL names a Redis the lock can use: one Redis URL, or
-    the Sentinel spelling (a list of failover Redis URLs is not one server)."""
-    if not is_lock_url(url):
-        return False
-    assert isinstance(url, str)
-    return _scheme(url) == _SENTINEL or ";" not in url
-
-
-def transport_options(conf: Any, url: str) -> Mapping[str, Any]:
-    """For a ``sentinel://`` ``url``: ``dlock_transport_options`` when ``dlock_url`` is
-    set, else the broker's.  Other URLs take none."""
+def transport_options(url: str, options: Any, setting: str) -> Mapping[str, Any]:
+    """The transport ``options`` (from the setting named ``setting``) that ``url``
+    takes: a ``sentinel://`` URL all of them, others none."""
     if _scheme(url) != _SENTINEL:
         return {}
-    setting = "dlock_transport_options" if conf.get("dlock_url") else \
-        "broker_transport_options"
-    options = conf.get(setting) or {}
+    options = options or {}
     if not isinstance(options, Mapping):
         raise InvalidLockConfig(f"app.conf.{setting} must be a dict, got {options!r}")
     return options

@@ -45,6 +45,7 @@ from ....core.hold import (
     Hold,
     Refused,
     check_lock_options,
+    new_op_id,
 )
 from ....core.protocol import GONE, OK, STILL_HELD, TAKEN
 from ....core.renew_target import RenewTarget
@@ -231,7 +232,7 @@ class RedlockLock(Hold):
         time.sleep(delay)
 
     def _give_back(self, owner: str) -> None:
-        out = self._call_all(RELEASE, (owner, os.urandom(8).hex()))
+        out = self._call_all(RELEASE, (owner, new_op_id()))
         if sum(1 for r in out if answered(r)) < len(self._nodes):
             logger.debug("lock %r: not every node confirmed the give-back", self.name)
 

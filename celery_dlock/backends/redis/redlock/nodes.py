@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from ....core.errors import InvalidLockConfig
+from ..bounded import PLAIN_POOLS, bounded_client
 from ..cluster import is_cluster_client
 from ..keyspace import check_client
 from ..scripts import RENEW_MANY
@@ -121,17 +120,9 @@ _clients_lock = threading.Lock()
 
 def _bounded_copy(client: Any, timeout: float) -> Any:
     pool: Any = getattr(client, "connection_pool", None)
-    if type(pool) not in _PLAIN_POOLS:
+    if type(pool) not in PLAIN_POOLS:
         return client  # Sentinel-managed and unknown pools: bounded by the wait only
-    kwargs = dict(pool.connection_kwargs)
-    for option in ("socket_timeout", "socket_connect_timeout"):
-        given = kwargs.get(option)
-        kwargs[option] = timeout if not given else min(float(given), timeout)
-    kwargs["retry"] = Retry(NoBackoff(), 0)
-    kwargs.pop("retry_on_timeout", None)
-    kwargs.pop("retry_on_error", None)
-    own = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
-    return redis.Redis(connection_pool=own)
+    return bounded_client(pool, timeout, connect_timeout=True)
 
 
 def _close_all(copies: dict[tuple[str, float], Any]) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
 from ....core.errors import BackendUnavailable, Holder, InvalidLockConfig, LockKeyConflict
+from ....core.hold import new_op_id
 from ..keyspace import LockKeys, foreign_keys, parse_holder
 from ..scripts import ACQUIRE, READ_HOLD, RELEASE
 from .nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
@@ -44,9 +44,7 @@ DEFAULT_NODE_TIMEOUT = 0.5
 Holds = dict[str | None, list[Holder]]
 
 
-def op_id() -> str:
-    """A fresh operation id (see :mod:`celery_dlock.redis.scripts`)."""
-    return os.urandom(8).hex()
+op_id = new_op_id
 
 
 def answered(reply: Any) -> bool:

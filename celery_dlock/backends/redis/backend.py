@@ -1,0 +1,56 @@
+"""The Redis backend: one Redis server, a Cluster, Sentinel, TLS or a unix socket,
+behind :class:`~celery_dlock.core.protocol.Backend`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from ...core.holds import HoldInfo
+from .inspect import force_release, get_lock, iter_locks, release_matching, waiting_counts
+from .keyspace import LockKeys
+from .lock import RedisLock
+
+__all__ = ["RedisBackend"]
+
+
+class RedisBackend:
+    """The locks of one Redis (any topology one client reaches)."""
+
+    kind = "redis"
+    fences = True
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def lock(self, name: str, ttl: float, *, prefix: str,
+             info: Mapping[str, object] | None = None, owner: str | None = None,
+             on_lost: Callable[[Any], object] | None = None,
+             auto_renew: bool = True) -> RedisLock:
+        return RedisLock(self.client, name, ttl, prefix=prefix, info=info, owner=owner,
+                         on_lost=on_lost, auto_renew=auto_renew)
+
+    def read(self, prefix: str, name: str) -> HoldInfo | None:
+        return get_lock(self.client, prefix, name)
+
+    def holds(self, prefix: str) -> Iterator[HoldInfo]:
+        return iter_locks(self.client, prefix)
+
+    def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
+        return waiting_counts(self.client, prefix, names)
+
+    def storage_key(self, prefix: str, name: str) -> str:
+        """Where each server keeps the hold of ``name`` (for operators)."""
+        return LockKeys.for_name(prefix, name).lock
+
+    def force_release(self, prefix: str, name: str, *, fence: int | None = None,
+                      by: str | None = None, reason: str | None = None,
+                      conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+        if conditions:
+            freed = release_matching(self.client, prefix, name, conditions)
+            return HoldInfo.matched(name, conditions) if freed else None
+        return force_release(self.client, prefix, name, fence=fence, by=by,
+                             reason=reason)
+
+    def __repr__(self) -> str:
+        return f"<RedisBackend {self.client!r}>"

@@ -1,0 +1,71 @@
+"""The Redlock backend: one lock on a quorum of independent Redis servers, behind
+:class:`~celery_dlock.core.protocol.Backend`.  Listing and force release by hand are
+not supported yet (each node would have to be read, and a quorum agreed on)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from ....core.errors import NotSupported
+from ....core.holds import HoldInfo
+from ..inspect import release_matching
+from ..keyspace import LockKeys
+from .lock import RedlockLock
+
+__all__ = ["RedlockBackend"]
+
+
+class RedlockBackend:
+    """The locks held on a quorum of ``clients`` (3 or more independent servers)."""
+
+    kind = "redlock"
+    fences = False
+
+    def __init__(self, clients: Sequence[Any]) -> None:
+        self.clients = tuple(clients)
+
+    def lock(self, name: str, ttl: float, *, prefix: str,
+             info: Mapping[str, object] | None = None, owner: str | None = None,
+             on_lost: Callable[[Any], object] | None = None,
+             auto_renew: bool = True) -> RedlockLock:
+        return RedlockLock(self.clients, name, ttl, prefix=prefix, info=info,
+                           owner=owner, on_lost=on_lost, auto_renew=auto_renew)
+
+    def read(self, prefix: str, name: str) -> HoldInfo | None:
+        holder = RedlockLock(self.clients, name, prefix=prefix, auto_renew=False).holder()
+        if holder is None or holder.owner is None:
+            return None
+        return HoldInfo(key=name, task_name=holder.task_name, task_id=holder.task_id,
+                        worker=holder.worker, pid=holder.pid, owner=holder.owner,
+                        count=holder.count, fence=None, ttl=holder.ttl,
+                        held_for=holder.age, host=holder.info.get("host"))
+
+    def _unsupported(self, what: str) -> NotSupported:
+        return NotSupported(
+            f"{what} reads one Redis; the locks are on {len(self.clients)} servers "
+            f"(Redlock): give --url with one of them to read that node")
+
+    def holds(self, prefix: str) -> Iterator[HoldInfo]:
+        raise self._unsupported("listing the locks")
+
+    def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
+        raise self._unsupported("counting the waiters")
+
+    def storage_key(self, prefix: str, name: str) -> str:
+        """Where each server keeps the hold of ``name`` (for operators)."""
+        return LockKeys.for_name(prefix, name).lock
+
+    def force_release(self, prefix: str, name: str, *, fence: int | None = None,
+                      by: str | None = None, reason: str | None = None,
+                      conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+        if not conditions:
+            raise self._unsupported("a force release")
+        # The conditions name one hold (a dead child's): safe on every node.
+        freed = False
+        for client in self.clients:
+            try:
+                freed = release_matching(client, prefix, name, conditions) or freed
+            except Exception:
+                continue
+        return HoldInfo.matched(name, conditions) if freed else None

@@ -1,0 +1,47 @@
+"""The one door from the Celery face to a backend: :func:`backend_for`.
+
+The backend is chosen from the app's configuration in this one place (one Redis, a
+Cluster, Sentinel or a unix socket: a :class:`RedisBackend`; several servers, from a
+list ``dlock_url``, ``redlock://a;redlock://b;...`` or a ``dlock_client`` returning a
+list: a :class:`RedlockBackend`).  Everything else in ``task/`` and ``ops/`` speaks
+:mod:`celery_dlock.core.protocol` only.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from ..backends.redis.backend import RedisBackend
+from ..backends.redis.redlock.backend import RedlockBackend
+from ..core.protocol import Backend
+from .config import get_client
+
+__all__ = ["backend_for", "backend_of_client"]
+
+_lock = threading.Lock()
+_by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDictionary()
+
+
+def backend_of_client(client: Any) -> Backend:
+    """The backend of a client the configuration gave: a tuple of clients is a
+    Redlock, anything else one Redis."""
+    if isinstance(client, tuple):
+        return RedlockBackend(client)
+    return RedisBackend(client)
+
+
+def backend_for(app: Any) -> Backend:
+    """This process's backend for ``app`` (made with its client, which is cached per
+    app and process; the app's settings are checked when it is first made)."""
+    client = get_client(app)
+    with _lock:
+        try:
+            cached = _by_app.get(app)
+        except TypeError:  # an app that cannot be weakly referenced
+            return backend_of_client(client)
+        if cached is None or cached[0] is not client:
+            cached = (client, backend_of_client(client))
+            _by_app[app] = cached
+        return cached[1]

@@ -1,0 +1,218 @@
+"""The one reader of celery-dlock's settings: every ``dlock_*`` app setting and task
+option, its default, its check, and where a value comes from.
+
+Every setting has a task option and an app-wide ``app.conf`` key.  A value is taken
+from the first of these that sets it, as Celery does for its own task options:
+
+1. the call: the message's headers, ``apply_async(..., headers={"lock_ttl": 5})``
+   (:data:`CALL_OPTIONS` only: the options that name the lock cannot change per call);
+2. ``app.conf.task_annotations`` for the task;
+3. the task class, most derived first (``@app.task(...)`` keywords are attributes of
+   the class Celery makes);
+4. ``app.conf.dlock_*``;
+5. the default (:data:`SETTINGS`, one table).
+
+No other module reads ``app.conf.dlock_*``: they call :func:`conf_value` (an app-wide
+setting) or :func:`read_setting` (a task's option resolved as above), or take the
+values from a task's settings mapping, which holds every option.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import InvalidLockConfig
+from ..core.hold import DEFAULT_PREFIX
+
+__all__ = [
+    "CALL_OPTIONS",
+    "CONF_KEYS",
+    "KEY_OPTIONS",
+    "LOST_ACTIONS",
+    "NOT_PER_CALL",
+    "OTHER_CONF",
+    "POLICIES",
+    "SETTINGS",
+    "TASK_OPTIONS",
+    "Setting",
+    "check_bool",
+    "conf_of",
+    "conf_value",
+    "defaults",
+    "did_you_mean",
+    "read_setting",
+]
+
+POLICIES = ("retry", "wait", "skip", "raise")
+LOST_ACTIONS = ("fail", "interrupt", "warn")
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        raise InvalidLockConfig(f"{name} must be a positive number of seconds, "
+                                f"got {value!r}")
+    return float(value)
+
+
+def _non_negative(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise InvalidLockConfig(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidLockConfig(f"{name} must be a whole number >= 0, got {value!r}")
+    return value
+
+
+def _policy(name: str, value: Any) -> Any:
+    if callable(value) or value in POLICIES:
+        return value
+    raise InvalidLockConfig(f"{name} must be one of {', '.join(POLICIES)} or a callable, "
+                            f"got {value!r}")
+
+
+def _lost_action(name: str, value: Any) -> str:
+    if value in LOST_ACTIONS:
+        return str(value)
+    raise InvalidLockConfig(f"{name} must be one of {', '.join(LOST_ACTIONS)}, "
+                            f"got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidLockConfig(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _prefix(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidLockConfig(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its task option, its app.conf key, default and validator."""
+
+    option: str
+    conf: str
+    default: Any
+    check: Callable[[str, Any], Any]
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {s.option: s for s in (
+    Setting("lock_ttl", "dlock_ttl", 30.0, _positive,
+            "seconds a hold lives after its last renewal; renewed every ttl/3"),
+    Setting("lock_prefix", "dlock_key_prefix", DEFAULT_PREFIX, _prefix,
+            "prefix of every Redis key"),
+    Setting("on_contention", "dlock_on_contention", "retry", _policy,
+            "what to do when the lock is held: retry, wait, skip, raise or a callable"),
+    Setting("lock_wait", "dlock_wait", 10.0, _non_negative,
+            "the wait policy blocks this long for a release before falling back to "
+            "retry"),
+    Setting("lock_retry_backoff", "dlock_retry_backoff", 1.0, _positive,
+            "first contention retry delay cap (seconds); doubles per retry, full jitter"),
+    Setting("lock_retry_backoff_max", "dlock_retry_backoff_max", 30.0, _positive,
+            "largest contention retry delay cap (seconds)"),
+    Setting("lock_retry_max", "dlock_retry_max", 20, _count,
+            "contention retries before the task fails with LockNotAcquired "
+            "(not counted against max_retries)"),
+    Setting("lock_fail_open", "dlock_fail_open", False, check_bool,
+            "run the body unlocked (with a warning) when Redis is unreachable"),
+    Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
+            "when the lock is lost while the body runs: fail (the body finishes, the "
+            "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
+            "the task; FAILURE) or warn (signal + log; the result stands)"),
+)}
+
+
+#: Task options that make the lock's name: no app setting, no per-call override.
+KEY_OPTIONS = ("lock_key", "lock_args")
+#: Every task option of a LockedTask.
+TASK_OPTIONS: frozenset[str] = frozenset(SETTINGS) | frozenset(KEY_OPTIONS)
+#: Options no call may override, and why.
+NOT_PER_CALL = {
+    **dict.fromkeys(
+        (*KEY_OPTIONS, "lock_prefix"),
+        "it names the lock, which every call (and the worker's main process, which "
+        "frees a dead child's lock, and celery dlock) must agree on"),
+    "lock_lost_action": "a lost lock is handled outside the call, from the task's "
+                        "own settings",
+}
+#: Options one call may override in its message headers.
+CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)
+#: The ``app.conf`` keys that are not a task option's app-wide value.
+OTHER_CONF = {
+    "dlock_url": "the Redis of the locks",
+    "dlock_client": "a callable returning a redis-py client",
+    "dlock_redis_options": "extra redis.Redis.from_url keyword arguments",
+    "dlock_transport_options": "master_name and sentinel_kwargs for a sentinel:// URL",
+    "dlock_record_events": "keep a history of contention for celery dlock top",
+}
+#: Every ``app.conf.dlock_*`` key celery-dlock reads.
+CONF_KEYS: frozenset[str] = frozenset(s.conf for s in SETTINGS.values()) | \
+    frozenset(OTHER_CONF)
+
+
+def did_you_mean(name: str, known: Iterable[str], cutoff: float = 0.6) -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=cutoff)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _unbound(task: Any, value: Any) -> Any:
+    # A function given as a task option is a class attribute, so the instance gives
+    # it back bound to the task: the option is the function itself.
+    if inspect.ismethod(value) and value.__self__ is task:
+        return value.__func__
+    return value
+
+
+def conf_of(source: Any) -> Any:
+    """The configuration mapping of ``source`` (an app, or already a mapping); None
+    when it has none."""
+    conf = getattr(source, "conf", None)
+    if conf is not None:
+        return conf
+    return source if hasattr(source, "get") else None
+
+
+def conf_value(source: Any, key: str, default: Any = None) -> Any:
+    """The app setting ``key`` (``dlock_*``, or a Celery setting that locks follow
+    such as ``broker_transport_options``) of ``source`` (an app or its ``conf``), as
+    given (``default`` when unset); the one place that reads them."""
+    conf = conf_of(source)
+    if conf is None:
+        return default
+    value = conf.get(key)
+    return default if value is None else value
+
+
+def defaults() -> dict[str, Any]:
+    """Every option's default, by option name (one table: :data:`SETTINGS`)."""
+    return {option: s.default for option, s in SETTINGS.items()}
+
+
+def read_setting(task: Any, option: str) -> Any:
+    """Task option (annotations, class) > ``app.conf`` > default, validated.
+
+    Per-call values are merged on top by :func:`call_overrides`.
+    """
+    setting = SETTINGS[option]
+    value = _unbound(task, getattr(task, option, None))
+    where = f"task {getattr(task, 'name', task)!r} option {option}"
+    if value is None:
+        value = conf_value(getattr(task, "app", None), setting.conf)
+        where = f"app.conf.{setting.conf}"
+    if value is None:
+        return setting.default
+    return setting.check(where, value)
