@@ -22,7 +22,7 @@ hand-off into
 *release -> woken* (the release script, the doorbell, the waiter's wake-up) and *woken
 -> acquired* (the waiter's ``ACQUIRE`` round trip).
 
-Processes are forked (Linux): the parent holds no lock and runs no heartbeat thread,
+Processes are forked (Linux): the parent holds no lock and runs no scheduler thread,
 and every child makes its own client and lock.
 """
 

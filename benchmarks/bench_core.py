@@ -3,7 +3,7 @@
 Variants, interleaved round by round on one redis-server, one client connection each:
 
 * ``floor: 2x PING``          two round trips, the least any acquire+release can cost
-* ``celery_dlock renew=on``   ``RedisLock(r, name)`` (registers with the heartbeat)
+* ``celery_dlock renew=on``   ``RedisLock(r, name)`` (registers with the scheduler)
 * ``celery_dlock renew=off``  ``RedisLock(r, name, auto_renew=False)``
 * ``redis-py Lock``           ``r.lock(name, timeout=30)``
 * ``python-redis-lock``       ``redis_lock.Lock(r, name, expire=30)``
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         monitor = c.LoadMonitor(client)
         budget = c.RetryBudget(args)
         variants = make_variants(client, f"{c.run_id()}:core")
-        for fn in variants.values():  # load scripts, start the heartbeat thread
+        for fn in variants.values():  # load scripts, start the scheduler thread
             fn()
         server_pid = server.process.pid if server and server.process else None
         print(f"\n{TITLE}\n")

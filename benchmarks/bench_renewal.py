@@ -1,7 +1,7 @@
 """(d) Renewal cost against the number of held locks (1, 10, 100, 1000 in one process).
 
-The holds are ``RedisLock(r, name, ttl=30, heartbeat=hb)`` on one client, with
-``hb = Heartbeat(start_thread=False)``: no thread, each renewal pass is one
+The holds are ``RedisLock(r, name, ttl=30, scheduler=hb)`` on one client, with
+``hb = RenewalScheduler(start_thread=False)``: no thread, each renewal pass is one
 ``hb.renew_due(now)`` call with ``now`` moved on by one renewal interval (ttl/3), so
 every hold is due in every pass.  Per pass the table gives the round trips the client
 sent (counted on the client), the ``EVALSHA`` calls and all Redis commands the server
@@ -28,7 +28,7 @@ from typing import Any
 import _common as c
 
 from celery_dlock import RedisLock
-from celery_dlock.core.heartbeat import Heartbeat
+from celery_dlock.core.scheduler import RenewalScheduler
 
 NAME = "bench_renewal"
 TITLE = "### d. Renewal cost per pass against held locks"
@@ -73,8 +73,8 @@ def measure_passes(client: c.CountingRedis, passes: int,
 
 def bench_dlock(client: c.CountingRedis, prefix: str, holds: int,
                 passes: int) -> dict[str, Any]:
-    hb = Heartbeat(start_thread=False)
-    locks = [RedisLock(client, f"{prefix}:d{holds}:{i}", ttl=30, heartbeat=hb)
+    hb = RenewalScheduler(start_thread=False)
+    locks = [RedisLock(client, f"{prefix}:d{holds}:{i}", ttl=30, scheduler=hb)
              for i in range(holds)]
     for lock in locks:
         if not lock.acquire(blocking=False):
@@ -101,17 +101,17 @@ def staggered_round_trips(client: c.CountingRedis, prefix: str, holds: int,
     """Round trips per renewal interval once holds taken at different moments settle.
 
     The holds are taken at moments spread evenly over one interval (a fake clock);
-    then the heartbeat's own loop is replayed: wake when the earliest hold is due,
+    then the scheduler's own loop is replayed: wake when the earliest hold is due,
     renew what is due.  After two settling intervals, the renewal calls of
     ``intervals`` intervals are counted.
     """
     now = [1000.0]
-    hb = Heartbeat(clock=lambda: now[0], start_thread=False)
+    hb = RenewalScheduler(clock=lambda: now[0], start_thread=False)
     locks = []
     interval = 10.0  # ttl 30 s / 3
     for i in range(holds):
         now[0] = 1000.0 + interval * i / holds
-        lock = RedisLock(client, f"{prefix}:s{holds}:{i}", ttl=30, heartbeat=hb)
+        lock = RedisLock(client, f"{prefix}:s{holds}:{i}", ttl=30, scheduler=hb)
         if not lock.acquire(blocking=False):
             raise RuntimeError(f"could not take {lock.name}")
         locks.append(lock)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         # Load the scripts first, so that no pass pays for an EVAL fallback.
         bench_dlock(client, prefix + ":warm", 1, 1)
         for holds in counts:
-            for variant, fn in (("celery_dlock Heartbeat", bench_dlock),
+            for variant, fn in (("celery_dlock RenewalScheduler", bench_dlock),
                                 ("per-lock extend (redis-py)", bench_per_lock)):
                 row = fn(client, prefix, holds, passes)
                 row.update(variant=variant, holds=holds,
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
         results["load"] = monitor.stop()
         client.close()
-    rows.sort(key=lambda r: (r["variant"] != "celery_dlock Heartbeat", r["holds"]))
+    rows.sort(key=lambda r: (r["variant"] != "celery_dlock RenewalScheduler", r["holds"]))
     results["rows"] = rows
     print(f"\n{TITLE}\n")
     print(f"median of {passes} passes per count; every hold is due in every pass.\n")

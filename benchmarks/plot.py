@@ -134,7 +134,7 @@ def plot_core(core: dict[str, Any] | None, renewal: dict[str, Any] | None,
     if renewal is None:
         _empty(ax, "bench_renewal")
     else:
-        for variant, color in (("celery_dlock Heartbeat", "tab:blue"),
+        for variant, color in (("celery_dlock RenewalScheduler", "tab:blue"),
                                ("per-lock extend (redis-py)", "tab:orange")):
             rows = sorted((r for r in renewal["rows"] if r["variant"] == variant),
                           key=lambda r: r["holds"])

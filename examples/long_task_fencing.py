@@ -1,7 +1,7 @@
 """A long task with a short ttl, and a fencing token that stops a stale holder.
 
 ``rebuild`` runs for about 4 s with ``lock_ttl=1``: it keeps its lock because the
-worker process's heartbeat renews it every ttl/3.  Short ttls are what you want (a
+worker process's scheduler renews it every ttl/3.  Short ttls are what you want (a
 crashed worker's lock frees itself within a second), but renewal cannot make a lock
 safe on its own: a holder that stalls (a GC pause, a frozen VM, a network partition)
 longer than the ttl loses the lock without knowing, and its next write would clobber

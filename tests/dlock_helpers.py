@@ -96,7 +96,7 @@ def counter_worker(redis_url: str, prefix: str, name: str, counter: str, n: int,
 
 def hold_until_killed(redis_url: str, prefix: str, name: str, ttl: float,
                       ready: Any) -> None:
-    """Take the lock (renewed by this process's heartbeat) and never release it."""
+    """Take the lock (renewed by this process's scheduler) and never release it."""
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
     lock = RedisLock(client, name, ttl=ttl, prefix=prefix)
     lock.acquire()

@@ -4,7 +4,7 @@ Every hold, renewed or not, has a *local deadline*: the send time of its last co
 acquire, renewal or extend, plus its ttl, minus a margin (:func:`lease_end`).  The
 server cannot expire the hold before that moment, because it started counting the ttl
 no earlier than the request was sent.  So a holder told at its deadline (the
-heartbeat's watchdog does that) is told before any other owner can acquire, as long as
+scheduler's watchdog does that) is told before any other owner can acquire, as long as
 
 * its clock runs at most :data:`DRIFT_RATE` (a backend may allow more) faster than the
   server's, and

@@ -18,7 +18,7 @@ touches the bookkeeping.  So every kind agrees, by construction, on:
   the hold's deadline, by a renewal, or by any call of the holder (a re-entry, a
   release, an extend, ``owned``, ``ensure_held``) that finds the server no longer has
   the hold.  Reporting means: :attr:`lost` and :attr:`lost_reason` set, ``on_lost``
-  called once, the hold dropped from the heartbeat, the call raising
+  called once, the hold dropped from the scheduler, the call raising
   :class:`~celery_dlock.LockLost`; depth and fence stay as they were until the holder
   releases, and no new hold is ever taken in its place behind the holder's back;
 * a forked child inherits the object's memory but not its hold.
@@ -46,9 +46,9 @@ from .errors import (
     LockNotAcquired,
     LockNotOwned,
 )
-from .heartbeat import Heartbeat, get_heartbeat
 from .protocol import GONE, OK, STILL_HELD
 from .renew_target import RenewTarget
+from .scheduler import RenewalScheduler, get_scheduler
 from .ttl import ttl_ms as _ttl_to_ms
 
 __all__ = [
@@ -155,8 +155,8 @@ class Hold:
     :param ttl: seconds a hold lives after its last acquire, extend or renewal.
     :param owner: a fixed owner token, or None for the current context's owner.
     :param on_lost: called once per lost hold with this lock.
-    :param heartbeat: the renewal registry (default: this process's).
-    :param auto_renew: renew the hold from the heartbeat every ``ttl/3``.
+    :param scheduler: the renewal registry (default: this process's).
+    :param auto_renew: renew the hold from the scheduler every ``ttl/3``.
     :param blocking_timeout: how long ``with lock:`` and a plain ``acquire()`` wait.
     :param pause_budget: seconds this holder may be frozen at its deadline and still
         be told first (default: :func:`~celery_dlock.core.deadline.pause_budget`).
@@ -167,7 +167,7 @@ class Hold:
 
     def __init__(self, name: str, ttl: float, *, owner: str | None,
                  on_lost: Callable[[Any], object] | None,
-                 heartbeat: Heartbeat | None, auto_renew: bool,
+                 scheduler: RenewalScheduler | None, auto_renew: bool,
                  blocking_timeout: float | None,
                  pause_budget: float | None = None) -> None:
         self.name = name
@@ -177,7 +177,7 @@ class Hold:
         self.blocking_timeout = blocking_timeout
         self.pause_budget = pause_budget
         self._fixed_owner = owner
-        self._heartbeat = heartbeat
+        self._scheduler = scheduler
         self._state = threading.Lock()
         self._depth = 0
         self._hold_id = 0
@@ -230,7 +230,7 @@ class Hold:
         raise NotImplementedError
 
     def _renew_target(self) -> RenewTarget | None:
-        """Where the heartbeat renews this lock's holds."""
+        """Where the scheduler renews this lock's holds."""
         raise NotImplementedError
 
     def _renew_key(self) -> str:
@@ -263,8 +263,8 @@ class Hold:
     def _current_owner(self) -> str:
         return self._fixed_owner or _owner.current_owner()
 
-    def _get_heartbeat(self) -> Heartbeat:
-        return self._heartbeat if self._heartbeat is not None else get_heartbeat()
+    def _get_scheduler(self) -> RenewalScheduler:
+        return self._scheduler if self._scheduler is not None else get_scheduler()
 
     def _sync_generation(self) -> None:
         # A forked child inherits this object's memory but not its hold.
@@ -329,7 +329,7 @@ class Hold:
                 return False
             self._lost_reason = reason
             hold_id = self._hold_id
-        self._get_heartbeat().unregister(self, hold_id)
+        self._get_scheduler().unregister(self, hold_id)
         if self.on_lost is not None:
             try:
                 self.on_lost(self)
@@ -378,16 +378,16 @@ class Hold:
             raise LockLost(f"cannot re-enter: lock lost ({lost_reason})",
                            lock_name=self.name)
         deadline = None if timeout is None else time.monotonic() + timeout
-        heartbeat = self._get_heartbeat()
+        scheduler = self._get_scheduler()
         op = new_op_id()
         queued = acquired = False
         try:
             while True:
-                sent_at = heartbeat.now()
+                sent_at = scheduler.now()
                 reply = self._send_acquire(owner, op, queue=blocking and not reentry,
                                            reentry=reentry)
                 if isinstance(reply, Grant):
-                    if reply.reentered or heartbeat.now() < lease_end(
+                    if reply.reentered or scheduler.now() < lease_end(
                             sent_at, self.ttl_ms, self._margin(self.ttl_ms)):
                         acquired = True
                         self._acquired(owner, reply, sent_at)
@@ -421,7 +421,7 @@ class Hold:
                 self._leave_line(owner)
 
     def _acquired(self, owner: str, grant: Grant, sent_at: float) -> None:
-        heartbeat = self._get_heartbeat()
+        scheduler = self._get_scheduler()
         margin = self._margin(self.ttl_ms)
         with self._state:
             self._sync_generation()
@@ -436,12 +436,12 @@ class Hold:
                 self._release_op = None
                 self._extend_op = None
                 target = self._renew_target() if self.auto_renew else None
-                heartbeat.register(self, self._hold_id, target, self._renew_key(), owner,
+                scheduler.register(self, self._hold_id, target, self._renew_key(), owner,
                                    self.ttl_ms, sent_at, fence=grant.fence,
                                    margin=margin)
             else:
                 # Re-entry: the expiry is now at least ttl from the send time.
-                heartbeat.confirmed(self, self._hold_id, self.ttl_ms, sent_at, margin)
+                scheduler.confirmed(self, self._hold_id, self.ttl_ms, sent_at, margin)
             self._depth += 1
 
     # -- release ------------------------------------------------------------------------
@@ -474,15 +474,15 @@ class Hold:
             else:
                 op = new_op_id()
                 self._release_op = (hold_id, depth, op) if held_here else None
-        heartbeat = self._get_heartbeat()
+        scheduler = self._get_scheduler()
         if final and lost_reason is None:
-            heartbeat.set_releasing(self, hold_id, True)
+            scheduler.set_releasing(self, hold_id, True)
         try:
             status = self._send_release(owner, op)
         except DLockError:
             if lost_reason is None:
                 if final:
-                    heartbeat.set_releasing(self, hold_id, False)
+                    scheduler.set_releasing(self, hold_id, False)
                 raise
             status = GONE  # a lost hold: the loss is the answer, best effort was made
         if not held_here:
@@ -501,7 +501,7 @@ class Hold:
                     self._hold_owner = None
                     self._fence = None
         if final:
-            heartbeat.unregister(self, hold_id)
+            scheduler.unregister(self, hold_id)
         if lost_reason is not None:
             raise LockLost(f"lock lost before it was released ({lost_reason})",
                            lock_name=self.name)
@@ -522,7 +522,7 @@ class Hold:
             self._fence = None
             self._release_op = None
             self._extend_op = None
-        self._get_heartbeat().unregister(self, hold_id)
+        self._get_scheduler().unregister(self, hold_id)
         for _ in range(depth):
             try:
                 status = self._send_release(owner, new_op_id())
@@ -556,15 +556,15 @@ class Hold:
             else:
                 op = new_op_id()
                 self._extend_op = (hold_id, ttl_ms, op) if held_here else None
-        heartbeat = self._get_heartbeat()
-        sent_at = heartbeat.now()
+        scheduler = self._get_scheduler()
+        sent_at = scheduler.now()
         status = self._send_extend(owner, ttl_ms, op)
         with self._state:
             self._extend_op = None
         if status == OK:
             self.ttl_ms = ttl_ms
             if held_here:
-                heartbeat.confirmed(self, hold_id, ttl_ms, sent_at, self._margin(ttl_ms))
+                scheduler.confirmed(self, hold_id, ttl_ms, sent_at, self._margin(ttl_ms))
             return
         if held_here:
             raise self._report_gone(status, owner, hold_id, "cannot extend: lock ")

@@ -3,7 +3,7 @@
 Two protocols, and the reply codes every backend speaks:
 
 * :class:`Lock` is what a user, :class:`~celery_dlock.LockedTask`, the CLI and the
-  heartbeat may ask of a lock object, whatever keeps it (one Redis, a Redlock quorum,
+  scheduler may ask of a lock object, whatever keeps it (one Redis, a Redlock quorum,
   later a database or ZooKeeper).  Every lock kind gets it from
   :class:`~celery_dlock.core.hold.Hold`, the one hold state machine.
 * :class:`Backend` is what the Celery face and ``celery dlock`` ask of a place that

@@ -1,6 +1,6 @@
-"""What the heartbeat asks of a backend: a target that renews holds on one server.
+"""What the scheduler asks of a backend: a target that renews holds on one server.
 
-The heartbeat (:mod:`celery_dlock.core.heartbeat`) knows nothing of Redis; each backend
+The scheduler (:mod:`celery_dlock.core.scheduler`) knows nothing of Redis; each backend
 supplies one :class:`RenewTarget` per server (for Redis:
 :mod:`celery_dlock.backends.redis.renewal`), so that servers are renewed independently.
 """
@@ -32,5 +32,5 @@ class RenewTarget(Protocol):
         """Renew each ``(key, owner, ttl_ms)``; per item 1 renewed, 0 gone, -1 taken,
         or a :class:`LossNote` (gone, and why).
 
-        Raises on a failure of the whole call (the heartbeat retries)."""
+        Raises on a failure of the whole call (the scheduler retries)."""
         ...

@@ -253,7 +253,7 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
     """Free the lock KEY whoever holds it, and wake the next waiter.
 
     The holder is not stopped: a task still running goes on without its lock (its
-    heartbeat reports the lock lost, "released by USER@HOST with celery dlock release
+    scheduler reports the lock lost, "released by USER@HOST with celery dlock release
     --force: REASON").  Without --force, asks first, and frees only the hold it showed.
     """
     target = _target(ctx)

@@ -104,7 +104,7 @@ class Attempt:
         self.started = time.monotonic()
         self.thread_id = thread_id
         self.running = True
-        #: Set (from the heartbeat thread) when the hold is found lost.
+        #: Set (from the scheduler thread) when the hold is found lost.
         self.lost_reason: str | None = None
 
 

@@ -147,7 +147,7 @@ def _on_lost(sender: Any = None, name: str = "?", task_id: str | None = None,
              reason: str | None = None, **_: Any) -> None:
     if not recording_enabled(getattr(sender, "app", None)):
         return
-    # Sent from the heartbeat thread: the task's request context is not ours to read.
+    # Sent from the scheduler thread: the task's request context is not ours to read.
     _record(sender, Event(at=time.time(), kind="lost", key=name,
                           task_name=getattr(sender, "name", None), task_id=task_id,
                           detail=reason))

@@ -2,7 +2,7 @@
 bound to an app.
 
 * ``worker_process_init`` (every prefork child, after fork): drop any Redis client and
-  heartbeat inherited from the parent (the fork handlers already do; this also logs),
+  scheduler inherited from the parent (the fork handlers already do; this also logs),
   so each child renews only its own holds from its own thread.
 * ``worker_process_shutdown`` and ``worker_shutdown`` (warm shutdown of a child, and of
   the main process for the threads, solo and gevent pools): release every hold the
@@ -31,7 +31,7 @@ from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
 from ..core.errors import DLockError
-from ..core.heartbeat import get_heartbeat
+from ..core.scheduler import get_scheduler
 from . import events
 from .backend import backend_for
 from .config import read_setting
@@ -68,7 +68,7 @@ def install() -> None:
 
 
 def _on_process_init(**_: Any) -> None:
-    hb = get_heartbeat()
+    hb = get_scheduler()
     logger.debug("celery-dlock ready in worker process %s (%d holds)", os.getpid(),
                  len(hb))
 
@@ -81,9 +81,9 @@ def _on_shutdown(**_: Any) -> None:
 
 
 def release_process_holds() -> int:
-    """Release every hold this process's heartbeat renews; returns how many."""
+    """Release every hold this process's scheduler renews; returns how many."""
     count = 0
-    for lock in get_heartbeat().held_locks():
+    for lock in get_scheduler().held_locks():
         count += lock.release_all()
     return count
 

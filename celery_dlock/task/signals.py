@@ -10,7 +10,7 @@ Connect like any Celery signal::
 
 ``sender`` is the task instance.  Every signal also passes ``name`` (the lock's name,
 as ``celery dlock ls`` shows it) and ``task_id``.  ``lock_lost`` is sent from the
-heartbeat thread.
+scheduler thread.
 
 *Deprecated:* every signal also passes the lock's name as ``key``, its name before
 0.2; "key" now means only a backend's storage key.  Read ``name``: ``key`` will be

@@ -14,7 +14,7 @@ import uuid
 from dlock_helpers import wait_until
 
 from celery_dlock import RedisLock
-from celery_dlock.core.heartbeat import get_heartbeat
+from celery_dlock.core.scheduler import get_scheduler
 
 
 def _by_node(client, locks):
@@ -32,7 +32,7 @@ def test_one_renewal_round_trip_per_master(cluster_client):
         assert lock.acquire(blocking=False)
     try:
         assert len(_by_node(cluster_client, locks)) == 3
-        hb = get_heartbeat()
+        hb = get_scheduler()
         before = hb.renewal_calls
         time.sleep(2.2)  # two renewal passes at ttl/3 = 1 s
         calls = hb.renewal_calls - before

@@ -26,7 +26,7 @@ from celery_dlock import (
     LockNotAcquired,
     RedlockLock,
 )
-from celery_dlock.core.heartbeat import Heartbeat
+from celery_dlock.core.scheduler import RenewalScheduler
 
 _TESTS = Path(__file__).resolve().parents[1]
 
@@ -272,11 +272,11 @@ def test_bad_construction_is_refused(trio):
 
 
 def test_own_heartbeat_clock_is_used_for_validity(trio):
-    """The validity check reads the heartbeat's clock: a clock that jumps past the ttl
+    """The validity check reads the scheduler's clock: a clock that jumps past the ttl
     between send and reply makes a fast quorum invalid (given back)."""
     ticks = iter([0.0, 10.0])
-    hb = Heartbeat(clock=lambda: next(ticks, 20.0), start_thread=False)
-    lock = _lock(trio.clients(), "clock", "owner-a", heartbeat=hb)
+    hb = RenewalScheduler(clock=lambda: next(ticks, 20.0), start_thread=False)
+    lock = _lock(trio.clients(), "clock", "owner-a", scheduler=hb)
     assert not lock.acquire(blocking=False)
     # a node that had not answered yet is undone in the background
     assert wait_until(lambda: trio.holders(lock.keys.lock) == [None] * 3)

@@ -155,7 +155,7 @@ def test_stale_loss_report_does_not_kill_a_new_hold(r, prefix, name):
         lock = RedisLock(r, name, ttl=0.9, prefix=prefix,
                          on_lost=lambda lk: lost.append(1))
         lock.acquire()
-        r.delete(lock.keys.lock)  # the hold is gone; the heartbeat will notice
+        r.delete(lock.keys.lock)  # the hold is gone; the scheduler will notice
         assert handler.entered.wait(5)
         # While the loss is being reported, the holder ends its lost hold (a re-entry
         # of a lost hold raises: it never takes a new hold in its place) and the same

@@ -3,7 +3,7 @@
 When the servers no longer have a hold (an operator's force release, an empty restart
 or a failover that lost the write, stood in for by ``FLUSHALL``) and its holder makes
 contact before its next renewal (a nested ``with lock:``, an extend, ``owned()``), the
-loss is reported exactly as the heartbeat would: ``on_lost`` once, ``lost`` and the
+loss is reported exactly as the scheduler would: ``on_lost`` once, ``lost`` and the
 reason set, ``LockLost`` from the call, depth and fence left as they were, and no new
 hold taken behind the holder's back.
 """

@@ -2,7 +2,7 @@
 
 Writer processes (``fencing_writer.py``) take one lock name on the suite's
 redis-server and increment a fenced counter row in SQLite or PostgreSQL.  One holder
-is paused past its ttl while holding (SIGSTOP with the heartbeat frozen too, or simply
+is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or simply
 idle with ``auto_renew=False``); the others take the lock in turn meanwhile.  When the
 paused holder resumes and writes with its old fence, the database refuses it and the
 row stays as the newer holders left it; no increment is lost and the log of accepted
@@ -142,7 +142,7 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
         first = paused.send("write")
         assert first == {"ok": True, "fence": fence, "value": 1}
 
-        if pause == "sigstop":  # frozen whole: body, heartbeat and watchdog
+        if pause == "sigstop":  # frozen whole: body, scheduler and watchdog
             os.kill(paused.proc.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         for w in others:

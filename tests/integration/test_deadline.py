@@ -13,7 +13,7 @@ from celery_dlock.core.deadline import (
     margin_of,
     pause_budget,
 )
-from celery_dlock.core.heartbeat import Heartbeat
+from celery_dlock.core.scheduler import RenewalScheduler
 
 
 def test_the_default_pause_budget_covers_a_second_long_pause_at_ttl_30():
@@ -49,9 +49,9 @@ def test_a_lock_s_deadline_keeps_its_pause_budget(r, prefix, name):
     from celery_dlock import RedisLock
 
     t = [1000.0]
-    hb = Heartbeat(clock=lambda: t[0], start_thread=False)
+    hb = RenewalScheduler(clock=lambda: t[0], start_thread=False)
     told: list[object] = []
-    lock = RedisLock(r, name, 30, prefix=prefix, heartbeat=hb, auto_renew=False,
+    lock = RedisLock(r, name, 30, prefix=prefix, scheduler=hb, auto_renew=False,
                      pause_budget=5.0, on_lost=told.append)
     lock.acquire()
     try:
@@ -67,9 +67,9 @@ def test_extend_moves_the_deadline_with_the_new_ttl_s_margin(r, prefix, name):
     from celery_dlock import RedisLock
 
     t = [1000.0]
-    hb = Heartbeat(clock=lambda: t[0], start_thread=False)
+    hb = RenewalScheduler(clock=lambda: t[0], start_thread=False)
     told: list[object] = []
-    lock = RedisLock(r, name, 3, prefix=prefix, heartbeat=hb, auto_renew=False,
+    lock = RedisLock(r, name, 3, prefix=prefix, scheduler=hb, auto_renew=False,
                      on_lost=told.append)
     lock.acquire()
     try:
@@ -86,5 +86,5 @@ def test_the_clock_counts_suspended_time_where_the_platform_can():
     if not hasattr(time, "CLOCK_BOOTTIME"):
         pytest.skip("no CLOCK_BOOTTIME on this platform: time.monotonic is used")
     assert abs(clock() - time.clock_gettime(time.CLOCK_BOOTTIME)) < 0.5
-    assert Heartbeat(start_thread=False).now() == pytest.approx(
+    assert RenewalScheduler(start_thread=False).now() == pytest.approx(
         time.clock_gettime(time.CLOCK_BOOTTIME), abs=0.5)

@@ -61,7 +61,7 @@ def test_renewing_holder_is_told_who_released_it_and_why(redis_url: str, r: redi
                      on_lost=lost)
     assert lock.acquire(blocking=False)
     _release(redis_url, prefix, name, "disk full on db-2, ticket 42")
-    # The heartbeat renews every ttl/3 (1 s): it finds the hold gone and says why.
+    # The scheduler renews every ttl/3 (1 s): it finds the hold gone and says why.
     assert lost.event.wait(10), "the holder was never told"
     (reason,) = lost.reasons
     assert reason is not None

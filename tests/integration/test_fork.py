@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from celery_dlock import LockLost, LockNotOwned, RedisLock, owner_context
-from celery_dlock.core.heartbeat import get_heartbeat
+from celery_dlock.core.scheduler import get_scheduler
 
-# Python 3.12+ warns when forking a process that runs threads (the heartbeat does).
+# Python 3.12+ warns when forking a process that runs threads (the scheduler does).
 pytestmark = pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
 
 
@@ -28,7 +28,7 @@ def _child_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) -> di
         report["ensure_held"] = "passed"
     except LockLost:
         report["ensure_held"] = "LockLost"
-    hb = get_heartbeat()
+    hb = get_scheduler()
     report["heartbeat_entries"] = len(hb)
     report["registered"] = hb.is_registered(lock)
     try:
@@ -81,7 +81,7 @@ def test_forked_child_neither_owns_renews_nor_releases(r, prefix, name):
     lock.acquire()
     parent_owner = r.hget(lock.keys.lock, "owner")
     fence = lock.fence
-    assert get_heartbeat().is_registered(lock)
+    assert get_scheduler().is_registered(lock)
 
     report = _fork_and_report(r, lock, prefix, name)
 
@@ -104,7 +104,7 @@ def test_forked_child_neither_owns_renews_nor_releases(r, prefix, name):
     assert r.hget(lock.keys.lock, "count") == b"2"
     assert r.pttl(lock.keys.lock) > 20_000
     assert lock.owned() and lock.fence == fence and lock.depth == 2
-    assert get_heartbeat().is_registered(lock)
+    assert get_scheduler().is_registered(lock)
     assert not r.exists(lock.keys.queue)  # the child left the line
     lock.release()
     lock.release()
@@ -112,7 +112,7 @@ def test_forked_child_neither_owns_renews_nor_releases(r, prefix, name):
 
 
 def _mp_child(lock: RedisLock, queue) -> None:
-    queue.put((lock.owned(), lock.fence, len(get_heartbeat()),
+    queue.put((lock.owned(), lock.fence, len(get_scheduler()),
                lock.acquire(blocking=False)))
 
 

@@ -23,7 +23,7 @@ from celery_dlock import (
     RedisLock,
     owner_context,
 )
-from celery_dlock.core.heartbeat import get_heartbeat
+from celery_dlock.core.scheduler import get_scheduler
 
 
 def _in_thread(fn):
@@ -481,7 +481,7 @@ def test_good_ttls_are_kept_in_milliseconds(r, prefix, name):
 def test_lock_leaves_nothing_registered_after_release(r, prefix, name):
     lock = RedisLock(r, name, prefix=prefix)
     lock.acquire()
-    assert get_heartbeat().is_registered(lock)
+    assert get_scheduler().is_registered(lock)
     assert queue_members(r, lock) == []
     lock.release()
-    assert not get_heartbeat().is_registered(lock)
+    assert not get_scheduler().is_registered(lock)

@@ -2,7 +2,7 @@
 
 The same property as the prefork test of a short-ttl lock: three messages of one key,
 each running longer than ``lock_ttl`` (1 s), on two workers, never overlap, and each
-run still holds its lock at its end. That needs the heartbeat to renew under each pool
+run still holds its lock at its end. That needs the scheduler to renew under each pool
 (a thread; a greenlet under gevent's monkey-patching) and the attempt's owner to stay
 apart from the other runs of the same process.
 """

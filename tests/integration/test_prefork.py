@@ -1,7 +1,7 @@
 """LockedTask in real ``celery worker`` subprocesses with the prefork pool.
 
 What only real worker processes show: locks taken in forked children and renewed by
-their own heartbeat, children dying (SIGKILL, hard time limit, ``revoke(terminate=True)``)
+their own scheduler, children dying (SIGKILL, hard time limit, ``revoke(terminate=True)``)
 with the main process freeing their locks, retries re-queued from a child, the same
 message delivered twice, and a warm shutdown.
 

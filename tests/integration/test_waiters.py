@@ -192,7 +192,7 @@ def test_killed_holder_process_frees_the_lock_within_its_ttl(redis_url, r, prefi
         assert ready.wait(30)
         lock = RedisLock(r, name, ttl=30, owner="survivor", prefix=prefix)
         assert r.hget(lock.keys.lock, "pid") == str(proc.pid).encode()
-        time.sleep(1.5)  # longer than its ttl: its heartbeat keeps it alive
+        time.sleep(1.5)  # longer than its ttl: its scheduler keeps it alive
         assert lock.acquire(blocking=False) is False
         proc.kill()
         proc.join(10)

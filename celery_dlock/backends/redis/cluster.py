@@ -9,7 +9,7 @@ renewal pass, and a master that stalls holds up only its own renewer.
 When the slot has moved (``MOVED``/``ASK`` after resharding) or the master cannot be
 reached (it died; Cluster may have promoted a replica), the target renews through the
 user's cluster client instead, which follows redirects and refreshes its view of the
-cluster, one call per slot.  The heartbeat's watchdog declares a hold lost at its local
+cluster, one call per slot.  The scheduler's watchdog declares a hold lost at its local
 deadline whatever a renewal call is doing, so a slow fallback never hides a loss.
 """
 

@@ -232,7 +232,7 @@ def force_release(client: Any, prefix: str, name: str, *,
     nothing, even if another owner took the lock in between.  Without ``fence``, a hold
     that changed between that read and the release is read again (a few times).
 
-    The holder is not stopped: its heartbeat finds the hold gone and reports it lost
+    The holder is not stopped: its scheduler finds the hold gone and reports it lost
     (``on_lost``, ``signals.lock_lost``; ``ensure_held()`` raises) with the reason
     ``released by <by>: <reason>``, which the script leaves in a short-lived marker
     (:mod:`celery_dlock.backends.redis.released`).  ``by`` and ``reason`` are made one

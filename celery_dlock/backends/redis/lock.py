@@ -11,8 +11,8 @@ Ownership, on a timeline (A and B are owners, see :mod:`celery_dlock.core.owner`
     t5  B acquires     fence 9 (fences only grow, also across a data loss)
     t6  A.release()    "not owner": raises LockNotOwned; B's hold is untouched
 
-While held, the process's heartbeat renews the hold every ``ttl/3`` and watches its
-local deadline (see :mod:`celery_dlock.core.heartbeat`); when the deadline passes without
+While held, the process's scheduler renews the hold every ``ttl/3`` and watches its
+local deadline (see :mod:`celery_dlock.core.scheduler`); when the deadline passes without
 a confirmed renewal, or the hold is found gone or taken, it is marked lost,
 ``on_lost(lock)`` is called, :meth:`owned` returns False and :meth:`ensure_held`
 raises :class:`LockLost`, all before any other owner can acquire it.
@@ -33,7 +33,6 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ...core.errors import BackendUnavailable, DLockError, Holder, LockKeyConflict
-from ...core.heartbeat import Heartbeat
 from ...core.hold import (
     DEFAULT_PREFIX,
     Grant,
@@ -44,6 +43,7 @@ from ...core.hold import (
     new_op_id,
 )
 from ...core.renew_target import RenewTarget
+from ...core.scheduler import RenewalScheduler
 from .keyspace import LockKeys, check_client, decode, foreign_keys, parse_holder
 from .released import read_loss_reason
 from .renewal import renew_target
@@ -66,11 +66,11 @@ class RedisLock(Hold):
     :param name: the lock's name; any non-empty string.
     :param ttl: seconds a hold lives after its last acquire, extend or renewal (at most
         :data:`MAX_TTL`).
-    :param auto_renew: renew the hold from this process's heartbeat every ``ttl/3``.
+    :param auto_renew: renew the hold from this process's scheduler every ``ttl/3``.
     :param owner: a fixed owner token (processes that share it share the hold); by
         default the current context's owner, else a per-thread token.
     :param on_lost: called once per lost hold with this lock, from the thread that found
-        out (the heartbeat's watchdog at the hold's deadline, or a caller of acquire,
+        out (the scheduler's watchdog at the hold's deadline, or a caller of acquire,
         ensure_held, owned, extend or release).  Keep it short: it runs before other
         holds' news.
     :param prefix: the key prefix (``dlock``).
@@ -78,7 +78,7 @@ class RedisLock(Hold):
         in :class:`LockNotAcquired`); ``host`` and ``pid`` are always added.
     :param blocking_timeout: how long a blocking :meth:`acquire` (and ``with lock:``)
         waits when the call gives no timeout (None: forever), as in redis-py's ``Lock``.
-    :param heartbeat: the renewal registry to use (default: this process's).
+    :param scheduler: the renewal registry to use (default: this process's).
     :param pause_budget: seconds this holder may be frozen at its deadline and still be
         told first (default: a tenth of the ttl, at most 2 s; see
         :mod:`celery_dlock.core.deadline`).
@@ -100,13 +100,13 @@ class RedisLock(Hold):
         prefix: str = DEFAULT_PREFIX,
         info: Mapping[str, object] | None = None,
         blocking_timeout: float | None = None,
-        heartbeat: Heartbeat | None = None,
+        scheduler: RenewalScheduler | None = None,
         pause_budget: float | None = None,
     ) -> None:
         info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
                                        pause_budget)
         check_client(client, name)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, heartbeat=heartbeat,
+        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
                          auto_renew=auto_renew, blocking_timeout=blocking_timeout,
                          pause_budget=pause_budget)
         self.client = client

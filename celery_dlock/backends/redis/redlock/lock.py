@@ -9,7 +9,7 @@ checks, re-entry counts, operation ids), and the lock is held while a quorum
     t0  send ACQUIRE to nodes 1..3 at once (each call bounded by node_timeout)
     t1  nodes 1 and 3 granted, node 2 hangs      quorum (2 of 3) at t1
         validity = ttl - (t1 - t0) - drift > 0    granted; deadline t0 + ttl - drift
-    t2  the heartbeat renews on every node at once; the deadline moves when a quorum
+    t2  the scheduler renews on every node at once; the deadline moves when a quorum
         confirmed; a quorum that can no longer be reached is a lost hold (on_lost)
 
 A grant short of a quorum, or whose validity ran out before the quorum answered, is
@@ -38,7 +38,6 @@ from redis.exceptions import ResponseError
 
 from ....core.deadline import pause_budget
 from ....core.errors import FencingUnavailable, Holder
-from ....core.heartbeat import Heartbeat
 from ....core.hold import (
     DEFAULT_PREFIX,
     Grant,
@@ -49,6 +48,7 @@ from ....core.hold import (
 )
 from ....core.protocol import GONE, OK, STILL_HELD, TAKEN
 from ....core.renew_target import RenewTarget
+from ....core.scheduler import RenewalScheduler
 from ..keyspace import LockKeys
 from ..lock import RedisLock
 from ..scripts import ACQUIRE, EXTEND, RELEASE
@@ -125,14 +125,14 @@ class RedlockLock(Hold):
         prefix: str = DEFAULT_PREFIX,
         info: Mapping[str, object] | None = None,
         blocking_timeout: float | None = None,
-        heartbeat: Heartbeat | None = None,
+        scheduler: RenewalScheduler | None = None,
         drift_factor: float = 0.01,
         node_timeout: float | None = None,
         pause_budget: float | None = None,
     ) -> None:
         info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
                                        pause_budget)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, heartbeat=heartbeat,
+        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
                          auto_renew=auto_renew, blocking_timeout=blocking_timeout,
                          pause_budget=pause_budget)
         self.clients = check_nodes(clients, name)
@@ -187,15 +187,15 @@ class RedlockLock(Hold):
         def with_code(out: Outcome, code: int) -> list[int]:
             return [i for i, r in enumerate(out) if answered(r) and int(r[0]) == code]
 
-        heartbeat = self._get_heartbeat()
-        sent_at = heartbeat.now()
+        scheduler = self._get_scheduler()
+        sent_at = scheduler.now()
         leftover: dict[int, cf.Future[Any]] = {}
         # Back as soon as a quorum granted, or can no longer grant.
         out = fan_out(self._nodes, call, self.node_timeout,
                       lambda o: len(with_code(o, 1)) >= quorum
                       or len(with_code(o, 0)) + len(with_code(o, 2)) > n - quorum,
                       leftover)
-        now = heartbeat.now()
+        now = scheduler.now()
         yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
         valid = now < sent_at + self.ttl - self._margin(self.ttl_ms)
         if len(yes) >= quorum and (reentry or valid) and not any(

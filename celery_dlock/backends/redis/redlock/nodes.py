@@ -231,12 +231,12 @@ def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: floa
 
 class QuorumNotReached(RedisError):
     """Renewal could not tell, for some hold, whether a quorum still has it (too few
-    nodes answered); the heartbeat retries until the hold's deadline."""
+    nodes answered); the scheduler retries until the hold's deadline."""
 
 
 class RedlockRenewTarget:
     """Renews holds on every node of one Redlock at once (see
-    :class:`celery_dlock.core.heartbeat.RenewTarget`): per hold 1 when a quorum
+    :class:`celery_dlock.core.scheduler.RenewTarget`): per hold 1 when a quorum
     renewed it, 0 or -1 (taken somewhere) when a quorum no longer can; raises
     :class:`QuorumNotReached` when the answers leave it open."""
 
@@ -293,7 +293,7 @@ _targets_lock = threading.Lock()
 
 def renew_target(clients: Sequence[Any], timeout: float) -> RedlockRenewTarget:
     """The renew target of these clients (one per set of client objects, timeout and
-    process, while in use: the heartbeat gives each target its own renewer thread)."""
+    process, while in use: the scheduler gives each target its own renewer thread)."""
     key = (*(id(c) for c in clients), timeout)
     with _targets_lock:
         target = _targets.get(key)

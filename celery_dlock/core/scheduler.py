@@ -1,4 +1,4 @@
-"""The per-process watchdog and renewal scheduler ("heartbeat") and its registry of holds.
+"""The per-process watchdog and renewal scheduler ("scheduler") and its registry of holds.
 
 Backend-neutral: a hold is renewed through a :class:`RenewTarget` that the backend
 supplies (for Redis, one per server: :mod:`celery_dlock.backends.redis.renewal`).
@@ -25,7 +25,7 @@ Rules that keep renewal from ever outliving its holder:
   lost (``on_lost``) and dropped from the registry;
 * failed renewals are retried every :data:`ERROR_RETRY_INTERVAL` until the deadline;
 * after ``fork()`` the child starts with an empty registry and no threads (see
-  :func:`get_heartbeat`), so a child never renews its parent's locks.
+  :func:`get_scheduler`), so a child never renews its parent's locks.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from .renew_target import LossNote, RenewTarget
 
 __all__ = [
     "ERROR_RETRY_INTERVAL",
-    "Heartbeat",
-    "get_heartbeat",
+    "RenewalScheduler",
+    "get_scheduler",
 ]
 
-logger = logging.getLogger("celery_dlock.heartbeat")
+logger = logging.getLogger("celery_dlock.scheduler")
 
 #: After a failed renewal, try again this often (seconds) until the hold's deadline.
 ERROR_RETRY_INTERVAL = 0.25
@@ -94,15 +94,15 @@ class _Entry:
 class _Renewer:
     """The thread that renews the holds of one target, one batch at a time."""
 
-    def __init__(self, heartbeat: Heartbeat, target: RenewTarget) -> None:
-        self.heartbeat = heartbeat
+    def __init__(self, scheduler: RenewalScheduler, target: RenewTarget) -> None:
+        self.scheduler = scheduler
         self.target = target
         self.batches: collections.deque[list[_Entry]] = collections.deque()
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name="celery-dlock-renewer")
 
     def _run(self) -> None:
-        hb = self.heartbeat
+        hb = self.scheduler
         while True:
             with hb._cond:
                 idle_until = time.monotonic() + RENEWER_IDLE
@@ -122,7 +122,7 @@ class _Renewer:
             hb._renew_batch(self.target, batch)
 
 
-class Heartbeat:
+class RenewalScheduler:
     """Registry of holds plus the watchdog and renewer threads.
 
     ``clock`` is injectable for tests; with ``start_thread=False`` nothing runs by itself
@@ -146,7 +146,7 @@ class Heartbeat:
         self.renewal_calls = 0  # renewal calls made, for tests and benchmarks
 
     def now(self) -> float:
-        """This heartbeat's clock: send times given to it must come from here."""
+        """This scheduler's clock: send times given to it must come from here."""
         return self._clock()
 
     # -- registry -----------------------------------------------------------------
@@ -334,13 +334,13 @@ class Heartbeat:
 
     def _start(self) -> None:
         self._stopping = False
-        thread = threading.Thread(target=self._run, name="celery-dlock-heartbeat",
+        thread = threading.Thread(target=self._run, name="celery-dlock-watchdog",
                                   daemon=True)
         self._thread = thread
         thread.start()
 
     def _run(self) -> None:
-        logger.debug("heartbeat thread started in pid %s", os.getpid())
+        logger.debug("scheduler thread started in pid %s", os.getpid())
         while True:
             try:
                 with self._cond:
@@ -366,7 +366,7 @@ class Heartbeat:
                         timeout = min(IDLE_WAIT, max(0.0, wake - self._clock()))
                         self._cond.wait(timeout)
             except Exception:  # never let the watchdog die
-                logger.exception("heartbeat pass failed")
+                logger.exception("scheduler pass failed")
                 time.sleep(ERROR_RETRY_INTERVAL)
 
     def stop(self, timeout: float | None = 5.0) -> None:
@@ -379,28 +379,28 @@ class Heartbeat:
             thread.join(timeout)
 
 
-_process_heartbeat: Heartbeat | None = None
-_process_heartbeat_lock = threading.Lock()
+_process_scheduler: RenewalScheduler | None = None
+_process_scheduler_lock = threading.Lock()
 
 
-def get_heartbeat() -> Heartbeat:
-    """This process's heartbeat, created on first use (and anew after a fork)."""
-    global _process_heartbeat
-    hb = _process_heartbeat
+def get_scheduler() -> RenewalScheduler:
+    """This process's scheduler, created on first use (and anew after a fork)."""
+    global _process_scheduler
+    hb = _process_scheduler
     if hb is None:
-        with _process_heartbeat_lock:
-            hb = _process_heartbeat
+        with _process_scheduler_lock:
+            hb = _process_scheduler
             if hb is None:
-                hb = _process_heartbeat = Heartbeat()
+                hb = _process_scheduler = RenewalScheduler()
     return hb
 
 
 def _after_fork_in_child() -> None:
-    global _process_heartbeat, _process_heartbeat_lock
+    global _process_scheduler, _process_scheduler_lock
     # The parent's threads do not exist here and its lock may have been held at the
     # moment of the fork: start from nothing.
-    _process_heartbeat = None
-    _process_heartbeat_lock = threading.Lock()
+    _process_scheduler = None
+    _process_scheduler_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,5 +1,5 @@
-"""Renewal: the per-process heartbeat thread, and the Heartbeat registry driven by an
-injected clock (``start_thread=False`` plus ``renew_due(now)``)."""
+"""Renewal: the per-process scheduler thread, and the RenewalScheduler registry driven
+by an injected clock (``start_thread=False`` plus ``renew_due(now)``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ import redis
 from dlock_helpers import wait_until
 
 from celery_dlock import LockLost, RedisLock
-from celery_dlock.core.heartbeat import ERROR_RETRY_INTERVAL, Heartbeat, get_heartbeat
+from celery_dlock.core.scheduler import (
+    ERROR_RETRY_INTERVAL,
+    RenewalScheduler,
+    get_scheduler,
+)
 
 
 class FakeClock:
@@ -31,8 +35,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def hb(clock: FakeClock) -> Heartbeat:
-    return Heartbeat(clock=clock, start_thread=False)
+def hb(clock: FakeClock) -> RenewalScheduler:
+    return RenewalScheduler(clock=clock, start_thread=False)
 
 
 def _commandstat(r: redis.Redis, command: str) -> int:
@@ -40,14 +44,14 @@ def _commandstat(r: redis.Redis, command: str) -> int:
     return int(stats["calls"]) if stats else 0
 
 
-# -- the real heartbeat thread ----------------------------------------------------------
+# -- the real scheduler thread ----------------------------------------------------------
 
 
 def test_renewal_keeps_a_short_lock_alive_then_stops_after_release(r, prefix, name):
     lock = RedisLock(r, name, ttl=1.0, prefix=prefix)
     lock.acquire()
     owner = r.hget(lock.keys.lock, "owner")
-    assert get_heartbeat().is_registered(lock)
+    assert get_scheduler().is_registered(lock)
     until = time.monotonic() + 3.5
     while time.monotonic() < until:  # 3.5 ttls: only renewal keeps it
         assert r.hget(lock.keys.lock, "owner") == owner
@@ -56,7 +60,7 @@ def test_renewal_keeps_a_short_lock_alive_then_stops_after_release(r, prefix, na
     lock.ensure_held()
     lock.release()
     assert not r.exists(lock.keys.lock)
-    assert not get_heartbeat().is_registered(lock)
+    assert not get_scheduler().is_registered(lock)
     time.sleep(0.5)  # more than one renewal interval: nothing brings it back
     assert not r.exists(lock.keys.lock)
 
@@ -69,7 +73,7 @@ def test_without_auto_renew_the_hold_expires_and_the_holder_is_told_first(r, pre
     started = time.monotonic()
     lock.acquire()
     # Watched for its deadline, never renewed.
-    assert get_heartbeat().is_registered(lock)
+    assert get_scheduler().is_registered(lock)
     assert wait_until(lambda: not r.exists(lock.keys.lock), timeout=5)
     gone = time.monotonic()
     assert gone - started >= 0.4  # it was the ttl, not something else
@@ -94,7 +98,7 @@ def test_lost_lock_is_reported_once_and_never_recreated(r, prefix, name):
     assert calls == [lock]
     assert lock.lost
     assert not lock.owned()
-    assert not get_heartbeat().is_registered(lock)
+    assert not get_scheduler().is_registered(lock)
     with pytest.raises(LockLost):
         lock.ensure_held()
     # the other owner's hold is untouched by the loser
@@ -130,7 +134,7 @@ def test_on_lost_errors_do_not_kill_the_heartbeat(r, prefix, name):
     assert wait_until(lambda: bad.lost, timeout=5)
     good = RedisLock(r, name, ttl=0.6, prefix=prefix)
     good.acquire()
-    time.sleep(1.5)  # well past its ttl: only a live heartbeat keeps it
+    time.sleep(1.5)  # well past its ttl: only a live scheduler keeps it
     assert good.owned()
     good.release()
 
@@ -140,10 +144,10 @@ def test_on_lost_errors_do_not_kill_the_heartbeat(r, prefix, name):
 
 def test_due_and_next_due(r, prefix, name, hb, clock):
     assert hb.renew_due() is None  # nothing registered
-    a = RedisLock(r, name + "-a", ttl=3, prefix=prefix, heartbeat=hb)  # every 1 s
+    a = RedisLock(r, name + "-a", ttl=3, prefix=prefix, scheduler=hb)  # every 1 s
     a.acquire()
     assert hb.is_registered(a)
-    assert not get_heartbeat().is_registered(a)
+    assert not get_scheduler().is_registered(a)
     r.pexpire(a.keys.lock, 2000)
 
     assert hb.renew_due(1000.2) == pytest.approx(1001.0)  # not yet due
@@ -151,7 +155,7 @@ def test_due_and_next_due(r, prefix, name, hb, clock):
     assert r.pttl(a.keys.lock) <= 2000
 
     clock.now = 1000.4
-    b = RedisLock(r, name + "-b", ttl=3, prefix=prefix, heartbeat=hb)
+    b = RedisLock(r, name + "-b", ttl=3, prefix=prefix, scheduler=hb)
     b.acquire()  # next due at 1001.4
     r.pexpire(b.keys.lock, 2000)
 
@@ -172,7 +176,7 @@ def test_due_and_next_due(r, prefix, name, hb, clock):
 
 
 def test_extend_moves_the_renewal_schedule(r, prefix, name, hb, clock):
-    lock = RedisLock(r, name, ttl=3, prefix=prefix, heartbeat=hb)
+    lock = RedisLock(r, name, ttl=3, prefix=prefix, scheduler=hb)
     lock.acquire()
     clock.now = 1000.5
     lock.extend(30)  # now every 10 s, from 1000.5
@@ -186,7 +190,7 @@ def test_extend_moves_the_renewal_schedule(r, prefix, name, hb, clock):
 
 
 def test_two_hundred_holds_cost_one_call_per_pass(r, prefix, hb, clock):
-    locks = [RedisLock(r, f"bulk-{i}", ttl=30, prefix=prefix, heartbeat=hb)
+    locks = [RedisLock(r, f"bulk-{i}", ttl=30, prefix=prefix, scheduler=hb)
              for i in range(200)]
     for lock in locks:
         assert lock.acquire(blocking=False)
@@ -194,7 +198,7 @@ def test_two_hundred_holds_cost_one_call_per_pass(r, prefix, hb, clock):
     hb.renew_due(1010.0)  # first pass (may load the script: EVALSHA miss + EVAL)
     assert hb.renewal_calls == 1
 
-    process_hb = get_heartbeat()
+    process_hb = get_scheduler()
     for n, now in enumerate((1020.0, 1030.0, 1040.0), start=2):
         for lock in locks:
             r.pexpire(lock.keys.lock, 5000)
@@ -216,8 +220,8 @@ def test_two_hundred_holds_cost_one_call_per_pass(r, prefix, hb, clock):
 
 
 def test_reentry_by_two_objects_renews_the_key_once(r, prefix, name, hb):
-    a = RedisLock(r, name, ttl=3, owner="o", prefix=prefix, heartbeat=hb)
-    b = RedisLock(r, name, ttl=3, owner="o", prefix=prefix, heartbeat=hb)
+    a = RedisLock(r, name, ttl=3, owner="o", prefix=prefix, scheduler=hb)
+    b = RedisLock(r, name, ttl=3, owner="o", prefix=prefix, scheduler=hb)
     a.acquire()
     b.acquire()
     assert len(hb) == 2
@@ -234,7 +238,7 @@ def test_reentry_by_two_objects_renews_the_key_once(r, prefix, name, hb):
 
 def test_expired_hold_is_lost_and_not_recreated(r, prefix, name, hb, clock):
     calls: list[RedisLock] = []
-    lock = RedisLock(r, name, ttl=0.3, prefix=prefix, heartbeat=hb,
+    lock = RedisLock(r, name, ttl=0.3, prefix=prefix, scheduler=hb,
                      on_lost=calls.append)
     lock.acquire()
     assert wait_until(lambda: not r.exists(lock.keys.lock))  # no pass ran: it expired
@@ -255,7 +259,7 @@ def test_expired_hold_is_lost_and_not_recreated(r, prefix, name, hb, clock):
 
 def test_taken_hold_is_lost_and_left_to_the_new_owner(r, prefix, name, hb, clock):
     calls: list[RedisLock] = []
-    lock = RedisLock(r, name, ttl=3, prefix=prefix, heartbeat=hb, on_lost=calls.append)
+    lock = RedisLock(r, name, ttl=3, prefix=prefix, scheduler=hb, on_lost=calls.append)
     lock.acquire()
     r.delete(lock.keys.lock)
     thief = RedisLock(r, name, ttl=3, owner="thief", prefix=prefix, auto_renew=False)
@@ -271,7 +275,7 @@ def test_taken_hold_is_lost_and_left_to_the_new_owner(r, prefix, name, hb, clock
 
 
 def test_dead_weakrefs_are_dropped(r, prefix, name, hb):
-    lock = RedisLock(r, name, ttl=3, prefix=prefix, heartbeat=hb)
+    lock = RedisLock(r, name, ttl=3, prefix=prefix, scheduler=hb)
     lock.acquire()
     key = lock.keys.lock
     r.pexpire(key, 2000)
@@ -291,7 +295,7 @@ def test_transient_errors_are_retried_until_the_deadline_then_lost(own_server, p
                          socket_connect_timeout=0.5,
                          retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
     calls: list[RedisLock] = []
-    lock = RedisLock(client, name, ttl=3, prefix=prefix, heartbeat=hb,
+    lock = RedisLock(client, name, ttl=3, prefix=prefix, scheduler=hb,
                      on_lost=calls.append)
     lock.acquire()  # deadline 1002.67: ttl 3 less 1% drift and the 0.3 s pause budget
     own_server.stop()  # the port is closed now
@@ -325,7 +329,7 @@ def test_transient_error_then_recovery_keeps_the_hold(own_server, prefix, name, 
                          retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
     watcher = redis.Redis.from_url(own_server.url, socket_timeout=10)
     calls: list[RedisLock] = []
-    lock = RedisLock(client, name, ttl=3, prefix=prefix, heartbeat=hb,
+    lock = RedisLock(client, name, ttl=3, prefix=prefix, scheduler=hb,
                      on_lost=calls.append)
     lock.acquire()
     assert own_server.process is not None
