@@ -51,9 +51,10 @@ def _field(r: redis.Redis, lock: RedisLock, field: str) -> str | None:
 # -- exclusion between owners ---------------------------------------------------------
 
 
-def test_explicit_owners_exclude_each_other(r, prefix, name):
-    a = RedisLock(r, name, owner="owner-a", prefix=prefix)
-    b = RedisLock(r, name, owner="owner-b", prefix=prefix)
+def test_explicit_owners_exclude_each_other(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    a = lock_kind.make(name, owner="owner-a", prefix=prefix)
+    b = lock_kind.make(name, owner="owner-b", prefix=prefix)
     assert a.acquire(blocking=False) is True
     assert b.acquire(blocking=False) is False
     assert a.owned() and not b.owned()
@@ -69,20 +70,22 @@ def test_explicit_owners_exclude_each_other(r, prefix, name):
     assert not r.exists(b.keys.lock)
 
 
-def test_threads_are_distinct_default_owners(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
+def test_threads_are_distinct_default_owners(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    lock = lock_kind.make(name, prefix=prefix)
     with lock:
         # another thread contends, through a new object or through this very object
-        assert _in_thread(lambda: RedisLock(r, name, prefix=prefix)
+        assert _in_thread(lambda: lock_kind.make(name, prefix=prefix)
                           .acquire(blocking=False)) is False
         assert _in_thread(lambda: lock.acquire(blocking=False)) is False
         assert _field(r, lock, "count") == "1"
     assert not lock.locked()
-    assert _in_thread(lambda: RedisLock(r, name, prefix=prefix, auto_renew=False)
+    assert _in_thread(lambda: lock_kind.make(name, prefix=prefix, auto_renew=False)
                       .acquire(blocking=False)) is True
 
 
-def test_threads_never_overlap_in_critical_section(r, prefix, name):
+def test_threads_never_overlap_in_critical_section(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
     state = {"inside": 0, "max_inside": 0, "counter": 0}
     errors: list[BaseException] = []
     n_threads, n_rounds = 4, 10
@@ -90,7 +93,7 @@ def test_threads_never_overlap_in_critical_section(r, prefix, name):
     def work() -> None:
         try:
             for _ in range(n_rounds):
-                with RedisLock(r, name, prefix=prefix, blocking_timeout=30):
+                with lock_kind.make(name, prefix=prefix, blocking_timeout=30):
                     state["inside"] += 1
                     state["max_inside"] = max(state["max_inside"], state["inside"])
                     value = state["counter"]
@@ -108,22 +111,23 @@ def test_threads_never_overlap_in_critical_section(r, prefix, name):
     assert not errors
     assert state["max_inside"] == 1
     assert state["counter"] == n_threads * n_rounds
-    assert not r.exists(RedisLock(r, name, prefix=prefix).keys.lock)
+    assert not r.exists(lock_kind.make(name, prefix=prefix).keys.lock)
 
 
-def test_owner_context_sets_the_owner(r, prefix, name):
+def test_owner_context_sets_the_owner(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
     with owner_context("ctx-token-1") as token:
         assert token == "ctx-token-1"
-        outer = RedisLock(r, name, prefix=prefix)
+        outer = lock_kind.make(name, prefix=prefix)
         outer.acquire()
         assert _field(r, outer, "owner") == "ctx-token-1"
         # a nested acquisition in the same context re-enters
-        inner = RedisLock(r, name, prefix=prefix)
+        inner = lock_kind.make(name, prefix=prefix)
         assert inner.acquire(blocking=False)
         assert _field(r, outer, "count") == "2"
         with owner_context():
             # a fresh context is another owner: it contends
-            assert RedisLock(r, name, prefix=prefix).acquire(blocking=False) is False
+            assert lock_kind.make(name, prefix=prefix).acquire(blocking=False) is False
         inner.release()
         outer.release()
     assert not r.exists(outer.keys.lock)
@@ -132,8 +136,9 @@ def test_owner_context_sets_the_owner(r, prefix, name):
 # -- re-entry -------------------------------------------------------------------------
 
 
-def test_same_object_reenters_and_frees_when_releases_match(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
+def test_same_object_reenters_and_frees_when_releases_match(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    lock = lock_kind.make(name, prefix=prefix)
     assert lock.acquire()
     assert lock.acquire()
     assert lock.acquire(blocking=False)
@@ -152,14 +157,15 @@ def test_same_object_reenters_and_frees_when_releases_match(r, prefix, name):
         lock.release()
 
 
-def test_two_objects_of_one_owner_share_the_hold(r, prefix, name):
-    a = RedisLock(r, name, owner="shared", prefix=prefix)
-    b = RedisLock(r, name, owner="shared", prefix=prefix)
-    other = RedisLock(r, name, owner="other", prefix=prefix)
+def test_two_objects_of_one_owner_share_the_hold(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    a = lock_kind.make(name, owner="shared", prefix=prefix)
+    b = lock_kind.make(name, owner="shared", prefix=prefix)
+    other = lock_kind.make(name, owner="other", prefix=prefix)
     assert a.acquire(blocking=False)
     assert b.acquire(blocking=False)
     assert _field(r, a, "count") == "2"
-    assert a.fence == b.fence
+    assert not lock_kind.fences or a.fence == b.fence
     assert other.acquire(blocking=False) is False
     a.release()
     assert _field(r, a, "count") == "1"
@@ -171,16 +177,18 @@ def test_two_objects_of_one_owner_share_the_hold(r, prefix, name):
     other.release()
 
 
-def test_nested_with_in_one_thread_reenters_and_other_thread_contends(r, prefix, name):
-    with RedisLock(r, name, prefix=prefix) as outer:
-        with RedisLock(r, name, prefix=prefix) as inner:
+def test_nested_with_in_one_thread_reenters_and_other_thread_contends(lock_kind, prefix,
+                                                                     name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    with lock_kind.make(name, prefix=prefix) as outer:
+        with lock_kind.make(name, prefix=prefix) as inner:
             assert _field(r, outer, "count") == "2"
-            assert inner.fence == outer.fence
-            assert _in_thread(lambda: RedisLock(r, name, prefix=prefix)
+            assert not lock_kind.fences or inner.fence == outer.fence
+            assert _in_thread(lambda: lock_kind.make(name, prefix=prefix)
                               .acquire(blocking=False)) is False
         assert _field(r, outer, "count") == "1"
         assert outer.owned()
-        assert _in_thread(lambda: RedisLock(r, name, prefix=prefix)
+        assert _in_thread(lambda: lock_kind.make(name, prefix=prefix)
                           .acquire(blocking=False)) is False
     assert not r.exists(outer.keys.lock)
 
@@ -254,11 +262,13 @@ def test_stale_extend_after_expiry_raises_lost_and_leaves_new_holder(r, prefix, 
     new.release()
 
 
-def test_release_and_extend_by_non_owner_raise_and_delete_nothing(r, prefix, name):
-    holder = RedisLock(r, name, owner="holder", prefix=prefix)
+def test_release_and_extend_by_non_owner_raise_and_delete_nothing(lock_kind, prefix,
+                                                                  name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    holder = lock_kind.make(name, owner="holder", prefix=prefix)
     holder.acquire()
     holder.acquire()
-    intruder = RedisLock(r, name, owner="intruder", prefix=prefix)
+    intruder = lock_kind.make(name, owner="intruder", prefix=prefix)
     with pytest.raises(LockNotOwned):
         intruder.release()
     with pytest.raises(LockNotOwned):
@@ -275,8 +285,9 @@ def test_release_and_extend_by_non_owner_raise_and_delete_nothing(r, prefix, nam
     holder.release()
 
 
-def test_release_of_this_object_from_another_thread_is_refused(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
+def test_release_of_this_object_from_another_thread_is_refused(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    lock = lock_kind.make(name, prefix=prefix)
     lock.acquire()
     err = _in_thread(lock.release)
     assert isinstance(err, LockNotOwned)
@@ -286,8 +297,9 @@ def test_release_of_this_object_from_another_thread_is_refused(r, prefix, name):
     assert not r.exists(lock.keys.lock)
 
 
-def test_release_or_extend_of_a_free_lock_raises_not_owned(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
+def test_release_or_extend_of_a_free_lock_raises_not_owned(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    lock = lock_kind.make(name, prefix=prefix)
     with pytest.raises(LockNotOwned):
         lock.release()
     with pytest.raises(LockNotOwned):
@@ -399,10 +411,10 @@ def test_acquire_bad_timeout_combinations_raise_value_error(r, prefix, name,
     assert lock.depth == 0
 
 
-def test_exit_never_hides_the_body_exception(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
+def test_exit_never_hides_the_body_exception(lock_kind, prefix, name):
+    lock = lock_kind.make(name, prefix=prefix)
     with pytest.raises(ValueError, match="from the body") as info, lock:
-        r.delete(lock.keys.lock)
+        lock_kind.lose_data(lock)
         raise ValueError("from the body")
     assert lock.depth == 0
     # the failed release is not lost either: it is noted on the body's exception
@@ -421,10 +433,11 @@ def test_exit_body_exception_wins_over_a_lost_lock_taken_by_another(r, prefix, n
     thief.release()
 
 
-def test_exit_without_body_exception_raises_failed_release(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
+def test_exit_without_body_exception_raises_failed_release(lock_kind, prefix, name):
+    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    lock = lock_kind.make(name, prefix=prefix)
     with pytest.raises(LockLost), lock:
-        r.delete(lock.keys.lock)
+        lock_kind.lose_data(lock)
     assert lock.depth == 0
     assert not r.exists(lock.keys.lock)
 
