@@ -44,3 +44,25 @@ needs_inprocess_eta = pytest.mark.skipif(
     reason="celery.contrib.testing's in-process worker before Celery 5.7 never runs a "
            "countdown message after an earlier test; real workers are checked by "
            "test_contention_retry_workers.py")
+
+
+#: What every test app sets: quick polling (a worker's teardown does not wait a
+#: second) and a result backend that gives up quickly when Redis is gone.
+TEST_APP_CONF: dict[str, Any] = {
+    "broker_transport_options": {"polling_interval": 0.1},
+    "result_backend_transport_options": {"retry_policy": {
+        "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
+}
+
+
+def test_app(name: str, redis_url: str | None = None, **conf: Any) -> Any:
+    """A Celery app for one test: broker and result backend on ``redis_url`` (none
+    when None), the test settings above, then ``conf`` (which wins)."""
+    from celery import Celery
+
+    app = Celery(name, broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.update({**(TEST_APP_CONF if redis_url else {}), **conf})
+    return app
+
+
+test_app.__test__ = False  # type: ignore[attr-defined]  # not a test for pytest

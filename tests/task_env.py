@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 
 from celery_dlock import RedisLock
 
@@ -49,11 +49,8 @@ class TaskEnv:
 def new_app(redis_url: str, **conf: Any) -> TaskEnv:
     tag = uuid.uuid4().hex[:8]
     prefix = f"dlt{tag}"
-    app = Celery(f"dlt{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"polling_interval": 0.1},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
+    app = test_app(
+        f"dlt{tag}", redis_url,
         task_default_queue=f"q-{tag}",
         dlock_key_prefix=prefix,
         dlock_retry_backoff=0.05,

@@ -11,6 +11,7 @@ import pytest
 import redis.cluster
 from celery import Celery
 from celery.bin.base import CLIContext
+from celery_helpers import test_app
 from click.testing import CliRunner
 from dlock_helpers import wait_until
 
@@ -207,12 +208,8 @@ def test_a_cluster_client_is_what_the_url_gives(cluster, prefix):
 # -- LockedTask ---------------------------------------------------------------------
 
 def _task_app(redis_url: str, prefix: str, **conf: object) -> Celery:
-    app = Celery(f"dlc{prefix}", broker=redis_url, backend=redis_url,
-                 set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"polling_interval": 0.1},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
+    app = test_app(
+        f"dlc{prefix}", redis_url,
         task_default_queue=f"q-{prefix}",
         dlock_key_prefix=prefix,
         **conf,

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 from celery import Celery
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 from servers import Cluster, make_certificates, supports_cluster, tls_unsupported
 from task_helpers import check_runs, run_locked_task
 
@@ -49,9 +49,7 @@ def tls_cluster() -> Iterator[SimpleNamespace]:
 
 
 def _app(url: str) -> Celery:
-    app = Celery(f"dltc{uuid.uuid4().hex[:6]}", set_as_current=False)
-    app.conf.dlock_url = url
-    return app
+    return test_app(f"dltc{uuid.uuid4().hex[:6]}", dlock_url=url)
 
 
 def _names_on_every_master(client: redis.cluster.RedisCluster, prefix: str) -> list[str]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from celery import Celery
+from celery_helpers import test_app
 from servers import SentinelGroup
 
 from celery_dlock import BackendUnavailable, InvalidLockConfig, RedisLock
@@ -35,9 +36,7 @@ def group() -> Iterator[SentinelGroup]:
 
 
 def _app(**conf: object) -> Celery:
-    app = Celery(f"dls{uuid.uuid4().hex[:6]}", set_as_current=False)
-    app.conf.update(**conf)
-    return app
+    return test_app(f"dls{uuid.uuid4().hex[:6]}", **conf)
 
 
 def _takes_a_lock_on_the_master(client: object, group: SentinelGroup) -> None:

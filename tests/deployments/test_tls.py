@@ -8,6 +8,7 @@ import uuid
 import pytest
 import redis
 from celery import Celery
+from celery_helpers import test_app
 from task_helpers import check_runs, run_locked_task
 
 from celery_dlock import BackendUnavailable, RedisLock
@@ -15,9 +16,7 @@ from celery_dlock.task.config import get_client
 
 
 def _app(url: str) -> Celery:
-    app = Celery(f"dlt{uuid.uuid4().hex[:6]}", set_as_current=False)
-    app.conf.dlock_url = url
-    return app
+    return test_app(f"dlt{uuid.uuid4().hex[:6]}", dlock_url=url)
 
 
 def test_redis_lock_over_tls(tls):

@@ -20,7 +20,7 @@ import pytest
 from celery import Celery
 from celery.backends.base import BaseBackend
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 
 from celery_dlock import (
     BackendUnavailable,
@@ -47,11 +47,8 @@ SERIALIZERS = [
 
 
 def _app(redis_url: str, serializer: str, tag: str) -> Celery:
-    app = Celery(f"err{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"polling_interval": 0.1},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
+    app = test_app(
+        f"err{tag}", redis_url,
         task_default_queue=f"q-err{tag}",
         result_serializer=serializer,
         accept_content=["json", serializer],

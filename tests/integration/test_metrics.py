@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 from dlock_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
@@ -29,11 +28,8 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
     prefix = f"dlm{tag}"
     registry = CollectorRegistry()
     installed = metrics.install(registry=registry)
-    app = Celery(f"dlm{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"polling_interval": 0.1},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
+    app = test_app(
+        f"dlm{tag}", redis_url,
         task_default_queue=f"q-{tag}",
         dlock_key_prefix=prefix,
     )
