@@ -7,9 +7,10 @@ traffic goes through the driver's fault proxy (``dlock_url``); the broker talks 
 Redis server directly (restarts and ``CLIENT PAUSE`` reach both).
 
 Every process records, in its own file (:mod:`chaos_records`): each task it starts and
-ends (for the broker-level accounting), each hold (``acquired`` with the fence, ``lost``
-when told, ``released``) and each write with its fence and whether the database took it.
-A hold is named by (pid, fence): no two holds share a fence.
+ends (for the broker-level accounting), each hold (``acquired`` with the fence and the
+process's acquisition number, ``lost`` when told, ``released``) and each write with its
+fence and whether the database took it.  A hold is named by (pid, acquisition number),
+never by its fence: the checker must catch a lock that hands one fence to two holds.
 ``lock_lost_action="warn"``: a holder told of its loss keeps writing, as a careless body
 would; the database has to refuse it.
 """
@@ -36,6 +37,11 @@ _per_pid: dict[int, tuple[Recorder, Any]] = {}
 
 def _env(name: str) -> str:
     return os.environ[name]
+
+
+#: Per process: the number of its latest acquisition (a hold is (pid, acquisition),
+#: never its fence, so that a checker can catch a lock that repeats fences).
+_acquisition: dict[int, int] = {}
 
 
 def here() -> tuple[Recorder, Any]:
@@ -79,14 +85,19 @@ def bump(self: Any, key: str, writes: int, gap: float) -> int:
     rec, conn = here()
     lock = self.lock
     fence = lock.fence
-    rec("acquired", who="task", name=lock.name, fence=fence, task_id=self.request.id)
+    acq = _acquisition[os.getpid()] = _acquisition.get(os.getpid(), 0) + 1
+    rec("acquired", who="task", name=lock.name, fence=fence, acq=acq,
+        task_id=self.request.id)
     accepted = 0
     for seq in range(writes):
-        out = chaos_db.increment(conn, f"task-{os.getpid()}", seq, fence)
-        rec("write", fence=fence, seq=seq, ok=out["ok"], t0=out["t0"], t=out["t"],
-            found=out.get("found"), value=out.get("value"))
+        out = chaos_db.increment(conn, f"task-{os.getpid()}.{acq}", seq, fence)
+        rec("write", fence=fence, acq=acq, seq=seq, ok=out["ok"], t0=out["t0"],
+            t=out["t"], found=out.get("found"), value=out.get("value"))
         accepted += bool(out["ok"])
         time.sleep(gap)
+    # The body is done: from here on the task no longer writes (the lock is released
+    # as the attempt unwinds, and "released" is recorded after that).
+    rec("releasing", fence=fence, acq=acq, task_id=self.request.id)
     return accepted
 
 
@@ -103,13 +114,15 @@ def _ended(task_id: str = "", state: str | None = None, **_: Any) -> None:
 @dlock_signals.lock_lost.connect(weak=False)
 def _lost(sender: Any = None, fence: int | None = None, task_id: str | None = None,
           reason: str | None = None, **_: Any) -> None:
-    here()[0]("lost", fence=fence, task_id=task_id, reason=str(reason))
+    here()[0]("lost", fence=fence, acq=_acquisition.get(os.getpid()), task_id=task_id,
+              reason=str(reason))
 
 
 @dlock_signals.lock_released.connect(weak=False)
 def _released(sender: Any = None, fence: int | None = None, task_id: str | None = None,
               state: str | None = None, **_: Any) -> None:
-    here()[0]("released", fence=fence, task_id=task_id, state=state)
+    here()[0]("released", fence=fence, acq=_acquisition.get(os.getpid()),
+              task_id=task_id, state=state)
 
 
 @signals.worker_process_init.connect(weak=False)

@@ -1,21 +1,32 @@
 """The checker of a chaos run: reads a run directory (:mod:`chaos_driver`) and the
 database, and reports.
 
-Safety (each must be zero):
+``check()`` returns, among its figures, ``violations``: one entry per safety violation
+(``{"kind": ..., "holds": [...], ...}``), and a run is safe when that list is empty.
+A hold is named by its holder and acquisition (``(pid, n)``: the process's n-th
+acquisition), never by its fence, so a lock that repeats fences is caught.  The kinds:
 
-* **stale writes accepted**: a row of the database's log (in commit order) whose fence is
-  lower than the fence of a row committed before it;
-* **unfenced overlaps**: pairs of holds, older fence A and newer fence B, where A began a
-  write after B's first write had committed (by the writers' own clocks) and the
-  database took A's write: two holders both writing, neither refused;
-* **lost increments**: the counter differs from the number of accepted writes, a logged
-  value is not the previous one plus one, or a write its writer saw accepted is missing;
-* **locks left behind**: lock keys still in Redis ttl + 5 s after every process stopped.
+* ``overlap``: two holds whose intervals overlap as their holders saw them (from
+  ``acquired`` until told lost or released; a killed holder's until its last record)
+  where no fault explains it.  Only a pause (SIGSTOP) of the older holder can, when the
+  server keeps its data (the chaos Redis restarts from an AOF with ``appendfsync
+  always``): the pause must cover the moment the newer hold began, up to the older
+  holder's news (plus a ttl of slack for the holder to be scheduled again);
+* ``fence_reused``: one fence handed to two holds;
+* ``interleaved_writes``: in the database's commit log, writes of one hold, then of
+  another, then of the first again;
+* ``stale_write_accepted``: a committed write whose fence is lower than one committed
+  before it;
+* ``lost_increment``: the counter differs from the number of committed writes, a
+  logged value is not the previous one plus one, or a write its writer saw accepted is
+  missing.
 
-Also: holds whose intervals overlap as the holders saw them (acquired until told lost or
-released; a paused holder cannot know), writes refused as stale (before or after the
-writer was told), the time from the end of each fault to the next accepted write, and
-the broker-level accounting (tasks sent and never run, run twice, worker restarts).
+Also (figures, not violations): **unfenced overlaps** (pairs of holds, older fence A
+and newer fence B, where A began a write after B's first write had committed and the
+database took it), **locks left behind** (lock keys still in Redis ttl + 5 s after
+every process stopped), writes refused as stale (before or after the writer was told),
+the time from the end of each fault to the next accepted write, and the broker-level
+accounting (tasks sent and never run, run twice, worker restarts).
 """
 
 from __future__ import annotations
@@ -27,9 +38,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from chaos_records import read_all, read_lines
+from chaos_records import hold_of, read_all, read_lines
 
-Hold = tuple[int, Any]  # (pid, fence)
+Hold = tuple[int, Any]  # (pid, acquisition number)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -52,17 +63,20 @@ def check(out: Path) -> dict[str, Any]:
     names: set[str] = set()
     last_seen: dict[int, float] = defaultdict(float)
     writes: list[dict[str, Any]] = []
+    fence_of: dict[Hold, Any] = {}
     for rec in records:
         pid = rec["pid"]
         last_seen[pid] = max(last_seen[pid], rec["t"])
-        key = (pid, rec.get("fence"))
+        key = hold_of(rec)
         if rec["ev"] == "acquired":
             start[key] = rec["t"]
+            fence_of[key] = rec.get("fence")
             names.add(rec["name"])
         elif rec["ev"] == "lost":
             told.setdefault(key, rec["t"])
             end[key] = min(end.get(key, rec["t"]), rec["t"])
-        elif rec["ev"] == "released":
+        elif rec["ev"] in ("releasing", "released"):
+            # A holder stops believing it holds the lock when it starts releasing it.
             end[key] = min(end.get(key, rec["t"]), rec["t"])
         elif rec["ev"] == "write":
             writes.append(rec)
@@ -71,8 +85,17 @@ def check(out: Path) -> dict[str, Any]:
     accepted = [w for w in writes if w["ok"]]
     refused = [w for w in writes if not w["ok"]]
     refused_after_told = sum(1 for w in refused
-                             if (w["pid"], w["fence"]) in told
-                             and told[(w["pid"], w["fence"])] <= w["t0"])
+                             if hold_of(w) in told and told[hold_of(w)] <= w["t0"])
+
+    violations: list[dict[str, Any]] = []
+    driver_faults = [r for r in driver if r["ev"] == "fault"]
+    pauses = [(f["target"], f["start"], f["end"]) for f in driver_faults
+              if f["kind"] == "stop_holder" and isinstance(f.get("target"), int)]
+    slack = float(cfg.get("ttl", 2.0))
+
+    def paused(pid: int, since: float, until: float) -> bool:
+        return any(target == pid and p0 <= until and p1 + slack >= since
+                   for target, p0, p1 in pauses)
 
     # -- overlapping holds (holder's view) --------------------------------------------
     order = sorted(start, key=lambda h: start[h])
@@ -82,6 +105,19 @@ def check(out: Path) -> dict[str, Any]:
             if start[b] >= end[a]:
                 break
             overlapping += 1
+            if not paused(a[0], start[b], end[a]):
+                violations.append({"kind": "overlap", "holds": [a, b],
+                                   "from": start[b], "to": end[a]})
+
+    # -- one fence, one hold ------------------------------------------------------------
+    by_fence: dict[Any, list[Hold]] = defaultdict(list)
+    for h, fence in fence_of.items():
+        if fence is not None:
+            by_fence[fence].append(h)
+    for fence, holds in sorted(by_fence.items(), key=lambda kv: str(kv[0])):
+        if len(holds) > 1:
+            violations.append({"kind": "fence_reused", "fence": fence,
+                               "holds": sorted(holds, key=lambda h: start[h])})
 
     # -- unfenced overlaps (writers' clocks) ------------------------------------------
     first_commit: dict[Hold, float] = {}
@@ -100,23 +136,47 @@ def check(out: Path) -> dict[str, Any]:
     db_value, db_fence, rows = meta["db_read"]
     stale_accepted, top = 0, 0
     bad_values, prev = 0, 0
-    for _id, _who, _seq, fence, value in rows:
+    writer_order: list[str] = []
+    for row_id, who, _seq, fence, value in rows:
         if fence < top:
             stale_accepted += 1
+            violations.append({"kind": "stale_write_accepted", "row": row_id,
+                               "fence": fence, "highest_before": top, "writer": who})
         top = max(top, fence)
         if value != prev + 1:
             bad_values += 1
+            violations.append({"kind": "lost_increment", "row": row_id,
+                               "value": value, "previous": prev})
         prev = value
+        if not writer_order or writer_order[-1] != who:
+            writer_order.append(who)
+    # Writes of one hold, another's, then the first's again: two holders both wrote.
+    seen_before: dict[str, int] = {}
+    for i, who in enumerate(writer_order):
+        if who in seen_before:
+            violations.append({"kind": "interleaved_writes",
+                               "holds": [who, writer_order[seen_before[who] + 1]]})
+        seen_before[who] = i
     logged = {(who, seq, fence) for _id, who, seq, fence, _v in rows}
     who_of = {r["pid"]: ("task" if r["file"].startswith("worker") else "client")
               for r in records}
-    seen_ok = {(f"{who_of[w['pid']]}-{w['pid']}", w["seq"], w["fence"]) for w in accepted}
+
+    def writer(w: dict[str, Any]) -> str:
+        base = f"{who_of[w['pid']]}-{w['pid']}"
+        return f"{base}.{w['acq']}" if "acq" in w else base
+
+    seen_ok = {(writer(w), w["seq"], w["fence"]) for w in accepted}
     missing = len(seen_ok - logged)
     unrecorded = len(logged - seen_ok)
+    if db_value != len(rows):
+        violations.append({"kind": "lost_increment", "counter": db_value,
+                           "rows": len(rows)})
+    for who, seq, fence in sorted(seen_ok - logged, key=str):
+        violations.append({"kind": "lost_increment", "missing_write": [who, seq, fence]})
 
     # -- faults and recovery -----------------------------------------------------------
     commits = sorted(w["t"] for w in accepted)
-    faults = [r for r in driver if r["ev"] == "fault"]
+    faults = driver_faults
     by_kind: dict[str, list[float]] = defaultdict(list)
     no_target: Counter[str] = Counter()
     errors: Counter[str] = Counter()
@@ -188,6 +248,7 @@ def check(out: Path) -> dict[str, Any]:
         "stale_writes_refused_before_told": len(refused) - refused_after_told,
         "overlapping_holds_holder_view": overlapping,
         "unfenced_overlaps": len(unfenced), "unfenced_examples": unfenced[:5],
+        "violations": violations,
         "stale_writes_accepted": stale_accepted,
         "counter": db_value, "counter_last_fence": db_fence, "log_rows": len(rows),
         "lost_increments": abs(db_value - len(rows)) + bad_values + missing,
@@ -216,7 +277,10 @@ def markdown(rep: dict[str, Any]) -> str:
         f"before the writer was told of its loss)",
         f"- holds overlapping in time as their holders saw them: "
         f"{rep['overlapping_holds_holder_view']}",
-        f"- **unfenced overlaps: {rep['unfenced_overlaps']}**; **stale writes accepted: "
+        f"- **safety violations: {len(rep['violations'])}**"
+        + "".join(f"; {k} {n}" for k, n in sorted(Counter(
+            v["kind"] for v in rep["violations"]).items())),
+        f"- unfenced overlaps: {rep['unfenced_overlaps']}; **stale writes accepted: "
         f"{rep['stale_writes_accepted']}**; **lost increments: "
         f"{rep['lost_increments']}** (counter {rep['counter']}, log rows "
         f"{rep['log_rows']}); **locks left behind: {len(rep['locks_left'])}**",

@@ -19,7 +19,7 @@ from chaos_records import Recorder
 from celery_dlock import DLockError, RedisLock
 
 
-def release(lock: RedisLock, rec: Recorder, fence: int | None) -> None:
+def release(lock: RedisLock, rec: Recorder, fence: int | None, acq: int) -> None:
     """Release the hold; when Redis did not confirm, try again until it does or the
     hold is found lost (a lock object that still counts a hold keeps renewing it)."""
     deadline = time.monotonic() + 120
@@ -31,7 +31,7 @@ def release(lock: RedisLock, rec: Recorder, fence: int | None) -> None:
             error = type(exc).__name__
             if lock.depth > 0:
                 time.sleep(0.1)
-    rec("released", fence=fence, error=error, left=lock.depth)
+    rec("released", fence=fence, acq=acq, error=error, left=lock.depth)
 
 
 def main() -> int:
@@ -51,10 +51,11 @@ def main() -> int:
     conn = chaos_db.connect(args.db, args.dsn)
     client = redis.Redis.from_url(args.lock_url, socket_timeout=1,
                                   socket_connect_timeout=1)
-    holding: dict[str, int | None] = {"fence": None}
+    holding: dict[str, int | None] = {"fence": None, "acq": 0}
 
     def on_lost(lock: RedisLock) -> None:
-        rec("lost", fence=holding["fence"], reason=str(lock._lost_reason))
+        rec("lost", fence=holding["fence"], acq=holding["acq"],
+            reason=str(lock.lost_reason))
 
     lock = RedisLock(client, args.name, ttl=args.ttl, prefix=args.prefix,
                      on_lost=on_lost)
@@ -68,13 +69,15 @@ def main() -> int:
             time.sleep(0.2)
             continue
         fence = holding["fence"] = lock.fence
-        rec("acquired", who="client", name=lock.name, fence=fence)
+        acq = holding["acq"] = (holding["acq"] or 0) + 1
+        rec("acquired", who="client", name=lock.name, fence=fence, acq=acq)
         for seq in range(args.writes):
-            out = chaos_db.increment(conn, f"client-{os.getpid()}", seq, fence)
-            rec("write", fence=fence, seq=seq, ok=out["ok"], t0=out["t0"], t=out["t"],
-                found=out.get("found"), value=out.get("value"))
+            out = chaos_db.increment(conn, f"client-{os.getpid()}.{acq}", seq, fence)
+            rec("write", fence=fence, acq=acq, seq=seq, ok=out["ok"], t0=out["t0"],
+                t=out["t"], found=out.get("found"), value=out.get("value"))
             time.sleep(args.gap)
-        release(lock, rec, fence)
+        rec("releasing", fence=fence, acq=acq)  # the end of its hold, as it sees it
+        release(lock, rec, fence, acq)
         time.sleep(0.05)
 
 

@@ -36,13 +36,19 @@ def read_all(directory: Path) -> Iterator[dict[str, Any]]:
             yield rec
 
 
+def hold_of(rec: dict[str, Any]) -> tuple[int, Any]:
+    """The hold a record is about: (process, its acquisition number); records without
+    one (older runs) fall back to the fence."""
+    return rec["pid"], rec.get("acq", rec.get("fence"))
+
+
 class Tail:
     """Follows the records files as they grow: which holds are open right now."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.offsets: dict[Path, int] = {}
-        self.open: dict[tuple[int, int | None], float] = {}
+        self.open: dict[tuple[int, Any], float] = {}
 
     def read(self) -> None:
         for path in self.directory.glob("*.jsonl"):
@@ -57,10 +63,10 @@ class Tail:
                     rec = json.loads(line)
                 except ValueError:
                     continue
-                key = (rec["pid"], rec.get("fence"))
+                key = hold_of(rec)
                 if rec["ev"] == "acquired":
                     self.open[key] = rec["t"]
-                elif rec["ev"] in ("released", "lost"):
+                elif rec["ev"] in ("releasing", "released", "lost"):
                     self.open.pop(key, None)
 
     def newest_open(self, since: float) -> int | None:

@@ -60,7 +60,9 @@ def test_short_chaos_run_has_no_unfenced_overlap_and_no_stale_write(
     assert report["lock_names"] == ["chaos:counter"]
     assert report["holds"] > 30 and report["writes_accepted"] > 100, report
 
-    # Safety.
+    # Safety: of the lock (no overlap no pause explains, no fence handed out twice, no
+    # two holds' writes interleaved) and of the fenced resource.
+    assert report["violations"] == [], report["violations"][:10]
     assert report["unfenced_overlaps"] == 0, report["unfenced_examples"]
     assert report["stale_writes_accepted"] == 0
     assert report["lost_increments"] == 0, report

@@ -1,6 +1,8 @@
 """The chaos checker can fail: fed the records of a run in which an older holder's write
 was taken after a newer holder's, or an increment was lost, or a lock was left behind,
-it reports each (so the zeros of a real run mean something)."""
+it reports each (so the zeros of a real run mean something); and it flags the recorded
+runs of three broken locks (no owner check on release, no mutual exclusion, a constant
+fence), and passes the real lock's run of the same scenario."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import broken_locks
 import chaos_check
+import mini_run
+import pytest
 
 
 def write_run(out: Path, rows: list[list[Any]], counter: int,
@@ -31,13 +36,14 @@ def write_run(out: Path, rows: list[list[Any]], counter: int,
 
 def hold(pid: int, fence: int, start: float, end: float,
          writes: list[tuple[float, float, bool]]) -> list[dict[str, Any]]:
+    acq = 1
     recs: list[dict[str, Any]] = [
-        {"ev": "acquired", "pid": pid, "fence": fence, "t": start,
+        {"ev": "acquired", "pid": pid, "fence": fence, "acq": acq, "t": start,
          "name": "chaos:counter"}]
     for seq, (t0, t, ok) in enumerate(writes):
-        recs.append({"ev": "write", "pid": pid, "fence": fence, "seq": seq, "t0": t0,
-                     "t": t, "ok": ok})
-    recs.append({"ev": "released", "pid": pid, "fence": fence, "t": end})
+        recs.append({"ev": "write", "pid": pid, "fence": fence, "acq": acq, "seq": seq,
+                     "t0": t0, "t": t, "ok": ok})
+    recs.append({"ev": "released", "pid": pid, "fence": fence, "acq": acq, "t": end})
     return recs
 
 
@@ -48,11 +54,16 @@ def test_a_stale_write_taken_after_a_newer_holders_is_reported(tmp_path: Path) -
         "worker-1.jsonl": hold(1, 5, 0.0, 2.0, [(0.1, 0.11, True), (1.5, 1.51, True)]),
         "client-2.jsonl": hold(2, 6, 1.0, 1.2, [(1.0, 1.01, True)]),
     }
-    rows = [[1, "task-1", 0, 5, 1], [2, "client-2", 0, 6, 2], [3, "task-1", 1, 5, 3]]
+    rows = [[1, "task-1.1", 0, 5, 1], [2, "client-2.1", 0, 6, 2],
+            [3, "task-1.1", 1, 5, 3]]
     rep = chaos_check.check(write_run(tmp_path, rows, 3, records, []))
     assert rep["stale_writes_accepted"] == 1
     assert rep["unfenced_overlaps"] == 1
     assert rep["unfenced_examples"][0]["older"] == (1, 5)
+    kinds = sorted(v["kind"] for v in rep["violations"])
+    # The pause of A (pid 1, 0.2-0.9 s, + a ttl of slack) explains the overlap; A's
+    # write taken after B's does not (stale, and interleaved).
+    assert "stale_write_accepted" in kinds and "interleaved_writes" in kinds, kinds
     assert rep["overlapping_holds_holder_view"] == 1
     assert rep["lost_increments"] == 0
     assert rep["recovery_s"]["stop_holder"]["n"] == 1
@@ -63,9 +74,10 @@ def test_the_same_run_fenced_is_clean(tmp_path: Path) -> None:
         "worker-1.jsonl": hold(1, 5, 0.0, 2.0, [(0.1, 0.11, True), (1.5, 1.51, False)]),
         "client-2.jsonl": hold(2, 6, 1.0, 1.2, [(1.0, 1.01, True)]),
     }
-    rows = [[1, "task-1", 0, 5, 1], [2, "client-2", 0, 6, 2]]
+    rows = [[1, "task-1.1", 0, 5, 1], [2, "client-2.1", 0, 6, 2]]
     rep = chaos_check.check(write_run(tmp_path, rows, 2, records, []))
     assert rep["stale_writes_accepted"] == rep["unfenced_overlaps"] == 0
+    assert rep["violations"] == [], rep["violations"]
     assert rep["stale_writes_refused"] == 1
     assert rep["overlapping_holds_holder_view"] == 1
     assert rep["lost_increments"] == 0 and rep["locks_left"] == []
@@ -77,8 +89,53 @@ def test_lost_increments_and_a_lock_left_behind_are_reported(tmp_path: Path) -> 
         "worker-1.jsonl": hold(1, 5, 0.0, 1.0, [(0.1, 0.11, True)]),
         "client-2.jsonl": hold(2, 6, 2.0, 3.0, [(2.1, 2.11, True), (2.2, 2.21, True)]),
     }
-    rows = [[1, "task-1", 0, 5, 1], [2, "client-2", 0, 6, 1]]  # value 1 twice
+    rows = [[1, "task-1.1", 0, 5, 1], [2, "client-2.1", 0, 6, 1]]  # value 1 twice
     rep = chaos_check.check(write_run(tmp_path, rows, 1, records, ["p:{x}:lock"]))
     assert rep["lost_increments"] >= 2  # counter 1 for 2 rows; the missing seq 1
     assert rep["accepted_writes_missing_from_db"] == 1
     assert rep["locks_left"] == ["p:{x}:lock"]
+
+
+def test_an_overlap_no_pause_explains_is_a_violation(tmp_path: Path) -> None:
+    # The same holds as above (A 0.0-2.0, B 1.0-1.2), but the only pause in the run hit
+    # another process: nothing explains A and B holding at once.
+    records = {
+        "worker-1.jsonl": hold(1, 5, 0.0, 2.0, [(0.1, 0.11, True)]),
+        "client-2.jsonl": hold(2, 6, 1.0, 1.2, [(1.0, 1.01, True)]),
+    }
+    rows = [[1, "task-1.1", 0, 5, 1], [2, "client-2.1", 0, 6, 2]]
+    out = write_run(tmp_path, rows, 2, records, [])
+    driver = json.loads((out / "driver.jsonl").read_text())
+    driver["target"] = 3
+    (out / "driver.jsonl").write_text(json.dumps(driver) + "\n")
+    rep = chaos_check.check(out)
+    assert [v["kind"] for v in rep["violations"]] == ["overlap"]
+    assert rep["violations"][0]["holds"] == [(1, 1), (2, 1)]
+
+
+def test_one_fence_for_two_holds_is_a_violation(tmp_path: Path) -> None:
+    records = {
+        "worker-1.jsonl": hold(1, 5, 0.0, 0.5, [(0.1, 0.11, True)]),
+        "client-2.jsonl": hold(2, 5, 1.0, 1.5, [(1.1, 1.11, True)]),
+    }
+    rows = [[1, "task-1.1", 0, 5, 1], [2, "client-2.1", 0, 5, 2]]
+    rep = chaos_check.check(write_run(tmp_path, rows, 2, records, []))
+    assert [v["kind"] for v in rep["violations"]] == ["fence_reused"]
+
+
+#: What each broken lock's run must show (the real lock's: nothing).
+EXPECTED = {"real": set(), "no_owner_check": {"overlap"}, "no_exclusion": {"overlap"},
+            "constant_fence": {"fence_reused"}}
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_recorded_runs_of_broken_locks_are_flagged(tmp_path: Path, redis_url: str,
+                                                   prefix: str, kind: str) -> None:
+    out = mini_run.run(tmp_path / kind, broken_locks.KINDS[kind], redis_url, prefix)
+    rep = chaos_check.check(out)
+    assert rep["holds"] >= 6 and rep["writes_accepted"] > 0, rep
+    found = {v["kind"] for v in rep["violations"]}
+    if not EXPECTED[kind]:
+        assert rep["violations"] == [], rep["violations"][:10]
+    else:
+        assert EXPECTED[kind] <= found, (kind, rep["violations"][:10])
