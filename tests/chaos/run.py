@@ -41,7 +41,8 @@ def main() -> int:
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     print(chaos_check.markdown(report))
     print(f"\nrun directory: {out} ({time.time() - started:.0f} s)")
-    bad = (report["unfenced_overlaps"] or report["stale_writes_accepted"]
+    bad = (report["violations"] or report["unfenced_overlaps"]
+           or report["stale_writes_accepted"]
            or report["lost_increments"] or report["locks_left"])
     return 1 if bad else 0
 
