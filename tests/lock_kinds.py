@@ -17,13 +17,21 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dlock import RedisLock, RedlockLock
+from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "LockKind", "lose_lock_data", "redlock_servers"]
+__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "lose_lock_data",
+           "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
 KINDS = ("redis", "redlock")
+
+#: Why a fencing test is skipped on a kind without fencing tokens (docs/deployments.md).
+NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence raises "
+            "FencingUnavailable): docs/deployments.md, Redlock")
+#: Why a test of the line of waiters is skipped on Redlock (docs/deployments.md).
+NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
+           "delay, not woken in turn by a release: docs/deployments.md, Redlock")
 
 
 @dataclass
@@ -36,8 +44,28 @@ class LockKind:
     #: Whether ``fence`` gives fencing tokens on this kind.
     fences: bool
 
+    @property
+    def server(self) -> Any:
+        """Where a test reads the lock's keys: the one server, or on a kind with
+        several, what a majority of them says (a Redlock call returns once a quorum
+        confirmed it; the other nodes follow a moment later)."""
+        return self.clients[0] if len(self.clients) == 1 else QuorumView(self.clients)
+
     def make(self, lock_name: str, ttl: float = 30.0, **options: Any) -> Any:
         return self.factory(lock_name, ttl, **options)
+
+    def fence_of(self, lock: Any) -> int | None:
+        """``lock.fence`` on a kind that fences; None on one that does not, after
+        checking that its ``fence`` raises :class:`FencingUnavailable` as documented."""
+        if self.fences:
+            return lock.fence  # type: ignore[no-any-return]
+        with pytest.raises(FencingUnavailable):
+            _ = lock.fence
+        return None
+
+    def gone_everywhere(self, key: str) -> bool:
+        """Whether no server of this kind has ``key`` (an expired hold's hash)."""
+        return not any(c.exists(key) for c in self.clients)
 
     def lose_data(self, lock: Any) -> None:
         """Every server forgets everything it had of ``lock``: its hold, its fence
@@ -56,6 +84,38 @@ class LockKind:
 
     def __str__(self) -> str:
         return self.name
+
+
+class QuorumView:
+    """The reads the tests make (``exists``, ``hget``, ``hgetall``, ``pttl``,
+    ``zrange``), answered as a majority of ``clients`` has the key."""
+
+    def __init__(self, clients: list[redis.Redis]) -> None:
+        self.clients = clients
+
+    def _agreed(self, values: list[Any]) -> Any:
+        for value in values:
+            if values.count(value) > len(values) // 2:
+                return value
+        raise AssertionError(f"no majority of the servers agrees: {values!r}")
+
+    def exists(self, *keys: str) -> Any:
+        return self._agreed([c.exists(*keys) for c in self.clients])
+
+    def hget(self, key: str, field: str) -> Any:
+        return self._agreed([c.hget(key, field) for c in self.clients])
+
+    def hgetall(self, key: str) -> Any:
+        return self._agreed([c.hgetall(key) for c in self.clients])
+
+    def zrange(self, key: str, start: int, end: int) -> Any:
+        return self._agreed([c.zrange(key, start, end) for c in self.clients])
+
+    def pttl(self, key: str) -> int:
+        """The median: a value of the majority (theirs differ by the time between
+        the reads)."""
+        values = sorted(int(c.pttl(key)) for c in self.clients)
+        return values[len(values) // 2]
 
 
 def lose_lock_data(clients: list[redis.Redis], lock_key: str) -> None:
