@@ -74,6 +74,12 @@ class LockKind:
         nothing else is touched)."""
         lose_lock_data(self.clients, lock.keys.lock)
 
+    def drop_hold(self, lock: Any) -> None:
+        """Every server forgets ``lock``'s hold (its hash) and nothing else: its fence
+        counter and line stay, as when the key is deleted by hand or evicted."""
+        for c in self.clients:
+            c.delete(lock.keys.lock)
+
     def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
         """Free ``lock_name`` on every server whoever holds it (an operator's
         ``celery dlock release --force``)."""
