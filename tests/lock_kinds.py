@@ -10,6 +10,7 @@ tests the handles a fault needs: the clients of every server that keeps the lock
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ class LockKind:
     factory: Callable[..., Any]
     #: Whether ``fence`` gives fencing tokens on this kind.
     fences: bool
+    #: The servers' URLs, for a child process to make its own locks of this kind.
+    urls: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def server(self) -> Any:
@@ -154,14 +157,16 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         url = request.getfixturevalue("redis_url")
         clients = [redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)]
         yield LockKind("redis", clients,
-                       lambda n, ttl, **kw: RedisLock(clients[0], n, ttl, **kw), True)
+                       lambda n, ttl, **kw: RedisLock(clients[0], n, ttl, **kw), True,
+                       [url])
     elif kind == "redlock":
         servers = request.getfixturevalue("redlock_servers")
         clients = [redis.Redis.from_url(s.url, socket_timeout=10,
                                         socket_connect_timeout=5)
                    for s in servers]
         yield LockKind("redlock", clients,
-                       lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False)
+                       lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False,
+                       [s.url for s in servers])
     else:  # pragma: no cover - a typo in KINDS
         raise ValueError(kind)
     for c in clients:
