@@ -46,23 +46,51 @@ needs_inprocess_eta = pytest.mark.skipif(
            "test_contention_retry_workers.py")
 
 
-#: What every test app sets: quick polling (a worker's teardown does not wait a
-#: second) and a result backend that gives up quickly when Redis is gone.
+#: Quick polling: a worker's teardown does not wait a second (for any broker).
+QUICK_POLLING: dict[str, Any] = {"broker_transport_options": {"polling_interval": 0.1}}
+
+#: What every test app on Redis sets: quick polling and a result backend that gives up
+#: quickly when Redis is gone.
 TEST_APP_CONF: dict[str, Any] = {
-    "broker_transport_options": {"polling_interval": 0.1},
+    **QUICK_POLLING,
     "result_backend_transport_options": {"retry_policy": {
         "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
 }
 
+#: Settings whose value is a mapping: a caller's entries are added to the test ones.
+_MERGED = ("broker_transport_options", "result_backend_transport_options")
 
-def test_app(name: str, redis_url: str | None = None, **conf: Any) -> Any:
-    """A Celery app for one test: broker and result backend on ``redis_url`` (none
-    when None), the test settings above, then ``conf`` (which wins)."""
+
+def test_conf(redis_url: str | None = None, *, queue: str | None = None,
+              prefix: str | None = None, **conf: Any) -> dict[str, Any]:
+    """The settings of a test app, as a dict (also for a worker subprocess, as JSON):
+    broker and result backend on ``redis_url`` with the test settings above (neither
+    when None: Celery's defaults, or what ``conf`` says), the test's own queue and lock
+    key prefix when given, then ``conf``, which wins (its transport options are added
+    to the test ones)."""
+    out: dict[str, Any] = {}
+    if redis_url is not None:
+        out.update(broker_url=redis_url, result_backend=redis_url)
+        out.update({k: dict(v) for k, v in TEST_APP_CONF.items()})
+    if queue is not None:
+        out["task_default_queue"] = queue
+    if prefix is not None:
+        out["dlock_key_prefix"] = prefix
+    for key, value in conf.items():
+        merge = key in _MERGED and isinstance(value, dict)
+        out[key] = {**out.get(key, {}), **value} if merge else value
+    return out
+
+
+def test_app(name: str, redis_url: str | None = None, *, queue: str | None = None,
+             prefix: str | None = None, **conf: Any) -> Any:
+    """A Celery app for one test, with the settings of :func:`test_conf`."""
     from celery import Celery
 
     app = Celery(name, broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update({**(TEST_APP_CONF if redis_url else {}), **conf})
+    app.conf.update(test_conf(redis_url, queue=queue, prefix=prefix, **conf))
     return app
 
 
+test_conf.__test__ = False  # type: ignore[attr-defined]  # not a test for pytest
 test_app.__test__ = False  # type: ignore[attr-defined]  # not a test for pytest

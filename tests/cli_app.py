@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery_helpers import test_conf
 
 from celery_dlock import LockedTask
 
@@ -38,16 +39,7 @@ _clients: dict[str, redis.Redis] = {}
 
 
 def configure(url: str, prefix: str, queue: str, **conf: Any) -> Celery:
-    app.conf.update(
-        broker_url=url,
-        result_backend=url,
-        broker_transport_options={"polling_interval": 0.1},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
-        task_default_queue=queue,
-        dlock_key_prefix=prefix,
-        **conf,
-    )
+    app.conf.update(test_conf(url, queue=queue, prefix=prefix, **conf))
     return app
 
 

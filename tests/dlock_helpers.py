@@ -18,7 +18,7 @@ import redis
 import redis.backoff
 import redis.retry
 
-from celery_dlock import RedisLock
+from celery_dlock import RedisLock, RedlockLock
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0,
@@ -76,22 +76,34 @@ def _read_modify_write(client: redis.Redis, counter: str, inside: str,
 
 
 def counter_worker(redis_url: str, prefix: str, name: str, counter: str, n: int,
-                   barrier: Any, use_lock: bool, pause: float) -> None:
+                   barrier: Any, use_lock: bool, pause: float,
+                   lock_urls: list[str] | None = None) -> None:
     """``n`` read-modify-write increments of ``counter``, under the lock or not.
 
     ``inside`` counts the processes inside the critical section; any moment with more
-    than one is recorded in ``overlaps``.
+    than one is recorded in ``overlaps``.  The lock lives on ``lock_urls`` (a
+    RedlockLock over them when there are several), by default on ``redis_url``.
     """
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
+    urls = lock_urls or [redis_url]
+    nodes = [redis.Redis.from_url(u, socket_timeout=30) for u in urls]
+
+    def make_lock() -> Any:
+        if len(nodes) == 1:
+            return RedisLock(nodes[0], name, ttl=10, prefix=prefix, blocking_timeout=60)
+        return RedlockLock(nodes, name, ttl=10, prefix=prefix, blocking_timeout=60)
+
     inside, overlaps = counter + ":inside", counter + ":overlaps"
     barrier.wait(timeout=60)
     for _ in range(n):
         if use_lock:
-            with RedisLock(client, name, ttl=10, prefix=prefix, blocking_timeout=60):
+            with make_lock():
                 _read_modify_write(client, counter, inside, overlaps, pause)
         else:
             _read_modify_write(client, counter, inside, overlaps, pause)
     client.close()
+    for node in nodes:
+        node.close()
 
 
 def hold_until_killed(redis_url: str, prefix: str, name: str, ttl: float,

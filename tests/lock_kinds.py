@@ -10,6 +10,7 @@ tests the handles a fault needs: the clients of every server that keeps the lock
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +18,21 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dlock import RedisLock, RedlockLock
+from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "LockKind", "lose_lock_data", "redlock_servers"]
+__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "lose_lock_data",
+           "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
 KINDS = ("redis", "redlock")
+
+#: Why a fencing test is skipped on a kind without fencing tokens (docs/deployments.md).
+NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence raises "
+            "FencingUnavailable): docs/deployments.md, Redlock")
+#: Why a test of the line of waiters is skipped on Redlock (docs/deployments.md).
+NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
+           "delay, not woken in turn by a release: docs/deployments.md, Redlock")
 
 
 @dataclass
@@ -35,9 +44,31 @@ class LockKind:
     factory: Callable[..., Any]
     #: Whether ``fence`` gives fencing tokens on this kind.
     fences: bool
+    #: The servers' URLs, for a child process to make its own locks of this kind.
+    urls: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def server(self) -> Any:
+        """Where a test reads the lock's keys: the one server, or on a kind with
+        several, what a majority of them says (a Redlock call returns once a quorum
+        confirmed it; the other nodes follow a moment later)."""
+        return self.clients[0] if len(self.clients) == 1 else QuorumView(self.clients)
 
     def make(self, lock_name: str, ttl: float = 30.0, **options: Any) -> Any:
         return self.factory(lock_name, ttl, **options)
+
+    def fence_of(self, lock: Any) -> int | None:
+        """``lock.fence`` on a kind that fences; None on one that does not, after
+        checking that its ``fence`` raises :class:`FencingUnavailable` as documented."""
+        if self.fences:
+            return lock.fence  # type: ignore[no-any-return]
+        with pytest.raises(FencingUnavailable):
+            _ = lock.fence
+        return None
+
+    def gone_everywhere(self, key: str) -> bool:
+        """Whether no server of this kind has ``key`` (an expired hold's hash)."""
+        return not any(c.exists(key) for c in self.clients)
 
     def lose_data(self, lock: Any) -> None:
         """Every server forgets everything it had of ``lock``: its hold, its fence
@@ -45,6 +76,12 @@ class LockKind:
         missed the writes, does to it; the servers may be shared with other tests, so
         nothing else is touched)."""
         lose_lock_data(self.clients, lock.keys.lock)
+
+    def drop_hold(self, lock: Any) -> None:
+        """Every server forgets ``lock``'s hold (its hash) and nothing else: its fence
+        counter and line stay, as when the key is deleted by hand or evicted."""
+        for c in self.clients:
+            c.delete(lock.keys.lock)
 
     def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
         """Free ``lock_name`` on every server whoever holds it (an operator's
@@ -56,6 +93,38 @@ class LockKind:
 
     def __str__(self) -> str:
         return self.name
+
+
+class QuorumView:
+    """The reads the tests make (``exists``, ``hget``, ``hgetall``, ``pttl``,
+    ``zrange``), answered as a majority of ``clients`` has the key."""
+
+    def __init__(self, clients: list[redis.Redis]) -> None:
+        self.clients = clients
+
+    def _agreed(self, values: list[Any]) -> Any:
+        for value in values:
+            if values.count(value) > len(values) // 2:
+                return value
+        raise AssertionError(f"no majority of the servers agrees: {values!r}")
+
+    def exists(self, *keys: str) -> Any:
+        return self._agreed([c.exists(*keys) for c in self.clients])
+
+    def hget(self, key: str, field: str) -> Any:
+        return self._agreed([c.hget(key, field) for c in self.clients])
+
+    def hgetall(self, key: str) -> Any:
+        return self._agreed([c.hgetall(key) for c in self.clients])
+
+    def zrange(self, key: str, start: int, end: int) -> Any:
+        return self._agreed([c.zrange(key, start, end) for c in self.clients])
+
+    def pttl(self, key: str) -> int:
+        """The median: a value of the majority (theirs differ by the time between
+        the reads)."""
+        values = sorted(int(c.pttl(key)) for c in self.clients)
+        return values[len(values) // 2]
 
 
 def lose_lock_data(clients: list[redis.Redis], lock_key: str) -> None:
@@ -88,14 +157,16 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         url = request.getfixturevalue("redis_url")
         clients = [redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)]
         yield LockKind("redis", clients,
-                       lambda n, ttl, **kw: RedisLock(clients[0], n, ttl, **kw), True)
+                       lambda n, ttl, **kw: RedisLock(clients[0], n, ttl, **kw), True,
+                       [url])
     elif kind == "redlock":
         servers = request.getfixturevalue("redlock_servers")
         clients = [redis.Redis.from_url(s.url, socket_timeout=10,
                                         socket_connect_timeout=5)
                    for s in servers]
         yield LockKind("redlock", clients,
-                       lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False)
+                       lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False,
+                       [s.url for s in servers])
     else:  # pragma: no cover - a typo in KINDS
         raise ValueError(kind)
     for c in clients:

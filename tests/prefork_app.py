@@ -26,8 +26,10 @@ from celery.utils.nodenames import host_format
 from celery_dlock import LockedTask
 
 try:  # the worker imports this module as tests.prefork_app, pytest as prefork_app
+    from tests.celery_helpers import test_app
     from tests.prefork_fault_tasks import register as _register_fault_tasks
 except ImportError:
+    from celery_helpers import test_app
     from prefork_fault_tasks import register as _register_fault_tasks
 
 ENV_URL = "DLOCK_PF_REDIS_URL"
@@ -67,18 +69,13 @@ def make_app(url: str, prefix: str, queue: str) -> Celery:
     """An app whose broker, result backend and lock store are the test Redis."""
     _config["url"] = url
     dp = data_prefix(prefix)
-    app = Celery("prefork_app", set_as_current=False)
-    app.conf.update(
-        broker_url=url,
-        result_backend=url,
+    app: Celery = test_app(
+        "prefork_app", url, queue=queue, prefix=prefix,
         dlock_url=url,
-        dlock_key_prefix=prefix,
         # Contention retries (after a wait runs out) come back quickly and keep coming.
         dlock_retry_backoff=0.01,
         dlock_retry_backoff_max=0.2,
         dlock_retry_max=10_000,
-        task_default_queue=queue,
-        broker_transport_options={"polling_interval": 0.1},
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         result_expires=600,

@@ -50,9 +50,7 @@ def new_app(redis_url: str, **conf: Any) -> TaskEnv:
     tag = uuid.uuid4().hex[:8]
     prefix = f"dlt{tag}"
     app = test_app(
-        f"dlt{tag}", redis_url,
-        task_default_queue=f"q-{tag}",
-        dlock_key_prefix=prefix,
+        f"dlt{tag}", redis_url, queue=f"q-{tag}", prefix=prefix,
         dlock_retry_backoff=0.05,
         dlock_retry_backoff_max=0.2,
         dlock_retry_max=200,

@@ -11,10 +11,9 @@ import time
 import uuid
 from typing import Any
 
-from celery import Celery
 from celery.bin.base import CLIContext
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 from click.testing import CliRunner
 
 from celery_dlock import LockedTask, LockKeyConflict, RedisLock, is_skipped
@@ -27,13 +26,10 @@ def run_workload(lock_url: str, broker_url: str, prefix: str,
                  foreign_key_name: str) -> None:
     """``foreign_key_name``: a lock name whose key another application holds (a
     string), set up beforehand."""
-    app = Celery(f"acl{uuid.uuid4().hex[:6]}", broker=broker_url, backend=broker_url,
-                 set_as_current=False)
-    app.conf.update(broker_transport_options={"polling_interval": 0.1},
-                    task_default_queue=f"q-{prefix}", dlock_key_prefix=prefix,
-                    dlock_url=lock_url, dlock_record_events=True,
-                    # so that an idle connection's health check (PING) runs too
-                    dlock_redis_options={"health_check_interval": 1})
+    app = test_app(f"acl{uuid.uuid4().hex[:6]}", broker_url, queue=f"q-{prefix}",
+                   prefix=prefix, dlock_url=lock_url, dlock_record_events=True,
+                   # so that an idle connection's health check (PING) runs too
+                   dlock_redis_options={"health_check_interval": 1})
     client = get_client(app)
 
     # -- RedisLock: acquire, re-enter, contend, wait, hand off, extend, checks, renew

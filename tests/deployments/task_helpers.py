@@ -9,9 +9,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 
 from celery_dlock import LockedTask, RedisLock
 
@@ -21,11 +20,8 @@ def run_locked_task(broker_url: str, probe: Any,
     """Run a LockedTask twice on one lock; each result has the task's fence and what
     ``probe`` (a client of the lock's server) saw of the hold while the body ran."""
     prefix = f"dlt{uuid.uuid4().hex[:8]}"
-    app = Celery(f"dep{prefix}", broker=broker_url, backend=broker_url,
-                 set_as_current=False)
-    app.conf.update(broker_transport_options={"polling_interval": 0.1},
-                    task_default_queue=f"q-{prefix}", dlock_key_prefix=prefix,
-                    **dlock_conf)
+    app = test_app(f"dep{prefix}", broker_url, queue=f"q-{prefix}", prefix=prefix,
+                   **dlock_conf)
 
     @app.task(base=LockedTask, shared=False, bind=True, lock_key="dep:{x}", lock_ttl=5)
     def work(self: Any, x: str) -> dict[str, Any]:

@@ -208,13 +208,8 @@ def test_a_cluster_client_is_what_the_url_gives(cluster, prefix):
 # -- LockedTask ---------------------------------------------------------------------
 
 def _task_app(redis_url: str, prefix: str, **conf: object) -> Celery:
-    app = test_app(
-        f"dlc{prefix}", redis_url,
-        task_default_queue=f"q-{prefix}",
-        dlock_key_prefix=prefix,
-        **conf,
-    )
-    return app
+    return test_app(f"dlc{prefix}", redis_url, queue=f"q-{prefix}", prefix=prefix,
+                    **conf)
 
 
 @pytest.mark.parametrize("how", ["dlock_url", "dlock_client"])

@@ -99,12 +99,10 @@ def test_locked_task_through_a_sentinel_url(group, redis_url):
     from celery_dlock import LockedTask
 
     prefix = f"dls{uuid.uuid4().hex[:8]}"
-    app = _app(broker_url=redis_url, result_backend=redis_url,
-               broker_transport_options={"polling_interval": 0.1},
-               task_default_queue=f"q-{prefix}", dlock_key_prefix=prefix,
-               dlock_url=group.url(), dlock_transport_options={
-                   "master_name": group.master_name,
-                   "sentinel_kwargs": {"password": SENTINEL_PW}})
+    app = test_app(f"dls{prefix}", redis_url, queue=f"q-{prefix}", prefix=prefix,
+                   dlock_url=group.url(), dlock_transport_options={
+                       "master_name": group.master_name,
+                       "sentinel_kwargs": {"password": SENTINEL_PW}})
     master = group.master.client()
 
     @app.task(base=LockedTask, shared=False, bind=True, lock_key="s:{x}")

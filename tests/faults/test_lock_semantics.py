@@ -1,5 +1,9 @@
 """The lock core's semantics where the happy path does not look: re-entry with mixed
-ttls, dead waiters, threads, stale reports, bad input, hostile names and owners."""
+ttls, dead waiters, threads, stale reports, bad input, hostile names and owners.
+
+The contract's tests run on every lock kind (``lock_kind``, tests/lock_kinds.py); those
+about Redis itself (the line of waiters, key layout, the client argument, eviction)
+run on RedisLock alone."""
 
 from __future__ import annotations
 
@@ -22,11 +26,13 @@ from celery_dlock.ops.embedded import EmbeddedRedis
 
 
 @pytest.mark.slow
-def test_reentry_with_a_shorter_ttl_never_shortens_the_outer_hold(r, prefix, name):
-    outer = RedisLock(r, name, ttl=9, prefix=prefix)
-    other = RedisLock(r, name, ttl=9, prefix=prefix, owner="other")
+def test_reentry_with_a_shorter_ttl_never_shortens_the_outer_hold(lock_kind, prefix,
+                                                                   name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    outer = lock_kind.make(name, ttl=9, prefix=prefix)
+    other = lock_kind.make(name, ttl=9, prefix=prefix, owner="other")
     with outer:
-        inner = RedisLock(r, name, ttl=1, prefix=prefix)
+        inner = lock_kind.make(name, ttl=1, prefix=prefix)
         with inner:
             time.sleep(1.5)
         deadline = time.monotonic() + 3.0
@@ -41,10 +47,11 @@ def test_reentry_with_a_shorter_ttl_never_shortens_the_outer_hold(r, prefix, nam
 
 
 @pytest.mark.slow
-def test_renewal_does_not_undo_an_extend_by_another_object(r, prefix, name):
-    l1 = RedisLock(r, name, ttl=2, prefix=prefix)
+def test_renewal_does_not_undo_an_extend_by_another_object(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    l1 = lock_kind.make(name, ttl=2, prefix=prefix)
     l1.acquire()
-    l2 = RedisLock(r, name, ttl=2, prefix=prefix)  # same thread: same owner
+    l2 = lock_kind.make(name, ttl=2, prefix=prefix)  # same thread: same owner
     l2.extend(30)
     time.sleep(5)
     assert r.pttl(l1.keys.lock) > 20_000
@@ -56,7 +63,8 @@ def test_renewal_does_not_undo_an_extend_by_another_object(r, prefix, name):
 
 def _kill_a_waiter_in_line(redis_url: str, r: redis.Redis, holder: RedisLock) -> None:
     """Start a process that waits in ``holder``'s line, check the line's keys carry a
-    TTL, and SIGKILL it there."""
+    TTL, and SIGKILL it there.  (Redis only: a blocked RedlockLock waits in no line, it
+    tries again after a random delay; docs/deployments.md, Redlock.)"""
     ctx = multiprocessing.get_context("spawn")
     waiter = ctx.Process(target=wait_in_line,
                          args=(redis_url, holder.prefix, holder.name, "doomed"))
@@ -116,8 +124,9 @@ def _in_thread(fn: Any) -> Any:
     return out
 
 
-def test_checks_from_another_thread_answer_for_that_thread(r, prefix, name):
-    lock = RedisLock(r, name, ttl=10, prefix=prefix)
+def test_checks_from_another_thread_answer_for_that_thread(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=10, prefix=prefix)
     lock.acquire()
     pttl = r.pttl(lock.keys.lock)
     assert _in_thread(lock.owned) == {"value": False}
@@ -146,16 +155,18 @@ class _SlowWarnings(logging.Handler):
 
 
 @pytest.mark.slow
-def test_stale_loss_report_does_not_kill_a_new_hold(r, prefix, name):
+def test_stale_loss_report_does_not_kill_a_new_hold(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     handler = _SlowWarnings()
     log = logging.getLogger("celery_dlock")
     log.addHandler(handler)
     try:
         lost: list[int] = []
-        lock = RedisLock(r, name, ttl=0.9, prefix=prefix,
-                         on_lost=lambda lk: lost.append(1))
+        lock = lock_kind.make(name, ttl=0.9, prefix=prefix,
+                              on_lost=lambda lk: lost.append(1))
         lock.acquire()
-        r.delete(lock.keys.lock)  # the hold is gone; the scheduler will notice
+        for server in lock_kind.clients:  # the hold is gone; the scheduler will notice
+            server.delete(lock.keys.lock)
         assert handler.entered.wait(5)
         # While the loss is being reported, the holder ends its lost hold (a re-entry
         # of a lost hold raises: it never takes a new hold in its place) and the same
@@ -180,15 +191,16 @@ def test_stale_loss_report_does_not_kill_a_new_hold(r, prefix, name):
 
 
 @pytest.mark.parametrize("ttl", [1e11, 1e14, 10 * 365 * 86400.0])
-def test_ttl_beyond_the_bound_is_refused_up_front(r, prefix, name, ttl):
+def test_ttl_beyond_the_bound_is_refused_up_front(lock_kind, prefix, name, ttl):
     with pytest.raises(InvalidLockConfig, match="ttl"):
-        RedisLock(r, name, ttl=ttl, prefix=prefix)
+        lock_kind.make(name, ttl=ttl, prefix=prefix)
 
 
-def test_extend_beyond_the_bound_is_refused_and_writes_nothing(r, prefix, name):
+def test_extend_beyond_the_bound_is_refused_and_writes_nothing(lock_kind, prefix, name):
     from celery_dlock.core.ttl import MAX_TTL
 
-    lock = RedisLock(r, name, ttl=5, prefix=prefix)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=5, prefix=prefix)
     with lock:
         pttl = r.pttl(lock.keys.lock)
         with pytest.raises(InvalidLockConfig, match="ttl"):
@@ -201,10 +213,11 @@ def test_extend_beyond_the_bound_is_refused_and_writes_nothing(r, prefix, name):
     assert not r.exists(lock.keys.lock)
 
 
-def test_the_longest_ttl_allowed_writes_a_whole_lock(r, prefix, name):
+def test_the_longest_ttl_allowed_writes_a_whole_lock(lock_kind, prefix, name):
     from celery_dlock.core.ttl import MAX_TTL
 
-    lock = RedisLock(r, name, ttl=MAX_TTL, prefix=prefix, auto_renew=False)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=MAX_TTL, prefix=prefix, auto_renew=False)
     with lock:
         assert r.pttl(lock.keys.lock) > (MAX_TTL - 60) * 1000
     assert not r.exists(lock.keys.lock)
@@ -310,10 +323,10 @@ def test_a_noeviction_server_gets_no_warning(caplog, prefix, name):
 # -- 15. redis-py habits ---------------------------------------------------------------
 
 
-def test_constructor_blocking_timeout_bounds_a_plain_acquire(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, prefix=prefix, owner="holder")
+def test_constructor_blocking_timeout_bounds_a_plain_acquire(lock_kind, prefix, name):
+    holder = lock_kind.make(name, ttl=30, prefix=prefix, owner="holder")
     holder.acquire()
-    waiter = RedisLock(r, name, prefix=prefix, blocking_timeout=0.4)
+    waiter = lock_kind.make(name, prefix=prefix, blocking_timeout=0.4)
     started = time.monotonic()
     out = _in_thread(waiter.acquire)
     assert out == {"value": False}, "acquire() ignored the constructor's blocking_timeout"

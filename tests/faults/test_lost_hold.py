@@ -11,7 +11,7 @@ hold taken behind the holder's back.
 from __future__ import annotations
 
 import pytest
-from lock_kinds import lose_lock_data
+from lock_kinds import NO_FENCE
 
 from celery_dlock import LockLost, RedisLock
 
@@ -92,15 +92,21 @@ def test_every_contact_reports_a_gone_hold_once(lock_kind, name, check):
     assert told == [lock]
 
 
-def test_reentry_finds_another_hold_of_the_same_owner_is_not_its_own(r, prefix, name):
+def test_reentry_finds_another_hold_of_the_same_owner_is_not_its_own(lock_kind, prefix,
+                                                                    name, request):
+    if lock_kind.name == "redlock":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "RedlockLock tells a hold from a newer one of the same owner by nothing: "
+            "the re-entry joins the new hold instead of raising LockLost")))
     # The hold was released by force and the same owner took the lock again through
     # another object: a re-entry of the first object's hold must not join that new
     # hold (its fence differs), or the first holder would carry on as if it had
     # held the lock all along.
-    first = RedisLock(r, name, 30, prefix=prefix, owner="same-owner")
-    second = RedisLock(r, name, 30, prefix=prefix, owner="same-owner")
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    first = lock_kind.make(name, 30, prefix=prefix, owner="same-owner")
+    second = lock_kind.make(name, 30, prefix=prefix, owner="same-owner")
     first.acquire()
-    r.delete(first.keys.lock)
+    lock_kind.drop_hold(first)
     second.acquire()
     with pytest.raises(LockLost):
         first.acquire(blocking=False)
@@ -111,15 +117,17 @@ def test_reentry_finds_another_hold_of_the_same_owner_is_not_its_own(r, prefix, 
         first.release()
 
 
-def test_fences_never_repeat_after_the_server_lost_its_data(r, prefix, name):
+def test_fences_never_repeat_after_the_server_lost_its_data(lock_kind, prefix, name):
+    if not lock_kind.fences:
+        pytest.skip(NO_FENCE)
     seen = []
     for _ in range(3):
-        lock = RedisLock(r, name, 30, prefix=prefix)
+        lock = lock_kind.make(name, 30, prefix=prefix)
         with lock:
             seen.append(lock.fence)
-    lose_lock_data([r], lock.keys.lock)  # an empty restart: hold and counter gone
+    lock_kind.lose_data(lock)  # an empty restart: hold and counter gone
     for _ in range(3):
-        lock = RedisLock(r, name, 30, prefix=prefix)
+        lock = lock_kind.make(name, 30, prefix=prefix)
         with lock:
             seen.append(lock.fence)
     assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
@@ -127,6 +135,7 @@ def test_fences_never_repeat_after_the_server_lost_its_data(r, prefix, name):
 
 
 def test_fences_stay_above_a_counter_left_by_an_older_version(r, prefix, name):
+    """The fence counter's key as an older version left it: RedisLock's own layout."""
     lock = RedisLock(r, name, 30, prefix=prefix)
     r.set(f"{lock.keys.lock}:fence", 7)
     with lock:
@@ -139,7 +148,7 @@ def test_fences_stay_above_a_counter_left_by_an_older_version(r, prefix, name):
 
 def test_reentry_keeps_its_fence(lock_kind, name):
     if not lock_kind.fences:
-        pytest.skip("Redlock gives no fencing token (docs/deployments.md)")
+        pytest.skip(NO_FENCE)
     lock = lock_kind.make(name, 30)
     with lock:
         fence = lock.fence

@@ -37,12 +37,12 @@ def test_a_configured_budget_is_used_up_to_half_the_ttl():
     assert margin_of(30_000, 5.0) == pytest.approx(30.0 * DRIFT_RATE + 5.0)
 
 
-def test_a_bad_pause_budget_is_refused_naming_it(r, name):
-    from celery_dlock import InvalidLockConfig, RedisLock
+def test_a_bad_pause_budget_is_refused_naming_it(lock_kind, name):
+    from celery_dlock import InvalidLockConfig
 
     for bad in (-1, float("nan"), "2", True):
         with pytest.raises(InvalidLockConfig, match="pause_budget"):
-            RedisLock(r, name, 30, pause_budget=bad)
+            lock_kind.make(name, 30, pause_budget=bad)
 
 
 def test_a_lock_s_deadline_keeps_its_pause_budget(r, prefix, name):

@@ -48,12 +48,10 @@ SERIALIZERS = [
 
 def _app(redis_url: str, serializer: str, tag: str) -> Celery:
     app = test_app(
-        f"err{tag}", redis_url,
-        task_default_queue=f"q-err{tag}",
+        f"err{tag}", redis_url, queue=f"q-err{tag}", prefix=f"dlt{tag}",
         result_serializer=serializer,
         accept_content=["json", serializer],
         result_accept_content=["json", serializer],
-        dlock_key_prefix=f"dlt{tag}",
         result_expires=600,
     )
     return app

@@ -3,7 +3,7 @@
 Four spawned processes each increment a counter with GET, a pause, SET.  Without the
 lock the pause makes them overwrite each other's updates (the control proves the
 scenario can fail); under the lock every increment survives and no two processes are
-ever inside the critical section together.
+ever inside the critical section together, on every lock kind (``lock_kind``).
 """
 
 from __future__ import annotations
@@ -14,21 +14,19 @@ import pytest
 import redis
 from dlock_helpers import counter_worker
 
-from celery_dlock import RedisLock
-
 PROCESSES = 4
 INCREMENTS = 15
 PAUSE = 0.005
 
 
 def _run_workers(redis_url: str, prefix: str, name: str, counter: str,
-                 use_lock: bool) -> None:
+                 use_lock: bool, lock_urls: list[str]) -> None:
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(PROCESSES)
     procs = [
         ctx.Process(target=counter_worker,
                     args=(redis_url, prefix, name, counter, INCREMENTS, barrier,
-                          use_lock, PAUSE))
+                          use_lock, PAUSE, lock_urls))
         for _ in range(PROCESSES)
     ]
     for p in procs:
@@ -45,17 +43,18 @@ def _run_workers(redis_url: str, prefix: str, name: str, counter: str,
 
 
 @pytest.mark.parametrize("use_lock", [False, True], ids=["control-no-lock", "locked"])
-def test_processes_read_modify_write_counter(redis_url, r: redis.Redis, prefix, name,
-                                             use_lock):
+def test_processes_read_modify_write_counter(redis_url, r: redis.Redis, lock_kind, prefix,
+                                             name, use_lock):
     counter = f"{prefix}:counter"
-    _run_workers(redis_url, prefix, name, counter, use_lock)
+    _run_workers(redis_url, prefix, name, counter, use_lock, lock_kind.urls)
     total = int(r.get(counter) or 0)
     overlaps = int(r.get(counter + ":overlaps") or 0)
     if use_lock:
         assert total == PROCESSES * INCREMENTS
         assert overlaps == 0
-        assert not r.exists(RedisLock(r, name, prefix=prefix).keys.lock)
-        assert not r.exists(RedisLock(r, name, prefix=prefix).keys.queue)
+        keys = lock_kind.make(name, prefix=prefix).keys
+        assert not lock_kind.server.exists(keys.lock)
+        assert not lock_kind.server.exists(keys.queue)
     else:
         # the scenario is able to fail: unlocked, updates are lost
         assert overlaps > 0

@@ -1,5 +1,6 @@
 """After fork() the child is a different owner: it neither owns, renews nor releases
-its parent's hold, and its own acquire of the same name contends."""
+its parent's hold, and its own acquire of the same name contends (on every lock kind,
+``lock_kind``)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,36 @@ import json
 import multiprocessing
 import os
 import traceback
+from typing import Any
 
 import pytest
-import redis
 
-from celery_dlock import LockLost, LockNotOwned, RedisLock, owner_context
+from celery_dlock import (
+    FencingUnavailable,
+    LockLost,
+    LockNotOwned,
+    RedisLock,
+    owner_context,
+)
 from celery_dlock.core.scheduler import get_scheduler
 
 # Python 3.12+ warns when forking a process that runs threads (the scheduler does).
 pytestmark = pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
 
 
-def _child_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) -> dict:
+def _fence(lock: RedisLock) -> int | str | None:
+    """``lock.fence``, or "unavailable" where it raises FencingUnavailable (Redlock)."""
+    try:
+        return lock.fence
+    except FencingUnavailable:
+        return "unavailable"
+
+
+def _child_report(kind: Any, lock: RedisLock, prefix: str, name: str) -> dict:
+    r = kind.server
     report: dict[str, object] = {"pid": os.getpid()}
     report["owned"] = lock.owned()
-    report["fence"] = lock.fence
+    report["fence"] = _fence(lock)
     report["depth"] = lock.depth
     try:
         lock.ensure_held()
@@ -42,14 +58,14 @@ def _child_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) -> di
     except LockNotOwned:
         report["extend"] = "LockNotOwned"
     report["same_object_acquire"] = lock.acquire(blocking=False)
-    own = RedisLock(r, name, prefix=prefix)
+    own = kind.make(name, prefix=prefix)
     report["own_acquire"] = own.acquire(blocking=False)
     report["own_acquire_timeout"] = own.acquire(timeout=0.2)
     report["count_seen"] = r.hget(lock.keys.lock, "count").decode()
     return report
 
 
-def _fork_and_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) -> dict:
+def _fork_and_report(kind: Any, lock: RedisLock, prefix: str, name: str) -> dict:
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never return into pytest
@@ -57,7 +73,7 @@ def _fork_and_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) ->
         try:
             os.close(read_fd)
             try:
-                payload = _child_report(r, lock, prefix, name)
+                payload = _child_report(kind, lock, prefix, name)
                 code = 0
             except BaseException:
                 payload = {"error": traceback.format_exc()}
@@ -75,19 +91,20 @@ def _fork_and_report(r: redis.Redis, lock: RedisLock, prefix: str, name: str) ->
     return report
 
 
-def test_forked_child_neither_owns_renews_nor_releases(r, prefix, name):
-    lock = RedisLock(r, name, ttl=30, prefix=prefix)
+def test_forked_child_neither_owns_renews_nor_releases(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=30, prefix=prefix)
     lock.acquire()
     lock.acquire()
     parent_owner = r.hget(lock.keys.lock, "owner")
-    fence = lock.fence
+    fence = _fence(lock)
     assert get_scheduler().is_registered(lock)
 
-    report = _fork_and_report(r, lock, prefix, name)
+    report = _fork_and_report(lock_kind, lock, prefix, name)
 
     assert report["pid"] != os.getpid()
     assert report["owned"] is False
-    assert report["fence"] is None
+    assert report["fence"] == (None if lock_kind.fences else "unavailable")
     assert report["depth"] == 0
     assert report["ensure_held"] == "LockLost"
     assert report["heartbeat_entries"] == 0
@@ -103,7 +120,7 @@ def test_forked_child_neither_owns_renews_nor_releases(r, prefix, name):
     assert r.hget(lock.keys.lock, "owner") == parent_owner
     assert r.hget(lock.keys.lock, "count") == b"2"
     assert r.pttl(lock.keys.lock) > 20_000
-    assert lock.owned() and lock.fence == fence and lock.depth == 2
+    assert lock.owned() and _fence(lock) == fence and lock.depth == 2
     assert get_scheduler().is_registered(lock)
     assert not r.exists(lock.keys.queue)  # the child left the line
     lock.release()
@@ -112,39 +129,42 @@ def test_forked_child_neither_owns_renews_nor_releases(r, prefix, name):
 
 
 def _mp_child(lock: RedisLock, queue) -> None:
-    queue.put((lock.owned(), lock.fence, len(get_scheduler()),
+    queue.put((lock.owned(), _fence(lock), len(get_scheduler()),
                lock.acquire(blocking=False)))
 
 
-def test_multiprocessing_fork_child_contends(r, prefix, name):
+def test_multiprocessing_fork_child_contends(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     ctx = multiprocessing.get_context("fork")
-    with RedisLock(r, name, prefix=prefix) as lock:
+    with lock_kind.make(name, prefix=prefix) as lock:
         queue = ctx.Queue()
         proc = ctx.Process(target=_mp_child, args=(lock, queue))
         proc.start()
         result = queue.get(timeout=30)
         proc.join(30)
         assert proc.exitcode == 0
-        assert result == (False, None, 0, False)
+        assert result == (False, None if lock_kind.fences else "unavailable", 0, False)
         assert lock.owned()
         assert r.hget(lock.keys.lock, "count") == b"1"
     assert not r.exists(lock.keys.lock)
 
 
-def _mp_child_in_context(r: redis.Redis, prefix: str, name: str, queue) -> None:
+def _mp_child_in_context(kind: Any, prefix: str, name: str, queue) -> None:
     # The contextvar holding the parent's owner token is inherited by fork(), but the
     # child is a different owner all the same.
-    queue.put(RedisLock(r, name, prefix=prefix).acquire(blocking=False))
+    queue.put(kind.make(name, prefix=prefix).acquire(blocking=False))
 
 
-def test_context_owner_does_not_cross_fork(r, prefix, name):
+def test_context_owner_does_not_cross_fork(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     ctx = multiprocessing.get_context("fork")
     with owner_context("attempt-token"):
-        lock = RedisLock(r, name, prefix=prefix)
+        lock = lock_kind.make(name, prefix=prefix)
         lock.acquire()
         assert r.hget(lock.keys.lock, "owner") == b"attempt-token"
         queue = ctx.Queue()
-        proc = ctx.Process(target=_mp_child_in_context, args=(r, prefix, name, queue))
+        proc = ctx.Process(target=_mp_child_in_context,
+                           args=(lock_kind, prefix, name, queue))
         proc.start()
         result = queue.get(timeout=30)
         proc.join(30)

@@ -18,9 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 
 from celery_dlock import LockedTask, LockNotAcquired, RedisLock
 from celery_dlock.task.keys import canonical, make_key_function
@@ -96,10 +95,8 @@ def test_plain_template_fields_use_the_json_text():
 @pytest.fixture
 def worker_app(redis_url: str) -> Iterator[Any]:
     tag = uuid.uuid4().hex[:8]
-    app = Celery(f"kc{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(broker_transport_options={"polling_interval": 0.1},
-                    task_default_queue=f"q-kc{tag}", dlock_key_prefix=f"dlt{tag}",
-                    task_serializer="json", result_expires=600)
+    app = test_app(f"kc{tag}", redis_url, queue=f"q-kc{tag}", prefix=f"dlt{tag}",
+                   task_serializer="json", result_expires=600)
 
     @app.task(base=LockedTask, shared=False, name=f"kc{tag}.order", on_contention="raise")
     def order_task(order_id: Any, when: Any = None) -> str:

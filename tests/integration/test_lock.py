@@ -1,5 +1,6 @@
-"""RedisLock ownership: exclusion between owners, re-entry, fencing, owner checks,
-construction errors and the context manager."""
+"""The lock's contract on every lock kind (``lock_kind``, tests/lock_kinds.py): exclusion
+between owners, re-entry, fencing, owner checks, construction errors and the context
+manager.  What only RedisLock has (its client argument) is tested on RedisLock alone."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import pytest
 import redis
 from dlock_helpers import queue_members, wait_until
+from lock_kinds import NO_FENCE
 
 from celery_dlock import (
     DLockError,
@@ -52,7 +54,7 @@ def _field(r: redis.Redis, lock: RedisLock, field: str) -> str | None:
 
 
 def test_explicit_owners_exclude_each_other(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     a = lock_kind.make(name, owner="owner-a", prefix=prefix)
     b = lock_kind.make(name, owner="owner-b", prefix=prefix)
     assert a.acquire(blocking=False) is True
@@ -71,7 +73,7 @@ def test_explicit_owners_exclude_each_other(lock_kind, prefix, name):
 
 
 def test_threads_are_distinct_default_owners(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     lock = lock_kind.make(name, prefix=prefix)
     with lock:
         # another thread contends, through a new object or through this very object
@@ -85,7 +87,7 @@ def test_threads_are_distinct_default_owners(lock_kind, prefix, name):
 
 
 def test_threads_never_overlap_in_critical_section(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     state = {"inside": 0, "max_inside": 0, "counter": 0}
     errors: list[BaseException] = []
     n_threads, n_rounds = 4, 10
@@ -115,7 +117,7 @@ def test_threads_never_overlap_in_critical_section(lock_kind, prefix, name):
 
 
 def test_owner_context_sets_the_owner(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     with owner_context("ctx-token-1") as token:
         assert token == "ctx-token-1"
         outer = lock_kind.make(name, prefix=prefix)
@@ -137,7 +139,7 @@ def test_owner_context_sets_the_owner(lock_kind, prefix, name):
 
 
 def test_same_object_reenters_and_frees_when_releases_match(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     lock = lock_kind.make(name, prefix=prefix)
     assert lock.acquire()
     assert lock.acquire()
@@ -158,7 +160,7 @@ def test_same_object_reenters_and_frees_when_releases_match(lock_kind, prefix, n
 
 
 def test_two_objects_of_one_owner_share_the_hold(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     a = lock_kind.make(name, owner="shared", prefix=prefix)
     b = lock_kind.make(name, owner="shared", prefix=prefix)
     other = lock_kind.make(name, owner="other", prefix=prefix)
@@ -179,7 +181,7 @@ def test_two_objects_of_one_owner_share_the_hold(lock_kind, prefix, name):
 
 def test_nested_with_in_one_thread_reenters_and_other_thread_contends(lock_kind, prefix,
                                                                      name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     with lock_kind.make(name, prefix=prefix) as outer:
         with lock_kind.make(name, prefix=prefix) as inner:
             assert _field(r, outer, "count") == "2"
@@ -196,10 +198,14 @@ def test_nested_with_in_one_thread_reenters_and_other_thread_contends(lock_kind,
 # -- fencing ----------------------------------------------------------------------------
 
 
-def test_fence_strictly_increases_across_holders_and_stays_on_reentry(r, prefix, name):
+def test_fence_strictly_increases_across_holders_and_stays_on_reentry(lock_kind, prefix,
+                                                                     name):
+    if not lock_kind.fences:
+        pytest.skip(NO_FENCE)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     seen: list[int] = []
     for i in range(4):
-        lock = RedisLock(r, name, owner=f"holder-{i}", prefix=prefix)
+        lock = lock_kind.make(name, owner=f"holder-{i}", prefix=prefix)
         assert lock.fence is None
         lock.acquire()
         fence = lock.fence
@@ -215,13 +221,15 @@ def test_fence_strictly_increases_across_holders_and_stays_on_reentry(r, prefix,
     assert seen == sorted(seen) and len(set(seen)) == len(seen)
 
 
-def test_fence_survives_expiry_of_the_hold(r, prefix, name):
-    first = RedisLock(r, name, ttl=0.2, auto_renew=False, owner="a", prefix=prefix)
+def test_fence_survives_expiry_of_the_hold(lock_kind, prefix, name):
+    if not lock_kind.fences:
+        pytest.skip(NO_FENCE)
+    first = lock_kind.make(name, ttl=0.2, auto_renew=False, owner="a", prefix=prefix)
     first.acquire()
     fence = first.fence
     assert fence is not None
-    assert wait_until(lambda: not r.exists(first.keys.lock))
-    second = RedisLock(r, name, owner="b", prefix=prefix, auto_renew=False)
+    assert wait_until(lambda: lock_kind.gone_everywhere(first.keys.lock))
+    second = lock_kind.make(name, owner="b", prefix=prefix, auto_renew=False)
     second.acquire()
     assert second.fence is not None and second.fence > fence
     second.release()
@@ -230,11 +238,12 @@ def test_fence_survives_expiry_of_the_hold(r, prefix, name):
 # -- owner checks -----------------------------------------------------------------------
 
 
-def test_stale_release_after_expiry_leaves_new_holder_alone(r, prefix, name):
-    stale = RedisLock(r, name, ttl=0.3, auto_renew=False, owner="stale", prefix=prefix)
+def test_stale_release_after_expiry_leaves_new_holder_alone(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    stale = lock_kind.make(name, ttl=0.3, auto_renew=False, owner="stale", prefix=prefix)
     stale.acquire()
-    assert wait_until(lambda: not r.exists(stale.keys.lock))
-    new = RedisLock(r, name, ttl=30, owner="new", prefix=prefix)
+    assert wait_until(lambda: lock_kind.gone_everywhere(stale.keys.lock))
+    new = lock_kind.make(name, ttl=30, owner="new", prefix=prefix)
     new.acquire()
     with pytest.raises(LockLost) as info:
         stale.release()
@@ -247,11 +256,13 @@ def test_stale_release_after_expiry_leaves_new_holder_alone(r, prefix, name):
     new.release()
 
 
-def test_stale_extend_after_expiry_raises_lost_and_leaves_new_holder(r, prefix, name):
-    stale = RedisLock(r, name, ttl=0.3, auto_renew=False, owner="stale", prefix=prefix)
+def test_stale_extend_after_expiry_raises_lost_and_leaves_new_holder(lock_kind, prefix,
+                                                                     name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    stale = lock_kind.make(name, ttl=0.3, auto_renew=False, owner="stale", prefix=prefix)
     stale.acquire()
-    assert wait_until(lambda: not r.exists(stale.keys.lock))
-    new = RedisLock(r, name, ttl=30, owner="new", prefix=prefix)
+    assert wait_until(lambda: lock_kind.gone_everywhere(stale.keys.lock))
+    new = lock_kind.make(name, ttl=30, owner="new", prefix=prefix)
     new.acquire()
     with pytest.raises(LockLost):
         stale.extend(60)
@@ -264,7 +275,7 @@ def test_stale_extend_after_expiry_raises_lost_and_leaves_new_holder(r, prefix, 
 
 def test_release_and_extend_by_non_owner_raise_and_delete_nothing(lock_kind, prefix,
                                                                   name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     holder = lock_kind.make(name, owner="holder", prefix=prefix)
     holder.acquire()
     holder.acquire()
@@ -286,7 +297,7 @@ def test_release_and_extend_by_non_owner_raise_and_delete_nothing(lock_kind, pre
 
 
 def test_release_of_this_object_from_another_thread_is_refused(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     lock = lock_kind.make(name, prefix=prefix)
     lock.acquire()
     err = _in_thread(lock.release)
@@ -298,7 +309,7 @@ def test_release_of_this_object_from_another_thread_is_refused(lock_kind, prefix
 
 
 def test_release_or_extend_of_a_free_lock_raises_not_owned(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     lock = lock_kind.make(name, prefix=prefix)
     with pytest.raises(LockNotOwned):
         lock.release()
@@ -307,8 +318,9 @@ def test_release_or_extend_of_a_free_lock_raises_not_owned(lock_kind, prefix, na
     assert not r.exists(lock.keys.lock)
 
 
-def test_extend_by_owner_sets_new_ttl(r, prefix, name):
-    lock = RedisLock(r, name, ttl=5, prefix=prefix)
+def test_extend_by_owner_sets_new_ttl(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=5, prefix=prefix)
     with lock:
         lock.extend(60)
         assert 50_000 < r.pttl(lock.keys.lock) <= 60_000
@@ -319,16 +331,17 @@ def test_extend_by_owner_sets_new_ttl(r, prefix, name):
         assert lock.ttl == 60
 
 
-def test_holder_describes_the_current_hold(r, prefix, name):
-    lock = RedisLock(r, name, ttl=30, owner="me", prefix=prefix,
-                     info={"task_id": "t-1", "task_name": "proj.job", "worker": "w1"})
+def test_holder_describes_the_current_hold(lock_kind, prefix, name):
+    lock = lock_kind.make(name, ttl=30, owner="me", prefix=prefix,
+                          info={"task_id": "t-1", "task_name": "proj.job",
+                                "worker": "w1"})
     assert lock.holder() is None
     with lock:
         holder = lock.holder()
         assert holder is not None
         assert holder.owner == "me"
         assert holder.count == 1
-        assert holder.fence == lock.fence
+        assert holder.fence == lock_kind.fence_of(lock)
         assert holder.ttl is not None and 20 < holder.ttl <= 30
         assert holder.age is not None and 0 <= holder.age < 10
         assert holder.task_id == "t-1" and holder.task_name == "proj.job"
@@ -340,11 +353,12 @@ def test_holder_describes_the_current_hold(r, prefix, name):
 # -- context manager and acquire arguments -----------------------------------------------
 
 
-def test_blocking_timeout_raises_not_acquired_with_holder_info(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder-owner", prefix=prefix,
-                       info={"task_id": "abc-123"})
+def test_blocking_timeout_raises_not_acquired_with_holder_info(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    holder = lock_kind.make(name, ttl=30, owner="holder-owner", prefix=prefix,
+                            info={"task_id": "abc-123"})
     holder.acquire()
-    waiter = RedisLock(r, name, prefix=prefix, blocking_timeout=0.3)
+    waiter = lock_kind.make(name, prefix=prefix, blocking_timeout=0.3)
     ran = False
     started = time.monotonic()
     with pytest.raises(LockNotAcquired) as info, waiter:
@@ -370,22 +384,25 @@ def test_blocking_timeout_raises_not_acquired_with_holder_info(r, prefix, name):
     holder.release()
 
 
-def test_non_blocking_acquire_returns_false_without_joining_the_line(r, prefix, name):
-    holder = RedisLock(r, name, owner="h", prefix=prefix)
+def test_non_blocking_acquire_returns_false_without_joining_the_line(lock_kind, prefix,
+                                                                     name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    holder = lock_kind.make(name, owner="h", prefix=prefix)
     holder.acquire()
-    other = RedisLock(r, name, owner="o", prefix=prefix)
+    other = lock_kind.make(name, owner="o", prefix=prefix)
     assert other.acquire(blocking=False) is False
     assert other.acquire(False) is False
     assert other.acquire(blocking=False, timeout=-1) is False
     assert not r.exists(other.keys.queue)
-    assert other.depth == 0 and other.fence is None
+    assert other.depth == 0 and lock_kind.fence_of(other) is None
     holder.release()
 
 
-def test_acquire_with_timeout_gives_up_and_leaves_the_line(r, prefix, name):
-    holder = RedisLock(r, name, owner="h", prefix=prefix)
+def test_acquire_with_timeout_gives_up_and_leaves_the_line(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    holder = lock_kind.make(name, owner="h", prefix=prefix)
     holder.acquire()
-    other = RedisLock(r, name, owner="o", prefix=prefix)
+    other = lock_kind.make(name, owner="o", prefix=prefix)
     started = time.monotonic()
     assert other.acquire(timeout=0.3) is False
     assert time.monotonic() - started >= 0.25
@@ -402,9 +419,10 @@ def test_acquire_with_timeout_gives_up_and_leaves_the_line(r, prefix, name):
     [(False, 1), (False, 0), (False, 0.5), (True, -2), (True, -0.5),
      (True, math.nan), (False, math.nan)],
 )
-def test_acquire_bad_timeout_combinations_raise_value_error(r, prefix, name,
+def test_acquire_bad_timeout_combinations_raise_value_error(lock_kind, prefix, name,
                                                             blocking, timeout):
-    lock = RedisLock(r, name, prefix=prefix)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, prefix=prefix)
     with pytest.raises(ValueError):
         lock.acquire(blocking=blocking, timeout=timeout)
     assert not r.exists(lock.keys.lock)
@@ -422,11 +440,14 @@ def test_exit_never_hides_the_body_exception(lock_kind, prefix, name):
     assert any(name in note and "also failed" in note for note in notes)
 
 
-def test_exit_body_exception_wins_over_a_lost_lock_taken_by_another(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
-    thief = RedisLock(r, name, owner="thief", prefix=prefix, auto_renew=False)
+def test_exit_body_exception_wins_over_a_lost_lock_taken_by_another(lock_kind, prefix,
+                                                                    name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, prefix=prefix)
+    thief = lock_kind.make(name, owner="thief", prefix=prefix, auto_renew=False)
     with pytest.raises(KeyError), lock:
-        r.delete(lock.keys.lock)
+        for server in lock_kind.clients:
+            server.delete(lock.keys.lock)
         thief.acquire()
         raise KeyError("body")
     assert _field(r, thief, "owner") == "thief"
@@ -434,7 +455,7 @@ def test_exit_body_exception_wins_over_a_lost_lock_taken_by_another(r, prefix, n
 
 
 def test_exit_without_body_exception_raises_failed_release(lock_kind, prefix, name):
-    r = lock_kind.clients[0]  # one of its servers (each has the whole hold)
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     lock = lock_kind.make(name, prefix=prefix)
     with pytest.raises(LockLost), lock:
         lock_kind.lose_data(lock)
@@ -449,25 +470,25 @@ def test_exit_without_body_exception_raises_failed_release(lock_kind, prefix, na
     "ttl", [0, 0.0, -1, -0.001, math.nan, math.inf, -math.inf, True, False, "30", None,
             [30]],
 )
-def test_bad_ttl_is_refused(r, ttl):
+def test_bad_ttl_is_refused(lock_kind, ttl):
     with pytest.raises(InvalidLockConfig) as info:
-        RedisLock(r, "some-lock", ttl=ttl)
+        lock_kind.make("some-lock", ttl=ttl)
     assert info.value.lock_name == "some-lock"
     assert isinstance(info.value, ValueError)
     assert isinstance(info.value, DLockError)
 
 
 @pytest.mark.parametrize("name_", ["", None, 7, b"bytes"])
-def test_bad_name_is_refused(r, name_):
+def test_bad_name_is_refused(lock_kind, name_):
     with pytest.raises(InvalidLockConfig):
-        RedisLock(r, name_)
+        lock_kind.make(name_)
 
 
 @pytest.mark.parametrize("field", ["owner", "count", "fence", "acquired_at", "ttl",
                                    "pid"])
-def test_reserved_info_fields_are_refused(r, field):
+def test_reserved_info_fields_are_refused(lock_kind, field):
     with pytest.raises(InvalidLockConfig, match=field):
-        RedisLock(r, "x", info={field: "1"})
+        lock_kind.make("x", info={field: "1"})
 
 
 @pytest.mark.parametrize(
@@ -475,24 +496,27 @@ def test_reserved_info_fields_are_refused(r, field):
     [{"prefix": ""}, {"owner": ""}, {"blocking_timeout": -1},
      {"blocking_timeout": math.nan}],
 )
-def test_other_bad_settings_are_refused(r, kwargs):
+def test_other_bad_settings_are_refused(lock_kind, kwargs):
     with pytest.raises(InvalidLockConfig):
-        RedisLock(r, "x", **kwargs)
+        lock_kind.make("x", **kwargs)
 
 
 def test_missing_client_is_refused():
+    """RedisLock's own client argument (RedlockLock's clients:
+    tests/deployments/test_redlock.py::test_bad_construction_is_refused)."""
     with pytest.raises(InvalidLockConfig):
         RedisLock(None, "x")
 
 
-def test_good_ttls_are_kept_in_milliseconds(r, prefix, name):
-    assert RedisLock(r, name, ttl=1, prefix=prefix).ttl_ms == 1000
-    assert RedisLock(r, name, ttl=2.5, prefix=prefix).ttl_ms == 2500
-    assert RedisLock(r, name, ttl=0.0001, prefix=prefix).ttl_ms == 1
+def test_good_ttls_are_kept_in_milliseconds(lock_kind, prefix, name):
+    assert lock_kind.make(name, ttl=1, prefix=prefix).ttl_ms == 1000
+    assert lock_kind.make(name, ttl=2.5, prefix=prefix).ttl_ms == 2500
+    assert lock_kind.make(name, ttl=0.0001, prefix=prefix).ttl_ms == 1
 
 
-def test_lock_leaves_nothing_registered_after_release(r, prefix, name):
-    lock = RedisLock(r, name, prefix=prefix)
+def test_lock_leaves_nothing_registered_after_release(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, prefix=prefix)
     lock.acquire()
     assert get_scheduler().is_registered(lock)
     assert queue_members(r, lock) == []

@@ -28,11 +28,7 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
     prefix = f"dlm{tag}"
     registry = CollectorRegistry()
     installed = metrics.install(registry=registry)
-    app = test_app(
-        f"dlm{tag}", redis_url,
-        task_default_queue=f"q-{tag}",
-        dlock_key_prefix=prefix,
-    )
+    app = test_app(f"dlm{tag}", redis_url, queue=f"q-{tag}", prefix=prefix)
     r = redis.Redis.from_url(redis_url, socket_timeout=30)
     gates: list[str] = []
 

@@ -1,5 +1,6 @@
-"""Renewal: the per-process scheduler thread, and the RenewalScheduler registry driven
-by an injected clock (``start_thread=False`` plus ``renew_due(now)``)."""
+"""Renewal: the per-process scheduler thread (on every lock kind, ``lock_kind``), and the
+RenewalScheduler registry driven by an injected clock (``start_thread=False`` plus
+``renew_due(now)``; its batching and retries are checked on one Redis)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def _commandstat(r: redis.Redis, command: str) -> int:
 # -- the real scheduler thread ----------------------------------------------------------
 
 
-def test_renewal_keeps_a_short_lock_alive_then_stops_after_release(r, prefix, name):
-    lock = RedisLock(r, name, ttl=1.0, prefix=prefix)
+def test_renewal_keeps_a_short_lock_alive_then_stops_after_release(lock_kind, prefix,
+                                                                    name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=1.0, prefix=prefix)
     lock.acquire()
     owner = r.hget(lock.keys.lock, "owner")
     assert get_scheduler().is_registered(lock)
@@ -65,11 +68,12 @@ def test_renewal_keeps_a_short_lock_alive_then_stops_after_release(r, prefix, na
     assert not r.exists(lock.keys.lock)
 
 
-def test_without_auto_renew_the_hold_expires_and_the_holder_is_told_first(r, prefix,
-                                                                          name):
+def test_without_auto_renew_the_hold_expires_and_the_holder_is_told_first(lock_kind,
+                                                                          prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     told: list[float] = []
-    lock = RedisLock(r, name, ttl=0.5, auto_renew=False, prefix=prefix,
-                     on_lost=lambda lk: told.append(time.monotonic()))
+    lock = lock_kind.make(name, ttl=0.5, auto_renew=False, prefix=prefix,
+                          on_lost=lambda lk: told.append(time.monotonic()))
     started = time.monotonic()
     lock.acquire()
     # Watched for its deadline, never renewed.
@@ -85,12 +89,13 @@ def test_without_auto_renew_the_hold_expires_and_the_holder_is_told_first(r, pre
         lock.release()
 
 
-def test_lost_lock_is_reported_once_and_never_recreated(r, prefix, name):
+def test_lost_lock_is_reported_once_and_never_recreated(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
     calls: list[RedisLock] = []
-    lock = RedisLock(r, name, ttl=0.6, prefix=prefix, on_lost=calls.append)
+    lock = lock_kind.make(name, ttl=0.6, prefix=prefix, on_lost=calls.append)
     lock.acquire()
-    r.delete(lock.keys.lock)
-    other = RedisLock(r, name, ttl=30, owner="other", prefix=prefix, auto_renew=False)
+    lock_kind.drop_hold(lock)
+    other = lock_kind.make(name, ttl=30, owner="other", prefix=prefix, auto_renew=False)
     assert other.acquire(blocking=False)
 
     assert wait_until(lambda: calls, timeout=5)
@@ -113,8 +118,9 @@ def test_lost_lock_is_reported_once_and_never_recreated(r, prefix, name):
     assert calls == [lock]
 
 
-def test_lock_dropped_while_held_stops_being_renewed(r, prefix, name):
-    lock = RedisLock(r, name, ttl=0.6, prefix=prefix)
+def test_lock_dropped_while_held_stops_being_renewed(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=0.6, prefix=prefix)
     lock.acquire()
     key = lock.keys.lock
     ref = weakref.ref(lock)
@@ -124,15 +130,15 @@ def test_lock_dropped_while_held_stops_being_renewed(r, prefix, name):
     assert wait_until(lambda: not r.exists(key), timeout=5)
 
 
-def test_on_lost_errors_do_not_kill_the_heartbeat(r, prefix, name):
+def test_on_lost_errors_do_not_kill_the_heartbeat(lock_kind, prefix, name):
     def explode(lock: RedisLock) -> None:
         raise RuntimeError("callback bug")
 
-    bad = RedisLock(r, name + "-bad", ttl=0.6, prefix=prefix, on_lost=explode)
+    bad = lock_kind.make(name + "-bad", ttl=0.6, prefix=prefix, on_lost=explode)
     bad.acquire()
-    r.delete(bad.keys.lock)
+    lock_kind.drop_hold(bad)
     assert wait_until(lambda: bad.lost, timeout=5)
-    good = RedisLock(r, name, ttl=0.6, prefix=prefix)
+    good = lock_kind.make(name, ttl=0.6, prefix=prefix)
     good.acquire()
     time.sleep(1.5)  # well past its ttl: only a live scheduler keeps it
     assert good.owned()
@@ -353,23 +359,25 @@ def test_transient_error_then_recovery_keeps_the_hold(own_server, prefix, name, 
 
 
 
-def test_reacquiring_after_a_loss_starts_a_fresh_renewed_hold(r, prefix, name):
-    lock = RedisLock(r, name, ttl=1, prefix=prefix)
+def test_reacquiring_after_a_loss_starts_a_fresh_renewed_hold(lock_kind, prefix, name):
+    r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
+    lock = lock_kind.make(name, ttl=1, prefix=prefix)
     assert lock.acquire()
-    old_fence = lock.fence
-    r.delete(lock.keys.lock)
+    old_fence = lock_kind.fence_of(lock)
+    lock_kind.drop_hold(lock)
     with pytest.raises(LockLost):
         lock.ensure_held()
     # The lost hold is not replaced behind the holder's back: a re-entry raises, and
     # the holder ends it with a release (which raises too) before a fresh hold.
     with pytest.raises(LockLost):
         lock.acquire(blocking=False)
-    assert lock.depth == 1 and lock.fence == old_fence
+    assert lock.depth == 1 and lock_kind.fence_of(lock) == old_fence
     with pytest.raises(LockLost):
         lock.release()
     assert lock.acquire(blocking=False)
     assert lock.depth == 1
-    assert lock.fence is not None and lock.fence > old_fence
+    if lock_kind.fences:  # (Redlock: fence_of checked above that fence raises)
+        assert lock.fence is not None and lock.fence > old_fence
     assert lock.owned()
     time.sleep(1.6)  # past the ttl: only renewal keeps it
     assert lock.owned()

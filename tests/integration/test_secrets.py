@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 from celery.bin.base import CLIContext
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app
+from celery_helpers import close_app, test_app
 from click.testing import CliRunner
 from dlock_helpers import closed_port
 
@@ -30,10 +30,8 @@ RESULT_TIMEOUT = 30
 
 def test_stored_failure_and_worker_log_hold_no_password(redis_url, r, caplog, capfd):
     tag = uuid.uuid4().hex[:8]
-    app = Celery(f"sec{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(broker_transport_options={"polling_interval": 0.1},
-                    task_default_queue=f"q-sec{tag}", result_expires=600,
-                    result_serializer="json", worker_hijack_root_logger=False)
+    app = test_app(f"sec{tag}", redis_url, queue=f"q-sec{tag}", result_expires=600,
+                   result_serializer="json", worker_hijack_root_logger=False)
 
     @app.task(base=LockedTask, shared=False, name=f"sec{tag}.t", lock_key="s:{x}")
     def t(x: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery_helpers import close_app, needs_inprocess_eta
+from celery_helpers import QUICK_POLLING, close_app, needs_inprocess_eta, test_app
 
 from celery_dlock import InvalidLockConfig, LockedTask, LockNotAcquired, RedisLock
 from celery_dlock.task import config
@@ -28,17 +28,8 @@ RESULT_TIMEOUT = 30
 
 
 def _conf_app(redis_url: str, tag: str, **conf: Any) -> Celery:
-    app = Celery(f"cfg{tag}", broker=redis_url, backend=redis_url, set_as_current=False)
-    app.conf.update(
-        broker_transport_options={"polling_interval": 0.1},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": 1, "interval_start": 0, "interval_step": 0.1}},
-        task_default_queue=f"q-cfg{tag}",
-        dlock_key_prefix=f"dlt{tag}",
-        result_expires=600,
-        **conf,
-    )
-    return app
+    return test_app(f"cfg{tag}", redis_url, queue=f"q-cfg{tag}", prefix=f"dlt{tag}",
+                    result_expires=600, **conf)
 
 
 def _held(r: redis.Redis, prefix: str) -> list[str]:
@@ -305,10 +296,8 @@ def test_broker_url_from_the_environment(redis_url, monkeypatch, r):
     """No broker in code; CELERY_BROKER_URL (what ``celery -b`` sets) names Redis."""
     monkeypatch.setenv("CELERY_BROKER_URL", redis_url)
     tag = uuid.uuid4().hex[:8]
-    app = Celery(f"env{tag}", set_as_current=False)
-    app.conf.update(result_backend=redis_url, task_default_queue=f"q-env{tag}",
-                    broker_transport_options={"polling_interval": 0.1},
-                    dlock_key_prefix=f"dlt{tag}")
+    app = test_app(f"env{tag}", queue=f"q-env{tag}", prefix=f"dlt{tag}",
+                   result_backend=redis_url, **QUICK_POLLING)
     assert resolve_url(app.conf) == redis_url
 
     @app.task(base=LockedTask, bind=True, shared=False, name=f"env{tag}.t",
@@ -331,13 +320,12 @@ def test_filesystem_broker_with_a_redis_result_backend(redis_url, tmp_path: Path
     folder = tmp_path / "broker"
     folder.mkdir()
     tag = uuid.uuid4().hex[:8]
-    app = Celery(f"fs{tag}", broker="filesystem://", backend=redis_url,
-                 set_as_current=False)
-    app.conf.update(broker_transport_options={
-        "data_folder_in": str(folder), "data_folder_out": str(folder),
-        "control_folder": str(tmp_path / "control"),
-        "polling_interval": 0.1}, dlock_key_prefix=f"dlt{tag}",
-        task_default_queue=f"q-fs{tag}")
+    app = test_app(f"fs{tag}", queue=f"q-fs{tag}", prefix=f"dlt{tag}",
+                   broker_url="filesystem://", result_backend=redis_url,
+                   broker_transport_options={
+                       "data_folder_in": str(folder), "data_folder_out": str(folder),
+                       "control_folder": str(tmp_path / "control"),
+                       **QUICK_POLLING["broker_transport_options"]})
     assert resolve_url(app.conf) == redis_url
 
     @app.task(base=LockedTask, bind=True, shared=False, name=f"fs{tag}.t",

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
-from celery_helpers import close_app
+from celery_helpers import QUICK_POLLING, close_app, test_app, test_conf
 from config_app import ENV_CONF, ENV_OPTIONS
 from dlock_helpers import wait_until
 
@@ -59,9 +58,7 @@ def _refused(conf: dict[str, Any], options: dict[str, Any] | None = None
 
 
 def _base_conf(redis_url: str) -> dict[str, Any]:
-    return {"broker_url": redis_url, "result_backend": redis_url,
-            "broker_transport_options": {"polling_interval": 0.1},
-            "broker_connection_retry_on_startup": True}
+    return test_conf(redis_url, broker_connection_retry_on_startup=True)
 
 
 def test_bad_dlock_url_stops_the_worker_with_the_password_masked(redis_url):
@@ -107,16 +104,14 @@ def test_no_redis_anywhere_stops_the_worker(redis_url, tmp_path):
 def test_broker_from_the_environment_in_a_worker(redis_url, r, prefix):
     """No broker in code: ``CELERY_BROKER_URL`` names Redis, for Celery and the locks."""
     queue = f"q-{prefix}"
-    conf = {"result_backend": redis_url, "dlock_key_prefix": prefix,
-            "broker_transport_options": {"polling_interval": 0.1},
-            "task_default_queue": queue}
+    conf = test_conf(queue=queue, prefix=prefix, result_backend=redis_url,
+                     **QUICK_POLLING)
     log = subprocess.DEVNULL
     worker = subprocess.Popen(_worker_args(queue),
                               env=_env(conf, CELERY_BROKER_URL=redis_url),
                               cwd=TESTS_DIR, stdin=subprocess.DEVNULL, stdout=log,
                               stderr=log, start_new_session=True)
-    client = Celery("client", broker=redis_url, backend=redis_url, set_as_current=False)
-    client.conf.update(task_default_queue=queue)
+    client = test_app("client", redis_url, queue=queue)
     try:
         out = client.send_task("cfgapp.locked", ("7",)).get(timeout=60)
         assert out["key"] == "cfg:7" and out["held"] is True
