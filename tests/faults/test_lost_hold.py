@@ -93,11 +93,7 @@ def test_every_contact_reports_a_gone_hold_once(lock_kind, name, check):
 
 
 def test_reentry_finds_another_hold_of_the_same_owner_is_not_its_own(lock_kind, prefix,
-                                                                    name, request):
-    if lock_kind.name == "redlock":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "RedlockLock tells a hold from a newer one of the same owner by nothing: "
-            "the re-entry joins the new hold instead of raising LockLost")))
+                                                                    name):
     # The hold was released by force and the same owner took the lock again through
     # another object: a re-entry of the first object's hold must not join that new
     # hold (its fence differs), or the first holder would carry on as if it had

@@ -146,6 +146,8 @@ class RedlockLock(Hold):
         # Calls of a granted acquire still out to slow nodes: a release waits for them
         # (at most node_timeout), so it never reaches a node before its acquire.
         self._in_flight: dict[int, list[cf.Future[Any]]] = {}
+        # Per node, the fence of this object's fresh hold there (None: no answer).
+        self._node_fences: tuple[int | None, ...] = ()
 
     # -- helpers ------------------------------------------------------------------
 
@@ -175,14 +177,21 @@ class RedlockLock(Hold):
 
     def _send_acquire(self, owner: str, op: str, *, queue: bool,
                       reentry: bool) -> Grant | Refused | int:
-        args = [owner, self.ttl_ms, 0, op, "*" if reentry else "", "pid", os.getpid(),
-                *self._info_args]
+        args = [owner, self.ttl_ms, 0, op, "", "pid", os.getpid(), *self._info_args]
         keys = (self.keys.lock,)
         quorum, n = self.quorum, len(self._nodes)
+        # A re-entry names, per node, the hold it expects by that node's fence (its
+        # counter is no fencing token across nodes, but it tells this hold from a
+        # newer one of the same owner there); "*" where the node never answered.
+        expected = self._node_fences if reentry else ()
 
-        def call(_: int, node: Any) -> Any:
+        def call(i: int, node: Any) -> Any:
             check_server(node)
-            return ACQUIRE(node, keys, args)
+            mine = list(args)
+            if reentry:
+                known = expected[i] if i < len(expected) else None
+                mine[4] = "*" if known is None else str(known)
+            return ACQUIRE(node, keys, mine)
 
         def with_code(out: Outcome, code: int) -> list[int]:
             return [i for i, r in enumerate(out) if answered(r) and int(r[0]) == code]
@@ -204,6 +213,9 @@ class RedlockLock(Hold):
             for i, future in leftover.items():
                 self._in_flight.setdefault(i, []).append(future)
             reentered = reentry or sum(1 for i in yes if int(out[i][2]) > 1) >= quorum
+            if not reentered:
+                self._node_fences = tuple(int(out[i][1]) if i in yes else None
+                                          for i in range(n))
             return Grant(None, reentered)
         give_back(self._nodes, self.keys, owner, args, out, leftover, self.node_timeout,
                   self.name, self.ttl)
