@@ -123,7 +123,7 @@ class Backend(Protocol):
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True) -> Lock:
+             auto_renew: bool = True, pause_budget: float | None = None) -> Lock:
         """A lock object for ``name`` (no server call)."""
         ...
 

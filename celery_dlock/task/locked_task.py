@@ -123,6 +123,9 @@ class LockedTask(Task):  # type: ignore[misc]
     lock_fail_open: ClassVar[bool | None] = None
     #: "fail" (default), "interrupt" or "warn" (app: dlock_lock_lost_action).
     lock_lost_action: ClassVar[str | None] = None
+    #: Seconds the holder may be frozen at its deadline and still be told first
+    #: (app: dlock_pause_budget; default a tenth of lock_ttl, at most 2 s).
+    lock_pause_budget: ClassVar[float | None] = None
 
     #: The worker-side request: frees a dead child's locks from the main process.
     Request = "celery_dlock.task.request:LockedRequest"
@@ -195,7 +198,8 @@ class LockedTask(Task):  # type: ignore[misc]
                   request: Any) -> Lock:
         return backend_for(self.app).lock(key, settings["lock_ttl"],
                                           prefix=settings["lock_prefix"],
-                                          info=hold_info(self.name, request))
+                                          info=hold_info(self.name, request),
+                                          pause_budget=settings["lock_pause_budget"])
 
     # -- running ----------------------------------------------------------------------
 

@@ -129,6 +129,9 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
             "(not counted against max_retries)"),
     Setting("lock_fail_open", "dlock_fail_open", False, check_bool,
             "run the body unlocked (with a warning) when Redis is unreachable"),
+    Setting("lock_pause_budget", "dlock_pause_budget", None, _non_negative,
+            "seconds the holder may be frozen at its deadline and still be told "
+            "first (None: a tenth of the ttl, at most 2 s)"),
     Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "

@@ -88,3 +88,33 @@ def test_the_clock_counts_suspended_time_where_the_platform_can():
     assert abs(clock() - time.clock_gettime(time.CLOCK_BOOTTIME)) < 0.5
     assert RenewalScheduler(start_thread=False).now() == pytest.approx(
         time.clock_gettime(time.CLOCK_BOOTTIME), abs=0.5)
+
+
+def test_a_task_s_pause_budget_reaches_its_lock(redis_url):
+    from celery_helpers import close_app, test_app
+
+    from celery_dlock import InvalidLockConfig, LockedTask
+
+    app = test_app("pb", redis_url, dlock_url=redis_url, dlock_pause_budget=3.0)
+    seen: dict[str, object] = {}
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_ttl=30)
+    def by_app(self):
+        seen["app"] = self.lock.pause_budget
+
+    @app.task(base=LockedTask, bind=True, shared=False, lock_ttl=30,
+              lock_pause_budget=0.5)
+    def by_task(self):
+        seen["task"] = self.lock.pause_budget
+
+    try:
+        by_app.apply().get()
+        by_task.apply().get()
+        assert seen == {"app": 3.0, "task": 0.5}
+        app.finalize()  # the decorator builds the task class at once
+        with pytest.raises(InvalidLockConfig, match="lock_pause_budget"):
+            @app.task(base=LockedTask, shared=False, name="pb-bad", lock_pause_budget=-1)
+            def bad():
+                return None
+    finally:
+        close_app(app)

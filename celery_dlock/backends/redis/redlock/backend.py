@@ -28,9 +28,10 @@ class RedlockBackend:
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True) -> RedlockLock:
+             auto_renew: bool = True, pause_budget: float | None = None) -> RedlockLock:
         return RedlockLock(self.clients, name, ttl, prefix=prefix, info=info,
-                           owner=owner, on_lost=on_lost, auto_renew=auto_renew)
+                           owner=owner, on_lost=on_lost, auto_renew=auto_renew,
+                         pause_budget=pause_budget)
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         holder = RedlockLock(self.clients, name, prefix=prefix, auto_renew=False).holder()
