@@ -152,6 +152,30 @@ def test_one_node_killed_then_restarted_empty(trio):
     assert wait_until(lambda: trio.holders(a.keys.lock) == [None, None, None])
 
 
+def test_reentry_after_one_node_restarted_empty_keeps_the_outer_hold(trio):
+    """A node restarted empty does not end a re-entered hold: the re-entry counts on
+    the quorum that kept the hold (the empty node takes nothing), the inner release
+    leaves depth 1 there, renewal goes on, and no other owner can acquire."""
+    a = _lock(trio.clients(), "reenter", "owner-a", ttl=1.0, node_timeout=0.2)
+    b = _lock(trio.clients(), "reenter", "owner-b", ttl=1.0, node_timeout=0.2)
+    assert a.acquire(blocking=False)
+    assert wait_until(lambda: trio.holders(a.keys.lock) == ["owner-a"] * 3)
+    trio.restart_empty(0)
+    assert a.acquire(blocking=False)  # the inner block
+    assert a.depth == 2 and not a.lost
+    assert trio.holders(a.keys.lock)[0] is None  # the empty node took nothing
+    a.release()  # the inner block ends
+    assert a.depth == 1 and not a.lost
+    for _ in range(3):  # past several ttls: renewed by the quorum
+        time.sleep(0.5)
+        assert not b.acquire(blocking=False)
+    assert not a.lost
+    a.ensure_held()
+    a.release()
+    assert wait_until(lambda: b.acquire(blocking=False))
+    b.release()
+
+
 def test_two_nodes_restarted_empty_within_a_ttl_break_exclusion(trio):
     """The documented limit: without persistence (or a delayed restart), two of three
     nodes restarted empty hand the lock to another owner while the first still holds
