@@ -95,6 +95,14 @@ class Refused(NamedTuple):
     retry_in: float | None = None
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_lock_options(name: Any, prefix: Any, owner: Any, blocking_timeout: Any,
                        info: Mapping[str, object] | None,
                        pause_budget: Any = None) -> list[str]:
@@ -103,15 +111,26 @@ def check_lock_options(name: Any, prefix: Any, owner: Any, blocking_timeout: Any
     flat field/value arguments."""
     if not isinstance(name, str) or not name:
         raise InvalidLockConfig(f"a lock needs a non-empty name, got {name!r}")
+    if not _encodable(name):
+        raise InvalidLockConfig(f"a lock name must be encodable as UTF-8 (no lone "
+                                f"surrogate), got {name!r}")
     if not isinstance(prefix, str) or not prefix:
         raise InvalidLockConfig(f"prefix must be a non-empty string, got {prefix!r}",
                                 lock_name=name)
+    if "{" in prefix or "}" in prefix or not _encodable(prefix):
+        raise InvalidLockConfig(f"prefix may not contain '{{' or '}}' (on Redis Cluster "
+                                f"they would move the hash tag: every acquire would "
+                                f"fail), got {prefix!r}", lock_name=name)
     if owner is not None and (not isinstance(owner, str) or not owner):
         raise InvalidLockConfig(f"owner must be a non-empty string, got {owner!r}",
                                 lock_name=name)
     # NaN compares false with everything: refuse it rather than wait forever.
-    if blocking_timeout is not None and not blocking_timeout >= 0:
-        raise InvalidLockConfig("blocking_timeout must be >= 0 or None", lock_name=name)
+    if blocking_timeout is not None and (
+            isinstance(blocking_timeout, bool)
+            or not isinstance(blocking_timeout, (int, float))
+            or not blocking_timeout >= 0):
+        raise InvalidLockConfig(f"blocking_timeout must be a number >= 0 or None, got "
+                                f"{blocking_timeout!r}", lock_name=name)
     if pause_budget is not None and (isinstance(pause_budget, bool)
                                      or not isinstance(pause_budget, (int, float))
                                      or not pause_budget >= 0):

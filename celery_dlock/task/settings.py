@@ -96,6 +96,10 @@ def check_bool(name: str, value: Any) -> bool:
 def _prefix(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidLockConfig(f"{name} must be a non-empty string, got {value!r}")
+    if "{" in value or "}" in value:
+        raise InvalidLockConfig(f"{name} may not contain '{{' or '}}' (on Redis Cluster "
+                                f"they would move the hash tag: every acquire would "
+                                f"fail), got {value!r}")
     return value
 
 

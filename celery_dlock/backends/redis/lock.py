@@ -121,6 +121,13 @@ class RedisLock(Hold):
         if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
             return LockKeyConflict(foreign_keys(self.client, self.keys),
                                    lock_name=self.name)
+        if isinstance(exc, ResponseError) and "not an integer" in str(exc):
+            # Foreign data at the fence counter (the only integer a script INCRs):
+            # the script stopped at it, before writing the hold.
+            return LockKeyConflict(
+                f"{self.keys.fence!r} does not hold an integer fence counter: another "
+                f"application's data is under this lock's keys and was left untouched "
+                f"(use another prefix or lock name)", lock_name=self.name)
         return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
                                   lock_name=self.name)
 
