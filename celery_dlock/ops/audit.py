@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core.text import clean_text
 from ..task.events import EVENTS_MAX, EVENTS_TTL, Event, events_key
+from .formatting import printable
 from .inspect import LockInfo
 
 __all__ = ["operator", "record_release", "released_by"]
@@ -54,8 +55,9 @@ def record_release(client: Any, prefix: str, key: str, freed: LockInfo,
                   holder_worker=freed.worker,
                   detail=clean_text(reason) or "no reason given")
     logger.warning("lock %r released by %s (reason: %s); it was held by %s[%s] on %s",
-                   key, event.worker, event.detail, freed.task_name or "?",
-                   freed.task_id or "?", freed.worker or "?")
+                   key, *(printable(str(x)) for x in (
+                       event.worker, event.detail, freed.task_name or "?",
+                       freed.task_id or "?", freed.worker or "?")))
     pipe = client.pipeline(transaction=False)
     pipe.lpush(events_key(prefix), json.dumps(event.as_dict(), separators=(",", ":")))
     pipe.ltrim(events_key(prefix), 0, EVENTS_MAX - 1)

@@ -51,6 +51,7 @@ from .formatting import (
     duration_text,
     fit_widths,
     holder_text,
+    printable,
     row_cells,
     table_lines,
 )
@@ -138,7 +139,7 @@ def _target(ctx: click.Context) -> _Target:
 
 
 def _fail(ctx: click.Context, message: str, code: int) -> None:
-    click.echo(message, err=True)
+    click.echo(printable(message), err=True)
     ctx.exit(code)
 
 
@@ -201,11 +202,11 @@ def ls(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps([info.summary() for info in infos], indent=2))
         return
     if not infos:
-        click.echo(f"No locks held under prefix {target.prefix!r}.")
+        click.echo(printable(f"No locks held under prefix {target.prefix!r}."))
         return
     rows = (row_cells(info, SUMMARY_FIELDS) for info in infos)
     for line in table_lines(SUMMARY_FIELDS, rows):
-        click.echo(line)
+        click.echo(printable(line))
 
 
 @dlock.command()
@@ -238,7 +239,7 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     fields.append(("redis_key", backend.storage_key(target.prefix, key)))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
-        click.echo(f"{name + ':':<{size}} {text}")
+        click.echo(printable(f"{name + ':':<{size}} {text}"))
 
 
 @dlock.command()
@@ -266,9 +267,9 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
                        f"{target.prefix!r}.", EXIT_NOT_FOUND)
             return
         click.confirm(
-            f"Lock {key!r} is held by {info.describe()} for "
+            f"Lock {key!r} is held by {printable(info.describe())} for "
             f"{duration_text(info.held_for)} "
-            f"(owner {info.owner}, fence {cell_text(info.fence)}).\n"
+            f"(owner {printable(info.owner)}, fence {cell_text(info.fence)}).\n"
             "Releasing it lets another run take it while this one may still be "
             "running.\n(to skip this prompt use --force)\nRelease it?", abort=True)
         expected = info.fence
@@ -288,7 +289,7 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
               EXIT_NOT_FOUND)
         return
     record_release(target.client(), target.prefix, key, freed, reason)
-    click.echo(f"Released lock {key!r}: {holder_text(freed)}.")
+    click.echo(printable(f"Released lock {key!r}: {holder_text(freed)}."))
 
 
 # -- top ------------------------------------------------------------------------------
@@ -372,7 +373,7 @@ def top(ctx: click.Context, interval: float, iterations: int, max_events: int) -
         while True:
             lines = _top_screen(target, max_events)
             click.clear()
-            click.echo("\n".join(lines))
+            click.echo("\n".join(printable(line) for line in lines))
             done += 1
             if iterations and done >= iterations:
                 return

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .inspect import LockInfo
 
-__all__ = ["cell_text", "duration_text", "fit_widths", "holder_text", "row_cells",
-           "table_lines"]
+__all__ = ["cell_text", "duration_text", "fit_widths", "holder_text", "printable",
+           "row_cells", "table_lines"]
 
 
 def duration_text(value: float | None) -> str:
@@ -20,6 +21,16 @@ def duration_text(value: float | None) -> str:
     if whole < 3600:
         return f"{whole // 60}m{whole % 60:02d}s"
     return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character (C0, DEL, C1: ESC, BEL, BS, CR, LF, ...)
+    escaped as Python would (``\\x1b``, ``\\n``), so that nothing read from a server
+    can move the cursor, ring, or forge a line of a table on the operator's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(ch.encode("unicode_escape").decode("ascii")
+                   if unicodedata.category(ch) == "Cc" else ch for ch in text)
 
 
 def cell_text(value: Any) -> str:

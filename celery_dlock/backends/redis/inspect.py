@@ -27,6 +27,7 @@ are right whatever the clock of the machine that asks.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -46,6 +47,8 @@ from .scripts import FORCE_RELEASE, READ_HOLD
 
 #: The name this module used before the hold's description moved to the core.
 LockInfo = HoldInfo
+
+logger = logging.getLogger("celery_dlock.inspect")
 
 __all__ = [
     "SUMMARY_FIELDS",
@@ -83,9 +86,16 @@ def _int(text: str | None) -> int | None:
 def _as_fields(raw: Mapping[Any, Any] | Iterable[Any]) -> dict[str, str]:
     """A hash as ``{str: str}``, from an ``HGETALL`` mapping or a flat script reply."""
     if isinstance(raw, Mapping):
-        return {decode(k): decode(v) for k, v in raw.items()}
+        return {_text(k): _text(v) for k, v in raw.items()}
     flat = list(raw)
-    return {decode(flat[i]): decode(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+    return {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+
+
+def _text(value: Any) -> str:
+    """A field of a hold as text; bytes that are not UTF-8 (foreign data) escaped."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    return str(value)
 
 
 def _lock_info(name: str, fields: Mapping[str, str], pttl_ms: int | None,
@@ -174,7 +184,13 @@ def iter_locks(client: Any, prefix: str = DEFAULT_PREFIX, *,
             page: list[tuple[str, str]] = []
             for raw_key in node.scan_iter(match=scan_pattern(prefix), count=page_size,
                                           _type="hash"):
-                key = decode(raw_key)
+                try:
+                    key = decode(raw_key)
+                except UnicodeDecodeError:
+                    # Not a name this library wrote: another program's binary key.
+                    logger.info("skipped a key that is not UTF-8 under prefix %r: %r",
+                                prefix, raw_key)
+                    continue
                 name = lock_name_of(prefix, key)
                 if name is None or key in seen:
                     continue
