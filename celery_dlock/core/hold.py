@@ -398,6 +398,7 @@ class Hold:
                            lock_name=self.name)
         deadline = None if timeout is None else time.monotonic() + timeout
         scheduler = self._get_scheduler()
+        margin = self._margin(self.ttl_ms)
         op = new_op_id()
         queued = acquired = False
         try:
@@ -407,9 +408,9 @@ class Hold:
                                            reentry=reentry)
                 if isinstance(reply, Grant):
                     if reply.reentered or scheduler.now() < lease_end(
-                            sent_at, self.ttl_ms, self._margin(self.ttl_ms)):
+                            sent_at, self.ttl_ms, margin):
                         acquired = True
-                        self._acquired(owner, reply, sent_at)
+                        self._acquired(owner, reply, sent_at, margin)
                         return True
                     # A fresh hold confirmed after its own deadline may be gone
                     # already: nobody can vouch for it, so give it back and go on
@@ -439,9 +440,9 @@ class Hold:
             if queued and not acquired:
                 self._leave_line(owner)
 
-    def _acquired(self, owner: str, grant: Grant, sent_at: float) -> None:
+    def _acquired(self, owner: str, grant: Grant, sent_at: float,
+                  margin: float) -> None:
         scheduler = self._get_scheduler()
-        margin = self._margin(self.ttl_ms)
         with self._state:
             self._sync_generation()
             if (self._depth == 0 or not grant.reentered or self._lost_reason is not None

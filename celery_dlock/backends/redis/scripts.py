@@ -125,16 +125,22 @@ local function now_ms()
 end
 
 -- The next fencing token of ``lock``: above every token handed out before, also after
--- a data loss reset the counter (it is floored at the server's clock in microseconds,
--- about 1.7e15: exact in a Lua number, and it fits a signed 64-bit column).
-local function next_fence(lock)
-  local t = redis.call('TIME')
-  local floor = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = redis.call('INCR', lock .. FENCE_SUFFIX)
-  if fence < floor then
-    fence = floor
-    redis.call('SET', lock .. FENCE_SUFFIX, string.format('%.0f', fence))
+-- a data loss reset the counter: max(counter + 1, the server's clock in microseconds
+-- at ``t``, a TIME reply), about 1.7e15: exact in a Lua number, and it fits a signed
+-- 64-bit column.  A counter that is not an integer (foreign data) stops the script
+-- here, before the hold is written.
+local function next_fence(lock, t)
+  local key = lock .. FENCE_SUFFIX
+  local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local counter = redis.call('GET', key)
+  if counter then
+    local n = tonumber(counter)
+    if not n or n ~= math.floor(n) then
+      return redis.error_reply('ERR value is not an integer fence counter')
+    end
+    if n + 1 > fence then fence = n + 1 end
   end
+  redis.call('SET', key, string.format('%.0f', fence))
   return fence
 end
 
@@ -245,7 +251,8 @@ if expect ~= '' then
   return {2, 0}
 end
 local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
-local now = now_ms()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local pttl
 if not holder then
   local head = false
@@ -254,7 +261,8 @@ if not holder then
     head = redis.call('ZRANGE', queue, 0, 0)[1]
   end
   if (not head) or head == owner then
-    local fence = next_fence(lock)
+    local fence = next_fence(lock, t)
+    if type(fence) == 'table' then return fence end
     redis.call('HSET', lock, 'owner', owner, 'count', 1,
                'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
                'ops', '|' .. op .. '=1', unpack(ARGV, 6))
