@@ -36,6 +36,12 @@ def backend_for(app: Any) -> Backend:
     """This process's backend for ``app`` (made with its client, which is cached per
     app and process; the app's settings are checked when it is first made)."""
     client = get_client(app)
+    try:
+        cached = _by_app.get(app)
+    except TypeError:  # an app that cannot be weakly referenced
+        return backend_of_client(client)
+    if cached is not None and cached[0] is client:
+        return cached[1]  # the path every task run takes: no lock
     with _lock:
         try:
             cached = _by_app.get(app)
