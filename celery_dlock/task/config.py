@@ -1,17 +1,6 @@
 """Checks of ``dlock_*`` settings and task options, per-call overrides, and the
-client.  The settings table and the one reader of them are in
-:mod:`celery_dlock.task.settings`.
-
-Every setting has a task option and an app-wide ``app.conf`` key.  A value is taken
-from the first of these that sets it, as Celery does for its own task options:
-
-1. the call: the message's headers, ``apply_async(..., headers={"lock_ttl": 5})``
-   (:data:`CALL_OPTIONS` only: the options that name the lock cannot change per call);
-2. ``app.conf.task_annotations`` for the task;
-3. the task class, most derived first (``@app.task(...)`` keywords are attributes of
-   the class Celery makes);
-4. ``app.conf.dlock_*``;
-5. the default.
+client.  The settings table, where a value comes from and the one reader of them are
+in :mod:`celery_dlock.task.settings`.
 
 Values are checked where they are given: task options when the task is declared
 (and again once annotations are applied, when the task is bound to its app), app
