@@ -329,3 +329,32 @@ def test_a_cluster_client_is_refused(trio, cluster_client):
     with pytest.raises(InvalidLockConfig, match="not a cluster client") as caught:
         RedlockLock([c[0], c[1], cluster_client], "bad")
     assert "\n" not in str(caught.value)
+
+
+def test_extend_uses_the_new_ttl_s_drift_allowance(trio):
+    t = [1000.0]
+    sched = RenewalScheduler(clock=lambda: t[0], start_thread=False)
+    told: list[object] = []
+    lock = _lock(trio.clients(), "ext", "owner-a", ttl=2.0, drift_factor=0.3,
+                 scheduler=sched, auto_renew=False, on_lost=told.append)
+    assert lock.acquire(blocking=False)
+    try:
+        lock.extend(6)  # sent at 1000: 6 - (6 * 0.3 + 0.002) - 0.6 (pause budget)
+        sched.renew_due(1000.0 + 3.59)
+        assert told == []
+        sched.renew_due(1000.0 + 3.61)
+        assert told == [lock]
+    finally:
+        lock.release_all()
+
+
+def test_a_contended_redlock_names_its_holder_without_a_fence(trio):
+    a = _lock(trio.clients(), "nofence", "owner-a")
+    b = _lock(trio.clients(), "nofence", "owner-b")
+    assert a.acquire(blocking=False)
+    try:
+        assert not b.acquire(blocking=False)
+        assert b.last_holder is not None and b.last_holder.owner == "owner-a"
+        assert b.last_holder.fence is None  # one node's counter is no fencing token
+    finally:
+        a.release()
