@@ -217,7 +217,11 @@ class RedlockLock(Hold):
                 self._node_fences = tuple(int(out[i][1]) if i in yes else None
                                           for i in range(n))
             return Grant(None, reentered)
-        give_back(self._nodes, self.keys, owner, args, out, leftover, self.node_timeout,
+        # A node that did not answer gets the same request again before its give-back:
+        # a re-entry's again expects the owner's hold ("*"), so a node without it
+        # takes nothing.
+        again = args if not reentry else [*args[:4], "*", *args[5:]]
+        give_back(self._nodes, self.keys, owner, again, out, leftover, self.node_timeout,
                   self.name, self.ttl)
         raise_conflict(self._nodes, self.keys, self.name, out)
         if reentry and len(gone) > n - quorum:
