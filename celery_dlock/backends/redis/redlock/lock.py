@@ -32,7 +32,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 from redis.exceptions import ResponseError
 
@@ -50,7 +50,6 @@ from ....core.protocol import GONE, OK, STILL_HELD, TAKEN
 from ....core.renew_target import RenewTarget
 from ....core.scheduler import RenewalScheduler
 from ..keyspace import LockKeys
-from ..lock import RedisLock
 from ..scripts import ACQUIRE, EXTEND, RELEASE
 from ..server_checks import check_server
 from .nodes import (
@@ -76,8 +75,7 @@ from .quorum import (
     unavailable,
 )
 
-__all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "AnyLock",
-           "RedlockLock", "fence_of"]
+__all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "RedlockLock"]
 
 logger = logging.getLogger("celery_dlock.redlock")
 
@@ -332,15 +330,3 @@ class RedlockLock(Hold):
     def __repr__(self) -> str:
         return (f"<RedlockLock {self.name!r} nodes={len(self.clients)} "
                 f"quorum={self.quorum} ttl={self.ttl:g}s depth={self._depth}>")
-
-
-#: Either kind of lock (what a LockedTask run holds).
-AnyLock: TypeAlias = "RedisLock | RedlockLock"
-
-
-def fence_of(lock: AnyLock) -> int | None:
-    """``lock.fence``, or None for a lock that gives no fencing token (Redlock)."""
-    try:
-        return lock.fence
-    except FencingUnavailable:
-        return None
