@@ -149,9 +149,12 @@ def tracked_copy(repo: Path, dest: Path) -> Path:
     ``.git`` and build output when it is not a git checkout), under ``dest``: builds
     run there, never in the checkout, whose build tree other runs may be using."""
     dest.mkdir(parents=True, exist_ok=True)
-    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"],
-                            capture_output=True, check=False)
-    if listed.returncode == 0 and listed.stdout:
+    try:
+        listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z"],
+                                capture_output=True, check=False)
+    except OSError:  # no git on this machine: a plain copy below
+        listed = None
+    if listed is not None and listed.returncode == 0 and listed.stdout:
         for rel in listed.stdout.decode().split("\0"):
             if rel and (repo / rel).is_file():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)

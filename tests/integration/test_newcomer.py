@@ -1,11 +1,13 @@
 """A newcomer's first hour, scripted: the sdist installed into a fresh venv, then every
 command of ``celery-dlock`` and ``celery dlock`` with good and bad input.
 
-The module builds the sdist once (``python -m build --sdist``), makes a fresh venv with
-``python3 -m venv`` and installs ``<sdist>[embedded]`` into it from PyPI: not editable,
-not the checkout.  Every command runs as a subprocess of that venv's executables, from a
-directory outside the checkout, so nothing of the checkout is imported.  The external
-Redis is a password-protected redis-server this module starts.
+The module builds the sdist once (``python -m build --sdist``) from a copy of the files
+git tracks, which is what a newcomer's clone has (never in the checkout, whose build tree
+another test process may be using), makes a fresh venv with ``python3 -m venv`` and
+installs ``<sdist>[embedded]`` into it from PyPI: not editable, not the checkout.  Every
+command runs as a subprocess of that venv's executables, from a directory outside the
+checkout, so nothing of the checkout is imported.  The external Redis is a
+password-protected redis-server this module starts.
 
 Every failure path must print one line (on stderr), exit non-zero, show no traceback and
 never the password.
@@ -31,8 +33,10 @@ from dlock_helpers import tracked_copy, wait_until
 from celery_dlock import RedisLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-# (xdist_group: the two modules that build the package run one at a time)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sdist")]
+# (xdist_group: where pytest-xdist honours it, one process runs the module, so the
+# fixture below builds and installs once; two processes that both run it are safe, each
+# builds in a copy of its own)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("newcomer")]
 
 REPO = Path(__file__).resolve().parents[2]
 PASSWORD = "nc-S3cret-pw"
@@ -63,6 +67,7 @@ class Newcomer:
     home: Path  # a directory outside the checkout: the cwd of every command
     redis_url: str  # the external Redis, with its password
     sdist: Path
+    source: Path  # the copy of the tracked files the sdist was built from
 
     def run(self, exe: str, *args: str, timeout: float = 60, input: str | None = None,
             env: dict[str, str] | None = None) -> Run:
@@ -95,23 +100,12 @@ def _pip_install(python: Path, *requirements: str) -> None:
     assert pip.returncode == 0, out[-3000:]
 
 
-def _builder(tmp: Path) -> Path:
-    """A Python with ``build``: this one (the dev extra), else a venv made for it."""
-    try:
-        import build  # noqa: F401
-    except ImportError:
-        venv.EnvBuilder(with_pip=True, clear=True).create(tmp / "builder")
-        _pip_install(tmp / "builder" / "bin" / "python", "build")
-        return tmp / "builder" / "bin" / "python"
-    return Path(sys.executable)
-
-
-def _install(tmp: Path) -> tuple[Path, Path]:
+def _install(tmp: Path) -> tuple[Path, Path, Path]:
+    """The venv's bin folder, the sdist, and the copy of the tracked files it is built
+    from (``build`` comes with the test extra)."""
     dist = tmp / "dist"
-    # From a copy of the tracked files: what a newcomer's clone has, and a build
-    # tree nobody else touches.
     source = tracked_copy(REPO, tmp / "source")
-    made = subprocess.run([str(_builder(tmp)), "-m", "build", "--sdist", "--outdir",
+    made = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir",
                            str(dist), str(source)],
                           capture_output=True, text=True, timeout=240, check=False)
     out = made.stdout + made.stderr
@@ -123,7 +117,7 @@ def _install(tmp: Path) -> tuple[Path, Path]:
     env_dir = tmp / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     _pip_install(env_dir / "bin" / "python", f"{sdist}[embedded]")
-    return env_dir / "bin", sdist
+    return env_dir / "bin", sdist, source
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +130,12 @@ def external() -> Iterator[EmbeddedRedis]:
 def newcomer(tmp_path_factory: pytest.TempPathFactory,
              external: EmbeddedRedis) -> Iterator[Newcomer]:
     tmp = tmp_path_factory.mktemp("newcomer")
-    bin_dir, sdist = _install(tmp)
+    bin_dir, sdist, source = _install(tmp)
     home = tmp / "home"
     home.mkdir()
     (home / "ncapp.py").write_text(APP_MODULE)
-    yield Newcomer(bin=bin_dir, home=home, redis_url=external.url, sdist=sdist)
+    yield Newcomer(bin=bin_dir, home=home, redis_url=external.url, sdist=sdist,
+                   source=source)
     shutil.rmtree(tmp / "venv", ignore_errors=True)
 
 
@@ -199,11 +194,13 @@ def test_the_installed_package_is_the_sdist_not_the_checkout(newcomer: Newcomer)
 
 
 def test_the_sdist_carries_every_doc_and_example(newcomer: Newcomer) -> None:
-    """test_packaging checks a few named files; here: every one under docs/, examples/."""
+    """test_packaging checks a few named files; here: every one under docs/ and
+    examples/ that git tracks."""
+    assert not newcomer.source.is_relative_to(REPO)  # built outside the checkout
     with tarfile.open(newcomer.sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    wanted = {str(path.relative_to(REPO)) for folder in ("docs", "examples")
-              for path in (REPO / folder).rglob("*")
+    wanted = {str(path.relative_to(newcomer.source)) for folder in ("docs", "examples")
+              for path in (newcomer.source / folder).rglob("*")
               if path.is_file() and "__pycache__" not in path.parts}
     assert wanted and wanted <= names, sorted(wanted - names)
 
