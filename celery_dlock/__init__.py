@@ -32,15 +32,19 @@ from .core.errors import (
 from .core.owner import owner_context
 from .task import signals
 from .task.contention import ACQUIRED, Contention, is_skipped
+from .task.duplicates import DROPPED, AlreadyQueued, DroppedResult
 from .task.locked_task import LockedTask, LockLostInterrupt
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ACQUIRED",
+    "DROPPED",
+    "AlreadyQueued",
     "BackendUnavailable",
     "Contention",
     "DLockError",
+    "DroppedResult",
     "FencingUnavailable",
     "Holder",
     "InvalidLockConfig",

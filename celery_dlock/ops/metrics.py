@@ -47,6 +47,7 @@ HOLD_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 _UIDS = {
     "acquired": "celery_dlock.ops.metrics.acquired",
     "contended": "celery_dlock.ops.metrics.contended",
+    "duplicate": "celery_dlock.ops.metrics.duplicate",
     "released": "celery_dlock.ops.metrics.released",
     "lost": "celery_dlock.ops.metrics.lost",
 }
@@ -60,6 +61,7 @@ class Metrics:
     namespace: str
     acquire_wait: Any
     contention: Any
+    duplicates: Any
     lost: Any
     hold: Any
     held: Any
@@ -97,6 +99,12 @@ def _on_contended(sender: Any = None, policy: str | None = None, **_: Any) -> No
     m = _metrics
     if m is not None:
         m.contention.labels(task=_task(sender), policy=policy or "unknown").inc()
+
+
+def _on_duplicate(sender: Any = None, policy: str | None = None, **_: Any) -> None:
+    m = _metrics
+    if m is not None:
+        m.duplicates.labels(task=_task(sender), policy=policy or "unknown").inc()
 
 
 def _on_released(sender: Any = None, held_for: float | None = None, **_: Any) -> None:
@@ -144,6 +152,10 @@ def install(registry: Any = None, namespace: str = "dlock") -> Metrics:
                 "contention", "Attempts of locked tasks that found their lock held "
                 "elsewhere (or Redis unreachable), by contention policy",
                 ["task", "policy"], namespace=namespace, registry=registry),
+            duplicates=prom.Counter(
+                "duplicates", "Enqueues found to duplicate a queued (or running, or "
+                "throttled) call of the same lock name, by on_duplicate policy",
+                ["task", "policy"], namespace=namespace, registry=registry),
             lost=prom.Counter(
                 "lost", "Running locked tasks whose lock expired or was taken",
                 ["task"], namespace=namespace, registry=registry),
@@ -159,6 +171,8 @@ def install(registry: Any = None, namespace: str = "dlock") -> Metrics:
                                       dispatch_uid=_UIDS["acquired"])
         signals.lock_contended.connect(_on_contended, weak=False,
                                        dispatch_uid=_UIDS["contended"])
+        signals.lock_duplicate.connect(_on_duplicate, weak=False,
+                                       dispatch_uid=_UIDS["duplicate"])
         signals.lock_released.connect(_on_released, weak=False,
                                       dispatch_uid=_UIDS["released"])
         signals.lock_lost.connect(_on_lost, weak=False, dispatch_uid=_UIDS["lost"])
@@ -175,10 +189,12 @@ def uninstall() -> None:
             return
         signals.lock_acquired.disconnect(dispatch_uid=_UIDS["acquired"])
         signals.lock_contended.disconnect(dispatch_uid=_UIDS["contended"])
+        signals.lock_duplicate.disconnect(dispatch_uid=_UIDS["duplicate"])
         signals.lock_released.disconnect(dispatch_uid=_UIDS["released"])
         signals.lock_lost.disconnect(dispatch_uid=_UIDS["lost"])
         _metrics = None
-        for collector in (metrics.acquire_wait, metrics.contention, metrics.lost,
+        for collector in (metrics.acquire_wait, metrics.contention,
+                          metrics.duplicates, metrics.lost,
                           metrics.hold, metrics.held):
             try:
                 metrics.registry.unregister(collector)

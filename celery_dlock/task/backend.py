@@ -15,10 +15,12 @@ from typing import Any
 
 from ..backends.redis.backend import RedisBackend
 from ..backends.redis.redlock.backend import RedlockBackend
+from ..core.errors import NotSupported
 from ..core.protocol import Backend
 from .config import get_client
+from .markers import MarkerStore
 
-__all__ = ["backend_for", "backend_of_client"]
+__all__ = ["backend_for", "backend_of_client", "markers_for"]
 
 _lock = threading.Lock()
 _by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDictionary()
@@ -51,3 +53,16 @@ def backend_for(app: Any) -> Backend:
             cached = (client, backend_of_client(client))
             _by_app[app] = cached
         return cached[1]
+
+
+def markers_for(app: Any) -> MarkerStore:
+    """The queue markers of ``app``'s backend (enqueue-time uniqueness modes)."""
+    backend = backend_for(app)
+    markers = getattr(backend, "markers", None)
+    if markers is None:
+        raise NotSupported(
+            f"lock_mode other than while_running needs queue markers, which the "
+            f"{backend.kind} backend does not keep (use one Redis, a Cluster or "
+            f"Sentinel for tasks with an enqueue-time lock_mode)")
+    store: MarkerStore = markers()
+    return store

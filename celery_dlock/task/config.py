@@ -39,6 +39,7 @@ from .settings import (
 )
 
 __all__ = [
+    "CALL_KEYWORDS",
     "CALL_OPTIONS",
     "CONF_KEYS",
     "KEY_OPTIONS",
@@ -54,7 +55,34 @@ __all__ = [
     "read_setting",
     "redis_url_of",
     "resolve_url",
+    "take_call_options",
 ]
+
+#: Call options that are not named ``lock_*``.
+_POLICY_OPTIONS = ("on_contention", "on_duplicate")
+#: Keyword arguments of ``apply_async``/``send_task`` that are lock options.
+CALL_KEYWORDS: frozenset[str] = CALL_OPTIONS | frozenset(KEY_OPTIONS) | \
+    frozenset(NOT_PER_CALL)
+
+
+def take_call_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Move the lock options given as keywords to ``apply_async``, ``send_task`` or a
+    signature's options (``lock_mode="until_finished"``) into the call's headers,
+    where they travel with the message, and return every per-call option, checked.
+
+    A keyword beats the same option in ``headers={...}`` (both spellings work).
+    """
+    given = options.keys() & CALL_KEYWORDS
+    headers = options.get("headers")
+    if given:
+        headers = dict(headers or {})
+        for name in given:
+            headers[name] = options.pop(name)
+        options["headers"] = headers
+    if not headers:
+        return {}
+    return call_overrides(headers)
+
 
 def call_overrides(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     """The options one call sets in its message headers, checked.
@@ -66,7 +94,7 @@ def call_overrides(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for name, value in (headers or {}).items():
         if not isinstance(name, str) or \
-                not (name.startswith("lock_") or name == "on_contention"):
+                not (name.startswith("lock_") or name in _POLICY_OPTIONS):
             continue
         where = f"per-call header {name}"
         if name in NOT_PER_CALL:
@@ -75,7 +103,7 @@ def call_overrides(headers: Mapping[str, Any] | None) -> dict[str, Any]:
         if name not in CALL_OPTIONS:
             raise InvalidLockConfig(f"{where} is not a celery-dlock option"
                                     f"{did_you_mean(name, CALL_OPTIONS)}")
-        if name == "on_contention" and not isinstance(value, str):
+        if name in _POLICY_OPTIONS and not isinstance(value, str):
             raise InvalidLockConfig(f"{where} must be a policy name (retry, wait, skip, "
                                     f"raise), got a {type(value).__name__}")
         found[name] = SETTINGS[name].check(where, value)
@@ -157,6 +185,8 @@ def check_conf(conf: Any) -> None:
     record = conf_value(conf, "dlock_record_events")
     if record is not None:
         check_bool("app.conf.dlock_record_events", record)
+    if conf_value(conf, "dlock_enabled") is not None:
+        check_bool("app.conf.dlock_enabled", conf_value(conf, "dlock_enabled"))
     factory = conf_value(conf, "dlock_client")
     if factory is not None:
         if not callable(factory):

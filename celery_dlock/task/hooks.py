@@ -35,6 +35,7 @@ from ..core.scheduler import get_scheduler
 from . import events
 from .backend import backend_for
 from .config import read_setting
+from .handover import free_marker_of
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
@@ -63,8 +64,28 @@ def install() -> None:
             _on_shutdown, weak=False, dispatch_uid="celery_dlock.process_shutdown")
         celery_signals.worker_shutdown.connect(
             _on_shutdown, weak=False, dispatch_uid="celery_dlock.worker_shutdown")
+        for signal, receiver in ((celery_signals.task_revoked, _on_revoked),
+                                 (celery_signals.task_rejected, _on_message_dropped),
+                                 (celery_signals.task_unknown, _on_message_dropped)):
+            signal.connect(receiver, weak=False,
+                           dispatch_uid=f"celery_dlock.markers.{signal.name}")
         events.install()  # contention history, when an app sets dlock_record_events
         _installed = True
+
+
+def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """A revoked (or expired) message is discarded: its queue marker goes."""
+    app = getattr(sender, "app", None)
+    if app is not None and request is not None:
+        free_marker_of(app, request, f"revoked task {getattr(request, 'id', '?')}")
+
+
+def _on_message_dropped(sender: Any = None, message: Any = None, **_: Any) -> None:
+    """A message the worker rejects (unknown task, bad message): its marker goes."""
+    app = getattr(sender, "app", None)
+    headers = getattr(message, "headers", None)
+    if app is not None and isinstance(headers, dict):
+        free_marker_of(app, headers, f"rejected message {headers.get('id', '?')}")
 
 
 def _on_process_init(**_: Any) -> None:

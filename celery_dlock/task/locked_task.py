@@ -47,7 +47,7 @@ from ..core.errors import (
 )
 from ..core.owner import owner_context
 from ..core.protocol import Lock
-from . import signals
+from . import enqueue, signals
 from .attempt import (
     DUPLICATE,
     DUPLICATE_GRACE,
@@ -69,6 +69,7 @@ from .config import (
     call_overrides,
     check_task_options,
     read_setting,
+    take_call_options,
 )
 from .contention import (
     ACQUIRED,
@@ -77,9 +78,11 @@ from .contention import (
     get_policy,
     policy_name,
 )
+from .handover import free_marker, hand_over
 from .hooks import install
 from .keys import KeyFunction, task_key_function
 from .request import LockedRequest
+from .settings import check_combination, enabled
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -126,6 +129,15 @@ class LockedTask(Task):  # type: ignore[misc]
     #: Seconds the holder may be frozen at its deadline and still be told first
     #: (app: dlock_pause_budget; default a tenth of lock_ttl, at most 2 s).
     lock_pause_budget: ClassVar[float | None] = None
+    #: Uniqueness at enqueue: "while_running" (default), "until_started",
+    #: "until_finished", "queued_and_running" or "throttle" (app: dlock_mode).
+    lock_mode: ClassVar[str | None] = None
+    #: What a duplicate enqueue gets: "return_existing" (default), "raise", "drop" or
+    #: "replace" (app: dlock_on_duplicate).
+    on_duplicate: ClassVar[str | None] = None
+    #: Seconds a queue marker outlives its enqueue, plus any countdown or eta
+    #: (app: dlock_queue_ttl, default 3600).
+    lock_queue_ttl: ClassVar[float | None] = None
 
     #: The worker-side request: frees a dead child's locks from the main process.
     Request = "celery_dlock.task.request:LockedRequest"
@@ -142,11 +154,14 @@ class LockedTask(Task):  # type: ignore[misc]
             f"{cls.__module__}.{cls.__qualname__}"
         check_task_options(cls, f"task {name!r}", LockedTask)
         task_key_function(cls, name)
+        check_combination(f"task {name!r}", getattr(cls, "lock_mode", None),
+                          getattr(cls, "on_duplicate", None))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
         install()
         install_startup_check()
+        enqueue.install(app)
         apply_annotations(cls, app)
         cls._dlock_check_options()
 
@@ -182,9 +197,11 @@ class LockedTask(Task):  # type: ignore[misc]
         return cached
 
     def apply_async(self, *args: Any, **options: Any) -> Any:
-        """``Task.apply_async``; per-call lock options (``headers={"lock_ttl": 5}``)
-        are checked here, so a bad one is refused where the call is made."""
-        call_overrides(options.get("headers"))
+        """``Task.apply_async``; per-call lock options, as keywords
+        (``lock_mode="until_finished"``, ``lock_ttl=5``) or in the headers
+        (``headers={"lock_ttl": 5}``), are checked here, so a bad one is refused where
+        the call is made, and travel in the message's headers."""
+        take_call_options(options)
         return super().apply_async(*args, **options)
 
     @property
@@ -204,6 +221,8 @@ class LockedTask(Task):  # type: ignore[misc]
     # -- running ----------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not enabled(self.app):  # dlock_enabled = False: no lock, no marker
+            return super().__call__(*args, **kwargs)
         request = self.request
         running = attempts.get()
         if request.called_directly or self.name in running or \
@@ -243,14 +262,25 @@ class LockedTask(Task):  # type: ignore[misc]
             acquired, error = False, exc
         if not acquired:
             assert error is not None
-            outcome = self._contended(key, lock, error, args, kwargs, settings, requeue)
+            try:
+                outcome = self._contended(key, lock, error, args, kwargs, settings,
+                                          requeue)
+            except Retry:
+                raise  # re-queued with its task id: it keeps its queue marker
+            except BaseException:
+                free_marker(self, request, requeue)
+                raise
             if outcome is not ACQUIRED:
+                free_marker(self, request, requeue)
                 return outcome
         assert lock is not None  # acquired: the lock was made
         if duplicate and first_run_ended(self, request.id, DUPLICATE_GRACE):
             lock.release()  # the first run released, and its result came just after
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
+        if requeue:
+            hand_over(self, request, lock)
         return self._run_body(request, lock, args, kwargs, started, settings)
+
 
     def _same_task_holder(self, lock: Lock, request: Any, args: tuple[Any, ...],
                           kwargs: dict[str, Any], settings: Mapping[str, Any]) -> bool:

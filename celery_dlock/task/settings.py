@@ -32,8 +32,10 @@ from ..core.hold import DEFAULT_PREFIX
 __all__ = [
     "CALL_OPTIONS",
     "CONF_KEYS",
+    "DUPLICATE_POLICIES",
     "KEY_OPTIONS",
     "LOST_ACTIONS",
+    "MODES",
     "NOT_PER_CALL",
     "OTHER_CONF",
     "POLICIES",
@@ -41,15 +43,22 @@ __all__ = [
     "TASK_OPTIONS",
     "Setting",
     "check_bool",
+    "check_combination",
     "conf_of",
     "conf_value",
     "defaults",
     "did_you_mean",
+    "enabled",
     "read_setting",
 ]
 
 POLICIES = ("retry", "wait", "skip", "raise")
 LOST_ACTIONS = ("fail", "interrupt", "warn")
+#: Uniqueness modes (enqueue-time de-duplication on top of the runtime lock).
+MODES = ("while_running", "until_started", "until_finished", "queued_and_running",
+         "throttle")
+#: What a duplicate enqueue gets.
+DUPLICATE_POLICIES = ("return_existing", "raise", "drop", "replace")
 
 
 def _positive(name: str, value: Any) -> float:
@@ -85,6 +94,15 @@ def _lost_action(name: str, value: Any) -> str:
         return str(value)
     raise InvalidLockConfig(f"{name} must be one of {', '.join(LOST_ACTIONS)}, "
                             f"got {value!r}")
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(name: str, value: Any) -> str:
+        if isinstance(value, str) and value in choices:
+            return value
+        raise InvalidLockConfig(f"{name} must be one of {', '.join(choices)}, "
+                                f"got {value!r}{did_you_mean(str(value), choices)}")
+    return check
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -136,6 +154,16 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
     Setting("lock_pause_budget", "dlock_pause_budget", None, _non_negative,
             "seconds the holder may be frozen at its deadline and still be told "
             "first (None: a tenth of the ttl, at most 2 s)"),
+    Setting("lock_mode", "dlock_mode", "while_running", _one_of(MODES),
+            "uniqueness at enqueue: while_running (none: runs never overlap), "
+            "until_started, until_finished, queued_and_running or throttle"),
+    Setting("on_duplicate", "dlock_on_duplicate", "return_existing",
+            _one_of(DUPLICATE_POLICIES),
+            "what a duplicate enqueue gets: return_existing, raise (AlreadyQueued), "
+            "drop or replace"),
+    Setting("lock_queue_ttl", "dlock_queue_ttl", 3600.0, _positive,
+            "seconds a queue marker outlives its enqueue (plus any countdown/eta): "
+            "the longest a lost message keeps its key from being queued again"),
     Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
@@ -165,6 +193,8 @@ OTHER_CONF = {
     "dlock_redis_options": "extra redis.Redis.from_url keyword arguments",
     "dlock_transport_options": "master_name and sentinel_kwargs for a sentinel:// URL",
     "dlock_record_events": "keep a history of contention for celery dlock top",
+    "dlock_enabled": "False makes every lock and queue marker a no-op (tests, local "
+                     "runs)",
 }
 #: Every ``app.conf.dlock_*`` key celery-dlock reads.
 CONF_KEYS: frozenset[str] = frozenset(s.conf for s in SETTINGS.values()) | \
@@ -223,3 +253,17 @@ def read_setting(task: Any, option: str) -> Any:
     if value is None:
         return setting.default
     return setting.check(where, value)
+
+
+def enabled(app: Any) -> bool:
+    """``app.conf.dlock_enabled`` (default True): False turns every lock and queue
+    marker of the app into a no-op."""
+    return conf_value(app, "dlock_enabled", True) is not False
+
+
+def check_combination(where: str, mode: Any, policy: Any) -> None:
+    """Refuse a lock_mode and on_duplicate that cannot go together."""
+    if mode == "throttle" and policy == "replace":
+        raise InvalidLockConfig(
+            f"{where}: on_duplicate='replace' cannot go with lock_mode='throttle' (the "
+            f"window's call may have run already); use drop, raise or return_existing")

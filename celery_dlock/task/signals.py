@@ -25,7 +25,8 @@ from typing import Any
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released", "send"]
+__all__ = ["lock_acquired", "lock_contended", "lock_duplicate", "lock_lost",
+           "lock_released", "send"]
 
 #: A locked task took its lock. Arguments: ``name``, ``fence``, ``task_id``,
 #: ``wait`` (seconds spent acquiring).
@@ -44,6 +45,14 @@ lock_released = Signal(name="dlock_lock_released")
 #: A running task's lock was found lost (expired or taken). Arguments: ``name``,
 #: ``fence``, ``task_id``, ``reason``.
 lock_lost = Signal(name="dlock_lock_lost")
+
+
+#: An enqueue found its lock name already queued (or running, or throttled), or
+#: replaced the queued call (sent by the producer). Arguments: ``name``, ``task_id``
+#: (the new call's id), ``existing`` (the other call's id, None when the holder is not
+#: a task), ``mode`` (the lock_mode), ``policy`` (return_existing, raise, drop or
+#: replace: what the new call got).
+lock_duplicate = Signal(name="dlock_lock_duplicate")
 
 
 def send(signal: Signal, sender: Any, name: str, **arguments: Any) -> Any:

@@ -10,6 +10,7 @@ from ...core.holds import HoldInfo
 from .inspect import force_release, get_lock, iter_locks, release_matching, waiting_counts
 from .keyspace import LockKeys
 from .lock import RedisLock
+from .markers import RedisMarkers
 
 __all__ = ["RedisBackend"]
 
@@ -52,6 +53,10 @@ class RedisBackend:
             return HoldInfo.matched(name, conditions) if freed else None
         return force_release(self.client, prefix, name, fence=fence, by=by,
                              reason=reason)
+
+    def markers(self) -> RedisMarkers:
+        """The queue markers of enqueue-time uniqueness, on the same Redis."""
+        return RedisMarkers(self.client)
 
     def __repr__(self) -> str:
         return f"<RedisBackend {self.client!r}>"

@@ -16,7 +16,8 @@ from ...core.errors import Holder, InvalidLockConfig
 from .hashtag import lock_key
 from .waiters import doorbell_suffix
 
-__all__ = ["FENCE_SUFFIX", "RELEASED_SUFFIX", "SUFFIXES", "LockKeys", "check_client",
+__all__ = ["FENCE_SUFFIX", "MARKER_SUFFIX", "RELEASED_SUFFIX", "SUFFIXES", "LockKeys",
+           "check_client",
            "decode", "foreign_keys", "parse_holder"]
 
 #: What a key of a lock must be (TYPE), to name a key holding foreign data.
@@ -35,6 +36,8 @@ DOORBELL_SUFFIX = ":w:"
 RELEASE_OP_SUFFIX = ":r:"
 #: The suffix of a force release's marker (:mod:`celery_dlock.backends.redis.released`).
 RELEASED_SUFFIX = ":released"
+#: A queue marker (enqueue-time uniqueness; :mod:`celery_dlock.backends.redis.markers`).
+MARKER_SUFFIX = ":m"
 #: Every suffix, by the name the Lua scripts know it by.
 SUFFIXES = {"FENCE_SUFFIX": FENCE_SUFFIX, "QUEUE_SUFFIX": QUEUE_SUFFIX,
             "LEASES_SUFFIX": LEASES_SUFFIX, "DOORBELL_SUFFIX": DOORBELL_SUFFIX,

@@ -1,0 +1,168 @@
+"""Queue markers on Redis: the enqueue-time record that a call of a lock name is
+queued (:mod:`celery_dlock.task.markers` says what they mean to the Celery face).
+
+``P:{NAME}:m`` is a string holding the task id of the queued call, with an expiry
+(the caller's queue ttl).  It shares the lock's hash tag, so one script reads the
+marker and the lock's hash together, also on a cluster.  Every script here reads a
+key before it writes one, so another application's data at the marker's key
+(``WRONGTYPE``) stops it before any write: :class:`LockKeyConflict`.
+
+Replies of :data:`CLAIM` (first element):
+
+* ``0`` CLAIMED: the marker now holds this task id, with the ttl given;
+* ``1`` OURS: it held this task id already (the call's own retry or re-queue): its
+  expiry is moved to the ttl given, nothing else changes;
+* ``2`` QUEUED: another call (element 2, its task id) is queued; element 3 is the
+  marker's time left in ms;
+* ``3`` RUNNING: another call (element 2; empty when the holder is not a task) holds
+  the lock (``until_finished`` only); element 3 is the hold's time left in ms;
+* ``4`` REPLACED: the queued call (element 2) was replaced: the marker now holds this
+  task id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from redis.exceptions import RedisError, ResponseError
+
+from ...core.errors import BackendUnavailable, LockKeyConflict
+from .hashtag import name_of_key, scan_pattern
+from .keyspace import MARKER_SUFFIX, LockKeys, decode
+from .scripts import LuaScript
+
+__all__ = ["CLAIM", "CLEAR", "HAND_OVER", "RedisMarkers"]
+
+CLAIM = LuaScript("marker_claim", """
+-- KEYS[1] marker, KEYS[2] the lock's hash.  ARGV[1] task id, ARGV[2] ttl (ms),
+-- ARGV[3] '1': a running holder (another task holding the lock) is a duplicate too,
+-- ARGV[4] '1': replace a queued call, ARGV[5] '1': a re-queue of an accepted call
+-- (never a duplicate: it keeps or takes the marker, unless another call's is there).
+local marker, lock, id = KEYS[1], KEYS[2], ARGV[1]
+local current = redis.call('GET', marker)
+if current == id then
+  redis.call('PEXPIRE', marker, ARGV[2])
+  return {1, id, 0}
+end
+if ARGV[3] == '1' and not current and ARGV[5] ~= '1' then
+  if redis.call('EXISTS', lock) == 1 then
+    local holder = redis.call('HGET', lock, 'task_id')
+    if holder ~= id then
+      return {3, holder or '', redis.call('PTTL', lock)}
+    end
+  end
+end
+if current then
+  if ARGV[5] == '1' then
+    return {2, current, redis.call('PTTL', marker)}
+  end
+  if ARGV[4] == '1' then
+    redis.call('SET', marker, id, 'PX', ARGV[2])
+    return {4, current, 0}
+  end
+  return {2, current, redis.call('PTTL', marker)}
+end
+redis.call('SET', marker, id, 'PX', ARGV[2])
+return {0, '', 0}
+""")
+
+HAND_OVER = LuaScript("marker_hand_over", """
+-- KEYS[1] marker.  ARGV[1] the starting call's task id, ARGV[2] '1': remove the
+-- marker, ARGV[3] '1': another task id in the marker means this call was replaced.
+-- 1: go on; 0: this call was replaced (element 2: by which task id).
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then
+  if ARGV[2] == '1' then redis.call('DEL', KEYS[1]) end
+  return {1, ''}
+end
+if current and ARGV[3] == '1' then return {0, current} end
+return {1, ''}
+""")
+
+CLEAR = LuaScript("marker_clear", """
+-- KEYS[1] marker, ARGV[1] task id: remove the marker if it is this call's.
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+""")
+
+
+class RedisMarkers:
+    """The queue markers of one Redis (what :class:`~celery_dlock.task.markers.
+    MarkerStore` asks of a backend)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    @staticmethod
+    def key(prefix: str, name: str) -> str:
+        return LockKeys.for_name(prefix, name).lock + MARKER_SUFFIX
+
+    def _run(self, script: LuaScript, keys: tuple[str, ...], args: tuple[Any, ...],
+             name: str) -> Any:
+        try:
+            return script(self.client, keys, args)
+        except ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                raise LockKeyConflict(
+                    f"{keys[0]!r} or {keys[-1]!r} holds another application's data "
+                    f"(not a queue marker or a lock): it was left untouched (use another "
+                    f"prefix or lock name)", lock_name=name) from exc
+            raise BackendUnavailable(f"Redis refused {script.name}: {exc}",
+                                     lock_name=name) from exc
+        except RedisError as exc:
+            raise BackendUnavailable(f"Redis unavailable during {script.name}: {exc}",
+                                     lock_name=name) from exc
+
+    def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
+              running_counts: bool, replace: bool,
+              requeue: bool) -> tuple[int, str, float | None]:
+        """Claim the marker of ``name`` for ``task_id`` (see the module's reply
+        codes): ``(code, other task id, its seconds left or None)``."""
+        lock = LockKeys.for_name(prefix, name).lock
+        reply = self._run(CLAIM, (lock + MARKER_SUFFIX, lock),
+                          (task_id, max(1, int(ttl * 1000)), _flag(running_counts),
+                           _flag(replace), _flag(requeue)), name)
+        left = int(reply[2])
+        return int(reply[0]), decode(reply[1]), (left / 1000.0 if left > 0 else None)
+
+    def hand_over(self, prefix: str, name: str, task_id: str, *, remove: bool,
+                  replaced_check: bool) -> str | None:
+        """At the start of ``task_id``'s run: remove its marker (``remove``); the task
+        id that replaced it, or None to go on."""
+        reply = self._run(HAND_OVER, (self.key(prefix, name),),
+                          (task_id, _flag(remove), _flag(replaced_check)), name)
+        return None if int(reply[0]) == 1 else decode(reply[1])
+
+    def clear(self, prefix: str, name: str, task_id: str) -> bool:
+        """Remove the marker of ``name`` if it is ``task_id``'s."""
+        return bool(self._run(CLEAR, (self.key(prefix, name),), (task_id,), name))
+
+    def queued(self, prefix: str) -> Iterator[tuple[str, str, float | None]]:
+        """Every marker under ``prefix``: ``(lock name, task id, seconds left)``."""
+        try:
+            for raw in self.client.scan_iter(match=scan_pattern(prefix) + MARKER_SUFFIX,
+                                             count=500):
+                key = decode(raw)
+                name = name_of_key(prefix, key[:-len(MARKER_SUFFIX)])
+                if name is None:
+                    continue
+                with self.client.pipeline(transaction=False) as pipe:
+                    pipe.get(key)
+                    pipe.pttl(key)
+                    value, pttl = pipe.execute()
+                if value is None:
+                    continue
+                yield name, decode(value), (pttl / 1000.0 if pttl > 0 else None)
+        except ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                return
+            raise BackendUnavailable(f"Redis refused reading markers: {exc}") from exc
+        except RedisError as exc:
+            raise BackendUnavailable(f"Redis unavailable reading markers: {exc}") from exc
+
+
+def _flag(value: bool) -> str:
+    return "1" if value else "0"

@@ -1,0 +1,80 @@
+"""A marked call on the worker: its queue marker handed over when it starts, freed
+when it ends without running (see :mod:`celery_dlock.task.markers`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.exceptions import Ignore
+
+from ..core.errors import DLockError
+from ..core.protocol import Lock
+from .backend import markers_for
+from .markers import MarkerRecord, record_of
+
+__all__ = ["free_marker", "free_marker_of", "hand_over"]
+
+logger = logging.getLogger("celery_dlock.task")
+
+
+def _own_record(request: Any) -> MarkerRecord | None:
+    record = record_of(request)
+    if record is None or record.task_id != getattr(request, "id", None):
+        return None
+    return record
+
+
+def hand_over(task: Any, request: Any, lock: Lock) -> None:
+    """The call starts holding its lock: its queue marker goes (per its mode).
+
+    A call whose marker now names another task id was superseded: replaced
+    (``on_duplicate="replace"``), revoked before a worker read the revoke (the next
+    call took the marker), or kept in the queue past ``lock_queue_ttl`` while a later
+    call was accepted.  The later call runs; this one ends here (Ignore), recorded as
+    revoked, without running.  A throttle's window is left alone: each accepted call
+    runs."""
+    record = _own_record(request)
+    if record is None or not record.removed_at_start:
+        return
+    try:
+        replaced_by = markers_for(task.app).hand_over(
+            record.prefix, record.name, record.task_id, remove=True,
+            replaced_check=True)
+    except DLockError as exc:
+        logger.warning("Task %s[%s]: could not hand its queue marker of %r over (it "
+                       "expires within lock_queue_ttl): %s", task.name, request.id,
+                       record.name, exc)
+        return
+    if replaced_by is None:
+        return
+    lock.release()
+    logger.info("Task %s[%s] does not run: its queue marker of %r was taken by %s "
+                "(replaced, revoked, or queued past lock_queue_ttl)", task.name,
+                request.id, record.name, replaced_by)
+    if not request.ignore_result and not task.ignore_result:
+        task.backend.mark_as_revoked(request.id, reason=f"superseded by {replaced_by}",
+                                     request=request)
+    raise Ignore(f"{request.id} was superseded by {replaced_by}")
+
+
+def free_marker(task: Any, request: Any, requeue: bool = True) -> None:
+    """The call ends without running (skip, raise, its bound of contention retries):
+    free its queue marker (a throttle's window stays)."""
+    if requeue:
+        free_marker_of(task.app, request, getattr(task, "name", "?"))
+
+
+def free_marker_of(app: Any, source: Any, what: str) -> bool:
+    """Free the queue marker a request or a message's headers carry, if it is still
+    that call's (revoked, rejected, expired, or ended without running); a throttle's
+    window stays: it counts accepted calls."""
+    record = _own_record(source) if not isinstance(source, dict) else record_of(source)
+    if record is None or not record.removed_at_start:
+        return False
+    try:
+        return markers_for(app).clear(record.prefix, record.name, record.task_id)
+    except DLockError as exc:
+        logger.warning("%s: could not remove the queue marker of %r (it expires within "
+                       "lock_queue_ttl): %s", what, record.name, exc)
+        return False

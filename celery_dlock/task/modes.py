@@ -1,0 +1,160 @@
+"""Uniqueness modes at enqueue, and what a duplicate gets.
+
+The runtime lock (taken when a call starts on a worker) stays the authority: no two
+bodies of one lock name ever overlap, whatever the mode.  A mode other than
+``while_running`` adds a *queue marker* (:mod:`celery_dlock.task.markers`) so that a
+second call is caught before it is queued:
+
+=====================  ==========================================  =====================
+mode                   a second call is a duplicate while ...      the name frees when
+=====================  ==========================================  =====================
+``while_running``      (never: no enqueue-time check)              --
+``until_started``      the first is queued                         the first starts
+``until_finished``     the first is queued or running              the first ends
+``queued_and_running`` another is queued (one may run besides)     the queued one starts
+``throttle``           a call was accepted less than ``lock_ttl``  ``lock_ttl`` after
+                       ago (whether or not it ran or finished)     the accepted enqueue
+=====================  ==========================================  =====================
+
+``on_duplicate`` (what the duplicate call gets):
+
+* ``return_existing`` (the default): the queued (or running) call's ``AsyncResult``,
+  same id, so ``.get()`` waits for the one run;
+* ``raise``: :class:`~celery_dlock.AlreadyQueued` with the existing ``task_id``;
+* ``drop``: a :class:`~celery_dlock.DroppedResult` (state ``DROPPED``): never runs;
+* ``replace``: the queued call is revoked and this one queued instead (latest
+  arguments win, one run).  A call that has started is never stopped: against a
+  running call (``until_finished``) ``replace`` acts as ``return_existing``.  With
+  ``throttle`` it is refused (the window's call may have run already).
+
+Cost: one script call per send (the claim); at start one script call (the
+hand-over, after the lock is taken; none in ``throttle``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery import states
+from kombu.utils.uuid import uuid
+
+from ..core.errors import DLockError, InvalidLockConfig
+from . import signals
+from .backend import markers_for
+from .duplicates import AlreadyQueued, DroppedResult
+from .markers import (
+    CLAIMED,
+    MARKER_HEADER,
+    OURS,
+    QUEUED,
+    REPLACED,
+    RUNNING,
+    MarkerRecord,
+    MarkerStore,
+    marker_ttl,
+    record_of,
+)
+from .settings import check_combination
+
+__all__ = ["send"]
+
+logger = logging.getLogger("celery_dlock.task")
+
+
+def _stale(app: Any, task: Any, task_id: str) -> bool:
+    """Whether the result store says ``task_id`` ended or was revoked (its marker
+    outlived it); False when it cannot tell."""
+    try:
+        result = (task.AsyncResult if task is not None else app.AsyncResult)(task_id)
+        return result.state in states.READY_STATES
+    except Exception:
+        return False
+
+
+def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any,
+         kwargs: Any, options: dict[str, Any], per_call: Mapping[str, Any]) -> Any:
+    """Send one call of a task with an enqueue-time mode (see the module's table)."""
+    if task is None or not callable(getattr(task, "lock_name", None)):
+        raise InvalidLockConfig(
+            f"lock_mode for {name!r}: the task is not a LockedTask registered in this "
+            f"app, so its lock name cannot be computed where it is sent")
+    settings = {**task.dlock_settings(), **per_call}
+    mode, policy = settings["lock_mode"], settings["on_duplicate"]
+    check_combination(f"call of {name!r}", mode, policy)
+    lock_name = task.lock_name(tuple(args or ()), kwargs or {})
+    prefix = settings["lock_prefix"]
+    task_id = options.get("task_id") or uuid()
+    options["task_id"] = task_id
+    headers = dict(options.get("headers") or {})
+    record = record_of(headers)
+    # A call accepted before and re-queued with its task id (a retry, a contention
+    # retry, a duplicate delivery's copy) is never a duplicate of anything.
+    requeue = record is not None and record.task_id == task_id
+    store = markers_for(app)
+    ttl = marker_ttl(mode, settings, options)
+
+    def claim() -> tuple[int, str, float | None]:
+        return store.claim(prefix, lock_name, task_id, ttl,
+                           running_counts=mode == "until_finished",
+                           replace=policy == "replace" and not requeue, requeue=requeue)
+
+    code, other, left = claim()
+    if code == QUEUED and not requeue and mode != "throttle" and \
+            _stale(app, task, other):
+        store.clear(prefix, lock_name, other)  # its call ended or was revoked
+        code, other, left = claim()
+    if requeue or code in (CLAIMED, OURS, REPLACED):
+        headers[MARKER_HEADER] = MarkerRecord(lock_name, prefix, mode, policy,
+                                              task_id).header()
+        options["headers"] = headers
+        try:
+            result = original(name, args, kwargs, **options)
+        except BaseException:
+            if code in (CLAIMED, REPLACED):
+                _clear_quietly(store, prefix, lock_name, task_id)
+            raise
+        if code == REPLACED:
+            _replaced(app, task, lock_name, other, task_id, mode)
+        return result
+    return _duplicate(app, task, lock_name, task_id, other, left, mode, policy,
+                      running=code == RUNNING)
+
+
+def _clear_quietly(store: MarkerStore, prefix: str, name: str, task_id: str) -> None:
+    try:
+        store.clear(prefix, name, task_id)
+    except DLockError as exc:  # it expires within its ttl
+        logger.warning("Could not remove the queue marker of %r after a failed "
+                       "publish: %s", name, exc)
+
+
+def _replaced(app: Any, task: Any, lock_name: str, old: str, new: str,
+              mode: str) -> None:
+    signals.send(signals.lock_duplicate, task, lock_name, task_id=new, existing=old,
+                 mode=mode, policy="replace")
+    try:
+        app.control.revoke(old)
+    except Exception as exc:  # the replaced call still never runs: its start checks
+        logger.warning("Task %s[%s] replaced %s, whose revoke failed (it will not run: "
+                       "its start finds it replaced): %s", task.name, new, old, exc)
+
+
+def _duplicate(app: Any, task: Any, lock_name: str, task_id: str, other: str,
+               left: float | None, mode: str, policy: str, running: bool) -> Any:
+    signals.send(signals.lock_duplicate, task, lock_name, task_id=task_id,
+                 existing=other or None, mode=mode,
+                 policy="return_existing" if policy == "replace" else policy)
+    logger.info("Task %s: call %s is a duplicate of %s (lock %r, %s): %s", task.name,
+                task_id, other or "a holder that is not a task", lock_name, mode,
+                policy)
+    if policy == "raise":
+        what = "running" if running else "queued"
+        raise AlreadyQueued(
+            f"a call of {lock_name!r} is already {what}"
+            + (f" (task {other})" if other else "") + f" (lock_mode={mode!r})",
+            lock_name=lock_name, task_id=other or None, countdown=left)
+    if policy == "drop" or not other:
+        return DroppedResult(task_id, other or None, app=app, lock_name=lock_name)
+    return task.AsyncResult(other)

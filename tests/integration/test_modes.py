@@ -1,0 +1,280 @@
+"""Enqueue-time uniqueness (``lock_mode``, ``on_duplicate``) on a real broker and real
+prefork workers: what reaches the queue, what runs, and when a lock name frees.
+
+Messages are counted in the broker's own list (the Redis transport keeps a queue as
+a list named after it), so "exactly one queued" is read from the broker, not inferred.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from kombu.exceptions import EncodeError
+from worker_harness import Harness, assert_disjoint, open_harness, wait_for
+
+from celery_dlock import DROPPED, AlreadyQueued, DroppedResult, InvalidLockConfig
+
+pytestmark = pytest.mark.slow
+
+MODES = ("until_started", "until_finished", "queued_and_running", "throttle")
+
+
+@pytest.fixture
+def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
+            request: pytest.FixtureRequest) -> Iterator[Harness]:
+    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+
+
+def queued(h: Harness) -> list[dict[str, Any]]:
+    """The messages waiting in the test's queue: their headers."""
+    return [json.loads(raw)["headers"] for raw in h.r.lrange(h.queue, 0, -1)]
+
+
+def queued_ids(h: Harness, key: str) -> list[str]:
+    return [m["id"] for m in queued(h) if f"'{key}'" in m.get("argsrepr", "")]
+
+
+def send(h: Harness, key: str, tag: str, seconds: float = 0.0, **options: Any) -> Any:
+    return h.app.tasks["pf.mode"].apply_async((key, seconds, tag), **options)
+
+
+def runs(h: Harness, key: str) -> list[dict[str, Any]]:
+    return h.records("mode", key)
+
+
+def marker(h: Harness, key: str) -> str | None:
+    value = h.r.get(h.lock_key(f"mode:{key}") + ":m")
+    return value.decode() if value is not None else None
+
+
+# -- at the broker (no worker: every call stays queued) ------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_enqueue_races_never_queue_two(harness: Harness, mode: str) -> None:
+    """8 clients behind a barrier, many rounds: exactly one message per round."""
+    h = harness
+    clients, rounds = 8, 12
+    for n in range(rounds):
+        barrier = threading.Barrier(clients)
+        results: list[Any] = []
+        errors: list[BaseException] = []
+
+        def client(i: int, n: int = n, barrier: threading.Barrier = barrier,
+                   results: list[Any] = results,
+                   errors: list[BaseException] = errors) -> None:
+            try:
+                barrier.wait(timeout=10)
+                results.append(send(h, f"race-{mode}-{n}", f"c{i}", lock_mode=mode))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors, errors
+        ids = queued_ids(h, f"race-{mode}-{n}")
+        assert len(ids) == 1, f"round {n}: {len(ids)} messages queued"
+        # Every client got the one queued call (return_existing is the default).
+        assert {res.id for res in results} == {ids[0]}
+
+
+def test_the_default_mode_queues_every_call_and_claims_nothing(harness: Harness) -> None:
+    h = harness
+    for i in range(3):
+        send(h, "plain", f"c{i}", lock_mode="while_running")
+    assert len(queued_ids(h, "plain")) == 3
+    assert marker(h, "plain") is None
+
+
+def test_each_duplicate_policy(harness: Harness) -> None:
+    h = harness
+    first = send(h, "pol", "first", lock_mode="until_started")
+    existing = send(h, "pol", "again", lock_mode="until_started",
+                    on_duplicate="return_existing")
+    assert existing.id == first.id
+    with pytest.raises(AlreadyQueued) as raised:
+        send(h, "pol", "again", lock_mode="until_started", on_duplicate="raise")
+    assert raised.value.task_id == first.id
+    assert raised.value.countdown is not None and raised.value.countdown > 0
+    dropped = send(h, "pol", "again", lock_mode="until_started", on_duplicate="drop")
+    assert isinstance(dropped, DroppedResult)
+    assert dropped.state == DROPPED and dropped.ready() and dropped.get() is None
+    assert dropped.duplicate_of == first.id and dropped.id != first.id
+    # The spelling in headers works too, and a keyword beats it.
+    with pytest.raises(AlreadyQueued):
+        h.app.tasks["pf.mode"].apply_async(
+            ("pol", 0.0, "h"), headers={"lock_mode": "until_started",
+                                        "on_duplicate": "raise"})
+    again = h.app.send_task("pf.mode", ("pol", 0.0, "by-name"),
+                            lock_mode="until_started", on_duplicate="return_existing")
+    assert again.id == first.id
+    assert queued_ids(h, "pol") == [first.id]
+
+
+def test_a_failed_publish_leaves_no_marker(harness: Harness) -> None:
+    h = harness
+    # An argument the json serializer cannot encode: the publish fails after the
+    # marker was claimed (the lock name reads only ``key``).
+    with pytest.raises(EncodeError):
+        h.app.tasks["pf.mode"].apply_async(("nopub", object(), "x"),
+                                           lock_mode="until_started")
+    assert marker(h, "nopub") is None
+    assert send(h, "nopub", "y", lock_mode="until_started").id == marker(h, "nopub")
+
+
+def test_bad_values_are_refused_where_the_call_is_made(harness: Harness) -> None:
+    h = harness
+    with pytest.raises(InvalidLockConfig, match="lock_mode"):
+        send(h, "bad", "x", lock_mode="nope")
+    with pytest.raises(InvalidLockConfig, match="lock_queue_ttl"):
+        send(h, "bad", "x", lock_queue_ttl=-1)
+    with pytest.raises(InvalidLockConfig, match="on_duplicate"):
+        send(h, "bad", "x", on_duplicate="ignore")
+    with pytest.raises(InvalidLockConfig, match="throttle"):
+        send(h, "bad", "x", lock_mode="throttle", on_duplicate="replace")
+    assert queued(h) == []
+
+
+def test_countdown_makes_the_marker_outlive_the_eta(harness: Harness) -> None:
+    h = harness
+    send(h, "eta", "x", lock_mode="until_started", lock_queue_ttl=5, countdown=60)
+    pttl = h.r.pttl(h.lock_key("mode:eta") + ":m")
+    assert 60_000 < pttl <= 65_000
+    send(h, "exp", "x", lock_mode="until_started", lock_queue_ttl=600, expires=20)
+    assert 0 < h.r.pttl(h.lock_key("mode:exp") + ":m") <= 20_000
+
+
+# -- on workers ----------------------------------------------------------------------
+
+def test_until_started_frees_the_name_when_the_call_starts(harness: Harness) -> None:
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    a = send(h, "us", "a", 1.5, lock_mode="until_started")
+    wait_for(lambda: h.records("mode-start", "us"), 20, what="a to start")
+    assert marker(h, "us") is None
+    b = send(h, "us", "b", 0.0, lock_mode="until_started")  # queues during a's run
+    assert b.id != a.id
+    assert a.get(timeout=30) == "a" and b.get(timeout=30) == "b"
+    assert [run["tag"] for run in runs(h, "us")] == ["a", "b"]
+    assert_disjoint(runs(h, "us"))
+
+
+def test_until_finished_holds_the_name_until_the_call_ends(harness: Harness) -> None:
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    a = send(h, "uf", "a", 1.5)
+    wait_for(lambda: h.records("mode-start", "uf"), 20, what="a to start")
+    assert send(h, "uf", "b").id == a.id  # running: a duplicate
+    assert a.get(timeout=30) == "a"
+    wait_for(lambda: h.owner("mode:uf") is None, 10, what="the release")
+    c = send(h, "uf", "c")
+    assert c.id != a.id and c.get(timeout=30) == "c"
+    assert [run["tag"] for run in runs(h, "uf")] == ["a", "c"]
+
+
+def test_queued_and_running_lets_one_wait_behind_the_running_one(
+        harness: Harness) -> None:
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    opts = {"lock_mode": "queued_and_running"}
+    a = send(h, "qr", "a", 2.0, **opts)
+    wait_for(lambda: h.records("mode-start", "qr"), 20, what="a to start")
+    b = send(h, "qr", "b", 0.0, **opts)
+    c = send(h, "qr", "c", 0.0, **opts)
+    assert b.id != a.id and c.id == b.id
+    assert a.get(timeout=30) == "a" and b.get(timeout=30) == "b"
+    assert [run["tag"] for run in runs(h, "qr")] == ["a", "b"]
+    assert_disjoint(runs(h, "qr"))
+
+
+def test_throttle_runs_once_per_window_counted_from_the_enqueue(
+        harness: Harness) -> None:
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    opts = {"lock_mode": "throttle", "lock_ttl": 2, "on_duplicate": "drop"}
+    a = send(h, "th", "a", **opts)
+    assert a.get(timeout=30) == "a"
+    dropped = send(h, "th", "b", **opts)  # finished, but inside the window
+    assert isinstance(dropped, DroppedResult)
+    wait_for(lambda: marker(h, "th") is None, 10, what="the window to end")
+    assert send(h, "th", "c", **opts).get(timeout=30) == "c"
+    assert [run["tag"] for run in runs(h, "th")] == ["a", "c"]
+
+
+def test_replace_keeps_the_latest_arguments_and_runs_once(harness: Harness) -> None:
+    h = harness
+    opts = {"lock_mode": "until_started", "on_duplicate": "replace"}
+    old = send(h, "rp", "old", **opts)
+    mid = send(h, "rp", "mid", **opts)
+    new = send(h, "rp", "new", **opts)
+    assert len({old.id, mid.id, new.id}) == 3
+    assert marker(h, "rp") == new.id
+    h.start_workers(count=1, concurrency=2)
+    assert new.get(timeout=30) == "new"
+    wait_for(lambda: old.state == "REVOKED" and mid.state == "REVOKED", 20,
+             what="the replaced calls to be revoked")
+    time.sleep(0.5)
+    assert [run["tag"] for run in runs(h, "rp")] == ["new"]
+
+
+def test_a_revoked_queued_call_frees_its_marker(harness: Harness) -> None:
+    h = harness
+    opts = {"lock_mode": "until_finished", "on_duplicate": "raise"}
+    a = send(h, "rv", "a", **opts)
+    a.revoke()
+    b = send(h, "rv", "b", **opts)  # queues: a will not run
+    assert b.id != a.id and marker(h, "rv") == b.id
+    h.start_workers(count=1, concurrency=2)
+    assert b.get(timeout=30) == "b"
+    time.sleep(0.5)
+    assert [run["tag"] for run in runs(h, "rv")] == ["b"]
+
+
+def test_a_call_that_does_not_run_frees_its_marker(harness: Harness) -> None:
+    """skip under contention: the call ends without running; its name is free."""
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    a = send(h, "sk", "a", 2.0, lock_mode="queued_and_running")
+    wait_for(lambda: h.records("mode-start", "sk"), 20, what="a to start")
+    b = send(h, "sk", "b", 0.0, lock_mode="queued_and_running", on_contention="skip")
+    b.get(timeout=30)
+    assert marker(h, "sk") is None
+    assert a.get(timeout=30) == "a"
+    assert [run["tag"] for run in runs(h, "sk")] == ["a"]
+
+
+def test_a_killed_worker_frees_an_until_finished_name_within_the_lock_ttl(
+        harness: Harness) -> None:
+    h = harness
+    worker, = h.start_workers(count=1, concurrency=1)
+    a = send(h, "kill", "a", 60.0)
+    wait_for(lambda: h.records("mode-start", "kill"), 20, what="a to start")
+    assert send(h, "kill", "b").id == a.id
+    worker.stop(signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_for(lambda: h.owner("mode:kill") is None, 3 + 5, 0.05, what="the lock to expire")
+    assert time.monotonic() - killed_at <= 3 + 2  # lock_ttl 3 s, generous slack
+    c = send(h, "kill", "c")
+    assert c.id != a.id and marker(h, "kill") == c.id
+
+
+def test_dlock_enabled_false_turns_markers_and_locks_off(harness: Harness) -> None:
+    h = harness
+    h.app.conf.dlock_enabled = False
+    try:
+        for i in range(2):
+            send(h, "off", f"c{i}", lock_mode="until_started")
+        assert len(queued_ids(h, "off")) == 2
+        assert marker(h, "off") is None
+    finally:
+        h.app.conf.dlock_enabled = True

@@ -1,0 +1,30 @@
+"""Tasks for the enqueue-time uniqueness tests on real workers
+(tests/integration/test_modes.py), registered on the app of :mod:`prefork_app`.
+
+``pf.mode`` records each run (its tag, arguments, start and end) under
+``<prefix>-data:mode:<key>``; its lock_mode and on_duplicate come per call.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+
+from celery_dlock import LockedTask
+
+
+def register(app: Celery, dp: str, record: Callable[..., None]) -> None:
+    @app.task(shared=False, name="pf.mode", base=LockedTask, bind=True,
+              lock_key="mode:{key}", lock_ttl=3, on_contention="wait", lock_wait=60,
+              lock_mode="until_finished")
+    def mode(self: Any, key: str, seconds: float, tag: str) -> str:
+        start = time.time()
+        record(f"{dp}:mode-start:{key}", tag=tag, start=start, task_id=self.request.id)
+        time.sleep(seconds)
+        record(f"{dp}:mode:{key}", tag=tag, start=start, end=time.time(),
+               task_id=self.request.id, pid=os.getpid())
+        return tag
