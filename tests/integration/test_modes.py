@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import chain, chord, group
 from kombu.exceptions import EncodeError
 from worker_harness import Harness, assert_disjoint, open_harness, wait_for
 
@@ -278,3 +279,99 @@ def test_dlock_enabled_false_turns_markers_and_locks_off(harness: Harness) -> No
         assert marker(h, "off") is None
     finally:
         h.app.conf.dlock_enabled = True
+
+
+# -- every route a call can take to the broker ----------------------------------------
+
+def _beat(h: Harness, key: str, tag: str) -> Any:
+    from celery.beat import ScheduleEntry, Scheduler
+
+    entry = ScheduleEntry(name=f"beat-{tag}", task="pf.mode", schedule=60.0,
+                          args=(key, 0.0, tag), app=h.app)
+    return Scheduler(h.app, lazy=True).apply_async(entry, advance=False)
+
+
+ROUTES = {
+    "delay": lambda h, key, tag: h.app.tasks["pf.mode"].delay(key, 0.0, tag),
+    "apply_async": send,
+    "send_task": lambda h, key, tag: h.app.send_task("pf.mode", (key, 0.0, tag)),
+    "signature": lambda h, key, tag: h.app.signature(
+        "pf.mode", (key, 0.0, tag)).apply_async(),
+    "chain": lambda h, key, tag: chain(h.app.tasks["pf.mode"].si(key, 0.0, tag),
+                                       h.app.tasks["pf.mode"].si("other", 0.0, tag)
+                                       ).apply_async(),
+    "group": lambda h, key, tag: group(h.app.tasks["pf.mode"].si(key, 0.0, tag)
+                                       for _ in range(2)).apply_async(),
+    "chord": lambda h, key, tag: chord(
+        [h.app.tasks["pf.mode"].si(key, 0.0, tag)],
+        h.app.tasks["pf.mode"].si("after", 0.0, tag)).apply_async(),
+    "beat": _beat,
+}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_every_route_to_the_broker_is_de_duplicated(harness: Harness,
+                                                    route: str) -> None:
+    """pf.mode is until_finished on the task: however a call is sent, a second call of
+    its name is not queued."""
+    h = harness
+    h.app.finalize()  # a producer that sends by name has loaded its tasks
+    key = f"route-{route}"
+    ROUTES[route](h, key, "first")
+    ROUTES[route](h, key, "second")
+    assert len(queued_ids(h, key)) == 1
+    assert marker(h, key) == queued_ids(h, key)[0]
+
+
+def test_per_call_keywords_reach_the_worker(harness: Harness) -> None:
+    """lock_ttl, on_contention and lock_wait as keywords travel in the message."""
+    h = harness
+    send(h, "kw", "a", lock_ttl=7, on_contention="skip", lock_wait=1,
+         lock_mode="until_started")
+    headers, = queued(h)
+    assert (headers["lock_ttl"], headers["on_contention"], headers["lock_wait"]) == \
+        (7, "skip", 1)
+    assert headers["dlock_marker"]["mode"] == "until_started"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_mode_lets_two_bodies_of_one_name_overlap(harness: Harness,
+                                                     mode: str) -> None:
+    """The runtime lock stays the authority: retries and duplicate deliveries aside,
+    calls accepted in any mode never run at once."""
+    h = harness
+    h.start_workers(count=2, concurrency=2)
+    results = []
+    for i in range(12):
+        results.append(send(h, "ov", f"c{i}", 0.15, lock_mode=mode, lock_ttl=1,
+                            on_duplicate="drop"))
+        time.sleep(0.05)
+    for res in results:
+        res.get(timeout=60)
+    done = runs(h, "ov")
+    assert done, "nothing ran"
+    assert_disjoint(done)
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("lock_mode", "nope"), ("lock_queue_ttl", -1), ("on_duplicate", "skip")])
+def test_bad_values_are_refused_at_declaration(option: str, value: Any) -> None:
+    from celery import Celery
+
+    from celery_dlock import LockedTask
+
+    app = Celery("declaration", set_as_current=False)
+    with pytest.raises(InvalidLockConfig, match=option):
+        @app.task(base=LockedTask, name=f"bad.{option}", lock_key="k", shared=False,
+                  **{option: value})
+        def bad() -> None: ...
+
+        app.finalize()
+
+
+def test_throttle_with_replace_is_refused_at_declaration() -> None:
+    from celery_dlock import LockedTask
+
+    with pytest.raises(InvalidLockConfig, match="throttle"):
+        type("Bad", (LockedTask,), {"lock_mode": "throttle", "on_duplicate": "replace",
+                                    "lock_key": "k", "run": lambda self: None})
