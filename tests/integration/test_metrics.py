@@ -150,3 +150,26 @@ def test_missing_prometheus_client_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(ImportError, match=r"celery-dlock\[prometheus\]"):
         metrics.install(registry=object())
+
+
+def test_duplicate_counter_by_task_and_policy(env):
+    from celery_dlock import AlreadyQueued
+
+    task = env.tasks.gated.name
+    x = uuid.uuid4().hex
+    env.gates.append(x)
+    opts = {"lock_mode": "until_finished"}
+    before = {p: sample(env, "dlock_duplicates_total", task=task, policy=p)
+              for p in ("return_existing", "drop", "raise")}
+    first = env.tasks.gated.apply_async((x,), **opts)
+    assert env.tasks.gated.apply_async((x,), **opts).id == first.id
+    env.tasks.gated.apply_async((x,), on_duplicate="drop", **opts)
+    env.tasks.gated.apply_async((x,), on_duplicate="drop", **opts)
+    with pytest.raises(AlreadyQueued):
+        env.tasks.gated.apply_async((x,), on_duplicate="raise", **opts)
+    after = {p: sample(env, "dlock_duplicates_total", task=task, policy=p)
+             for p in before}
+    assert {p: after[p] - before[p] for p in before} == \
+        {"return_existing": 1, "drop": 2, "raise": 1}
+    env.open_gate(x)
+    assert first.get(timeout=RESULT_TIMEOUT) == "done"

@@ -162,8 +162,15 @@ def test_bad_per_call_options_are_refused_where_the_call_is_made(annotated, head
 
 
 def test_bad_per_call_option_sent_by_name_fails_the_task(annotated):
+    """Refused where it is sent; and a message that carries one anyway (sent by a
+    producer whose send_task is not celery-dlock's) fails on the worker."""
+    from celery_dlock.task.enqueue import original_send_task
+
     app, tasks, _ = annotated
-    result = app.send_task(tasks["plain"].name, ("e",), headers={"lock_ttl": -1})
+    with pytest.raises(InvalidLockConfig, match="per-call header lock_ttl"):
+        app.send_task(tasks["plain"].name, ("e",), headers={"lock_ttl": -1})
+    result = original_send_task(app)(tasks["plain"].name, ("e",),
+                                     headers={"lock_ttl": -1})
     with pytest.raises(InvalidLockConfig, match="per-call header lock_ttl"):
         result.get(timeout=RESULT_TIMEOUT)
 
