@@ -34,8 +34,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import ResponseError
-
 from ....core.deadline import pause_budget
 from ....core.errors import FencingUnavailable, Holder
 from ....core.hold import (
@@ -54,7 +52,6 @@ from ..scripts import ACQUIRE, EXTEND, RELEASE
 from ..server_checks import check_server
 from .nodes import (
     POOL_SLACK,
-    NodeFailed,
     Outcome,
     check_nodes,
     fan_out,
@@ -67,6 +64,7 @@ from .quorum import (
     Holds,
     answered,
     check_timing,
+    failures,
     give_back,
     majority_holder,
     quorum_holder,
@@ -74,6 +72,7 @@ from .quorum import (
     read_holds,
     unavailable,
 )
+from .report import report_refusals
 
 __all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "RedlockLock"]
 
@@ -205,9 +204,10 @@ class RedlockLock(Hold):
         now = scheduler.now()
         yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
         valid = now < sent_at + self.ttl - self._margin(self.ttl_ms)
-        if len(yes) >= quorum and (reentry or valid) and not any(
-                isinstance(r, NodeFailed) and isinstance(r.error, ResponseError)
-                for r in out):
+        # A node that answered with an error (out of memory, a read-only replica, a
+        # missing ACL permission) refused: it did not grant, and vetoes nothing.
+        report_refusals(self.name, "acquire", self.clients, failures(out))
+        if len(yes) >= quorum and (reentry or valid):
             for i, future in leftover.items():
                 self._in_flight.setdefault(i, []).append(future)
             reentered = reentry or sum(1 for i in yes if int(out[i][2]) > 1) >= quorum
@@ -227,12 +227,13 @@ class RedlockLock(Hold):
             return TAKEN if taken > len(gone) // 2 else GONE
         if len(yes) >= quorum:
             logger.warning("lock %r: a quorum granted it after its validity ended "
-                           "(%.3fs for a ttl of %gs): given back", self.name,
-                           now - sent_at, self.ttl)
+                           "(%.3fs for a ttl of %gs, %.3fs of drift allowance): given "
+                           "back", self.name, now - sent_at, self.ttl,
+                           self._margin(self.ttl_ms))
             self.last_holder = None
             return Refused()
         if len(yes) + len(no) + len(gone) < quorum:
-            raise unavailable(self.name, "acquire", out, self.quorum)
+            raise unavailable(self.name, "acquire", out, self.quorum, self.clients)
         holder = majority_holder(out, no)
         # One node's counter is not a fencing token.
         self.last_holder = None if holder is None else dataclasses.replace(holder,
@@ -264,6 +265,7 @@ class RedlockLock(Hold):
 
         # Back once the answers decide; a node that hangs gets the release later.
         out = self._call_all(RELEASE, (owner, op), decided, late)
+        report_refusals(self.name, "release", self.clients, failures(out))
         ours, others = tally(out)
         if ours >= quorum:
             still = any(answered(r) and int(r[0]) == STILL_HELD for r in out)
@@ -271,7 +273,7 @@ class RedlockLock(Hold):
         if others > n - quorum:
             taken = any(answered(r) and int(r[0]) == TAKEN for r in out)
             return TAKEN if taken else GONE
-        raise unavailable(self.name, "release", out, self.quorum)
+        raise unavailable(self.name, "release", out, self.quorum, self.clients)
 
     def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
         quorum, n = self.quorum, len(self._nodes)
@@ -286,12 +288,13 @@ class RedlockLock(Hold):
             return ok >= quorum or no > n - quorum
 
         out = self._call_all(EXTEND, (owner, ttl_ms), decided)
+        report_refusals(self.name, "extend", self.clients, failures(out))
         ok, no = tally(out)
         if ok >= quorum:
             return OK
         if no > n - quorum:
             return GONE
-        raise unavailable(self.name, "extend", out, self.quorum)
+        raise unavailable(self.name, "extend", out, self.quorum, self.clients)
 
     def _read(self, what: str, owner: str | None = None) -> Holds:
         return read_holds(self._nodes, self.keys, self.name, what, self.node_timeout,

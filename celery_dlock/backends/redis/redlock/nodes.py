@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis
 from redis.exceptions import RedisError
 
 from ....core.errors import InvalidLockConfig
@@ -26,6 +25,8 @@ from ..bounded import PLAIN_POOLS, bounded_client
 from ..cluster import is_cluster_client
 from ..keyspace import check_client
 from ..scripts import RENEW_MANY
+from .report import address as node_address
+from .report import describe
 
 __all__ = [
     "MIN_NODES",
@@ -49,35 +50,11 @@ POOL_SIZE = 32
 #: How much longer than ``node_timeout`` a caller waits for a busy pool (seconds).
 POOL_SLACK = 0.1
 
-_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
-_LOCAL_HOSTS = {"localhost": "127.0.0.1", "::1": "127.0.0.1",
-                "ip6-localhost": "127.0.0.1"}
 
 
 def quorum_of(n: int) -> int:
     """How many nodes of ``n`` make a majority."""
     return n // 2 + 1
-
-
-def _address(client: Any) -> tuple[Any, ...] | None:
-    """Where ``client`` connects, as a comparable tuple (None when unknown)."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if not isinstance(kwargs, dict):
-        return None
-    db = int(kwargs.get("db", 0) or 0)
-    if kwargs.get("path"):
-        return ("unix", os.path.realpath(str(kwargs["path"])), db)
-    if "host" in kwargs:
-        host = str(kwargs["host"]).lower()
-        return ("tcp", _LOCAL_HOSTS.get(host, host), int(kwargs.get("port", 6379)), db)
-    return None
-
-
-def _describe(address: tuple[Any, ...]) -> str:
-    if address[0] == "unix":
-        return f"unix://{address[1]}?db={address[2]}"
-    return f"{address[1]}:{address[2]}/{address[3]}"
 
 
 def check_nodes(clients: Any, name: str) -> tuple[Any, ...]:
@@ -100,13 +77,13 @@ def check_nodes(clients: Any, name: str) -> tuple[Any, ...]:
             raise InvalidLockConfig(
                 f"a Redlock node must be one Redis server, not a cluster client "
                 f"(node {i})", lock_name=name)
-        address = _address(client)
+        address = node_address(client)
         if address is None:
             continue
         if address in seen:
             raise InvalidLockConfig(
                 f"a Redlock's nodes must be independent servers: nodes {seen[address]} "
-                f"and {i} are both {_describe(address)}", lock_name=name)
+                f"and {i} are both {describe(client)}", lock_name=name)
         seen[address] = i
     return nodes
 

@@ -20,12 +20,14 @@ from ....core.hold import new_op_id
 from ..keyspace import LockKeys, foreign_keys, parse_holder
 from ..scripts import ACQUIRE, READ_HOLD, RELEASE
 from .nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
+from .report import describe, describe_error
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",
     "Holds",
     "answered",
     "check_timing",
+    "failures",
     "give_back",
     "majority_holder",
     "op_id",
@@ -69,14 +71,24 @@ def check_timing(name: str, ttl: float, drift_factor: Any,
     return float(drift_factor), float(node_timeout)
 
 
-def unavailable(name: str, what: str, out: Outcome, quorum: int) -> BackendUnavailable:
-    """The error for too few answers: how many answered, and the first failure."""
+def failures(out: Outcome) -> list[BaseException | None]:
+    """Per node, the error its call raised (None: it answered, or no error known)."""
+    return [r.error if isinstance(r, NodeFailed) else None for r in out]
+
+
+def unavailable(name: str, what: str, out: Outcome, quorum: int,
+                clients: Sequence[Any] = ()) -> BackendUnavailable:
+    """The error for too few answers: how many answered, and each node's failure
+    (named by ``clients`` when given, without credentials)."""
     count = sum(1 for r in out if answered(r))
-    error = "no answer"
-    for reply in out:
-        if isinstance(reply, NodeFailed):
-            error = str(reply.error) if reply.error is not None else "no answer in time"
-            break
+    failed = [(i, r) for i, r in enumerate(out) if isinstance(r, NodeFailed)]
+    if not failed:
+        error = "no answer"
+    elif not clients:
+        error = describe_error(failed[0][1].error)
+    else:
+        error = "; ".join(f"{describe(clients[i], i)}: {describe_error(r.error)}"
+                          for i, r in failed)
     return BackendUnavailable(
         f"Redlock unavailable during {what}: {count} of {len(out)} nodes answered, "
         f"{quorum} needed ({error})", lock_name=name)
@@ -127,8 +139,9 @@ def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[A
             if int(ACQUIRE(node, lock, args)[0]) == 1:
                 RELEASE(node, lock, (owner, op_id()))
         except RedisError as exc:
-            logger.warning("lock %r: a node did not confirm the give-back (%s); a "
-                           "hold left there expires within %gs", name, exc, ttl)
+            logger.warning("lock %r: Redlock node %s did not confirm the give-back "
+                           "(%s); a hold left there expires within %gs", name,
+                           describe(node, i), describe_error(exc), ttl)
 
     for i, reply in enumerate(out):
         if not answered(reply):

@@ -1,0 +1,86 @@
+"""How a Redlock names its nodes and their failures in logs and errors.
+
+A node is named by where it is (``host:port/db`` or ``unix://path?db=N``), never by its
+URL: no password reaches a log line.  A node that answers a call with an error (out of
+memory, a read-only replica, a missing ACL permission) refused that call; it is
+reported at most once a minute per node, operation and kind of error, so a node that
+refuses every write does not flood the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+__all__ = ["address", "describe", "describe_error", "report_refusals"]
+
+logger = logging.getLogger("celery_dlock.redlock")
+
+#: The shortest time between two reports of one node's refusals of one kind (seconds).
+REPORT_EVERY = 60.0
+
+_LOCAL_HOSTS = {"localhost": "127.0.0.1", "::1": "127.0.0.1",
+                "ip6-localhost": "127.0.0.1"}
+_reported: dict[tuple[str, str, str], float] = {}
+_reported_lock = threading.Lock()
+
+
+def address(client: Any) -> tuple[Any, ...] | None:
+    """Where ``client`` connects, as a comparable tuple: ``("tcp", host, port, db)``
+    (the loopback names spelled one way) or ``("unix", path, db)``; None when
+    unknown."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return None
+    db = int(kwargs.get("db", 0) or 0)
+    if kwargs.get("path"):
+        return ("unix", os.path.realpath(str(kwargs["path"])), db)
+    if "host" in kwargs:
+        host = str(kwargs["host"]).lower()
+        return ("tcp", _LOCAL_HOSTS.get(host, host), int(kwargs.get("port", 6379)), db)
+    return None
+
+
+def describe(client: Any, index: int | None = None) -> str:
+    """``host:port/db`` (or ``unix://path?db=N``) of ``client``, without credentials;
+    ``node N`` when it cannot tell."""
+    where = address(client)
+    if where is None:
+        return f"node {index}" if index is not None else "a node"
+    if where[0] == "unix":
+        return f"unix://{where[1]}?db={where[2]}"
+    return f"{where[1]}:{where[2]}/{where[3]}"
+
+
+def describe_error(error: BaseException | None) -> str:
+    """``OutOfMemoryError: command not allowed ...``; ``no answer in time`` for None."""
+    if error is None:
+        return "no answer in time"
+    return f"{type(error).__name__}: {error}"
+
+
+def report_refusals(name: str, what: str, clients: Sequence[Any],
+                    errors: Sequence[BaseException | None]) -> None:
+    """Log, as a warning, each node whose call of ``what`` was answered with an error
+    (``errors[i]``, None for a node that did not refuse)."""
+    now = time.monotonic()
+    for i, error in enumerate(errors):
+        if not isinstance(error, ResponseError):
+            continue
+        where = describe(clients[i], i)
+        key = (where, what, type(error).__name__)
+        with _reported_lock:
+            last = _reported.get(key)
+            if last is not None and now - last < REPORT_EVERY:
+                continue
+            _reported[key] = now
+        logger.warning("lock %r: Redlock node %s refused the %s (%s); the quorum is "
+                       "counted without it (reported at most once a minute)", name,
+                       where, what, describe_error(error))

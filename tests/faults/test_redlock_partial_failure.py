@@ -1,0 +1,175 @@
+"""RedlockLock when one node of three fails in part: it refuses writes (out of memory,
+a read-only replica), it is stopped longer than the ttl, or two "nodes" are one server.
+
+Each test starts its own redis-servers (no persistence), which it reconfigures with
+``CONFIG SET``/``REPLICAOF`` or stops with SIGSTOP.  Timing bounds are generous (a
+loaded two-core machine); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_dlock import RedlockLock
+from celery_dlock.ops.embedded import EmbeddedRedis
+
+pytestmark = pytest.mark.slow
+
+
+class Nodes:
+    """Three independent redis-servers of one test, and clients of them."""
+
+    def __init__(self) -> None:
+        self.servers = [EmbeddedRedis(extra_args=("--maxmemory-policy", "noeviction"))
+                        for _ in range(3)]
+        self.extra: list[EmbeddedRedis] = []
+        self._clients: list[redis.Redis] = []
+        #: Per node, how the lock's clients log in (default: no ACL user).
+        self.auth: dict[int, dict[str, str]] = {}
+
+    def start(self) -> Nodes:
+        for s in self.servers:
+            s.start()
+        return self
+
+    def client(self, server: EmbeddedRedis, **kwargs: Any) -> redis.Redis:
+        kwargs.setdefault("socket_timeout", 5)
+        c = redis.Redis(host=server.host, port=server.port, **kwargs)
+        self._clients.append(c)
+        return c
+
+    def clients(self) -> list[redis.Redis]:
+        return [self.client(s, **self.auth.get(i, {}))
+                for i, s in enumerate(self.servers)]
+
+    def admin(self, i: int) -> redis.Redis:
+        return self.client(self.servers[i])
+
+    def out_of_memory(self, i: int) -> None:
+        """Node ``i`` answers every write with OOM (and still answers reads)."""
+        self.admin(i).config_set("maxmemory", 1)
+
+    def read_only_replica(self, i: int) -> None:
+        """Node ``i`` becomes a replica of a fresh server: writes answer READONLY."""
+        master = EmbeddedRedis().start()
+        self.extra.append(master)
+        self.admin(i).replicaof(master.host, master.port)
+
+    def no_script_permission(self, i: int) -> None:
+        """The lock's clients log in to node ``i`` as a user that may not run
+        scripts: every lock operation there answers NOPERM."""
+        self.admin(i).acl_setuser("dlock", enabled=True, passwords=["+a-secret-pw"],
+                                  keys=["*"], commands=["+@all", "-eval", "-evalsha"])
+        self.auth[i] = {"username": "dlock", "password": "a-secret-pw"}
+
+    def stop_process(self, i: int) -> None:
+        self._signal(i, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        self._signal(i, signal.SIGCONT)
+
+    def _signal(self, i: int, sig: int) -> None:
+        process = self.servers[i].process
+        assert process is not None
+        os.kill(process.pid, sig)
+
+    def owners(self, key: str, which: tuple[int, ...] = (0, 1, 2)) -> list[str | None]:
+        """The owner of ``key`` on each node of ``which``, asked directly."""
+        out: list[str | None] = []
+        for i in which:
+            value = self.admin(i).hget(key, "owner")
+            out.append(value.decode() if value is not None else None)
+        return out
+
+    def close(self) -> None:
+        for c in self._clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        for s in [*self.servers, *self.extra]:
+            if s.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(s.process.pid, signal.SIGCONT)
+            s.stop()
+
+
+@pytest.fixture
+def nodes() -> Iterator[Nodes]:
+    started = Nodes()
+    try:
+        yield started.start()
+    finally:
+        started.close()
+
+
+def _lock(clients: list[redis.Redis], name: str, owner: str,
+          **kwargs: Any) -> RedlockLock:
+    kwargs.setdefault("ttl", 2.0)
+    kwargs.setdefault("node_timeout", 0.2)
+    return RedlockLock(clients, name, owner=owner, prefix="pf", **kwargs)
+
+
+# -- one node refuses writes ------------------------------------------------------------
+
+REFUSALS: dict[str, Callable[[Nodes, int], None]] = {
+    "out-of-memory": Nodes.out_of_memory,
+    "read-only-replica": Nodes.read_only_replica,
+    "no-acl-permission": Nodes.no_script_permission,
+}
+ERRORS = {"out-of-memory": "OutOfMemoryError", "read-only-replica": "ReadOnlyError",
+          "no-acl-permission": "NoPermissionError"}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+def test_one_node_refusing_writes_does_not_veto_the_quorum(nodes, refusal, caplog):
+    REFUSALS[refusal](nodes, 2)
+    caplog.set_level(logging.DEBUG, logger="celery_dlock")
+    a = _lock(nodes.clients(), "refuse", "owner-a")
+    b = _lock(nodes.clients(), "refuse", "owner-b")
+    for round_ in range(3):  # every time, not by luck
+        assert a.acquire(blocking=False), f"round {round_}: 2 of 3 granted"
+        assert nodes.owners(a.keys.lock)[:2] == ["owner-a", "owner-a"]
+        assert nodes.owners(a.keys.lock)[2] is None  # the refusing node took nothing
+        assert not b.acquire(blocking=False)
+        assert a.holder() is not None and a.holder().owner == "owner-a"
+        # extend and release are answered OK by the quorum, whatever the third says
+        a.extend(3.0)
+        assert not a.lost and a.owned()
+        a.release()
+        assert a.depth == 0
+        assert nodes.owners(a.keys.lock)[:2] == [None, None]
+    # a renewal scheduler keeps the hold past several ttls on the two others
+    assert a.acquire(blocking=False)
+    time.sleep(2.5)
+    a.ensure_held()
+    assert not a.lost and a.lost_reason is None
+    a.release()
+    # the log names the node that refused and its error, and tells no untruth
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("after its validity ended" in m for m in messages), messages
+    port = nodes.servers[2].port
+    word = ERRORS[refusal]
+    assert any(f":{port}/0" in m and word in m and "refused" in m for m in messages), \
+        messages
+    assert not any("a-secret-pw" in m for m in messages)
+
+
+def test_a_refusing_node_among_too_few_is_unavailable_and_named(nodes):
+    from celery_dlock import BackendUnavailable
+
+    nodes.out_of_memory(1)
+    nodes.out_of_memory(2)
+    a = _lock(nodes.clients(), "two-refuse", "owner-a")
+    with pytest.raises(BackendUnavailable,
+                       match=r"1 of 3 nodes answered.*:\d+/0: OutOfMemoryError"):
+        a.acquire(blocking=False)
+    assert nodes.owners(a.keys.lock) == [None, None, None]  # given back on node 0
+
