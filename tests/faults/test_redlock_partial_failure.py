@@ -12,14 +12,17 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
+from dlock_helpers import wait_until
 
 from celery_dlock import RedlockLock
+from celery_dlock.backends.redis.redlock.workers import IDLE_EXIT, NODE_WORKERS
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.slow
@@ -173,3 +176,83 @@ def test_a_refusing_node_among_too_few_is_unavailable_and_named(nodes):
         a.acquire(blocking=False)
     assert nodes.owners(a.keys.lock) == [None, None, None]  # given back on node 0
 
+
+
+# -- one node stopped longer than the ttl -----------------------------------------------
+
+
+def test_one_node_stopped_past_several_ttls_starves_nobody(nodes):
+    a = _lock(nodes.clients(), "held", "owner-a")  # ttl 2 s
+    assert a.acquire(blocking=False)
+    assert wait_until(lambda: nodes.owners(a.keys.lock) == ["owner-a"] * 3)
+    shared = nodes.clients()  # what an application's backend has: one set of clients
+    baseline = threading.active_count()
+    most = baseline
+    stop = threading.Event()
+    tries = [0]
+
+    errors: list[BaseException] = []
+
+    def wait_for_held(k: int) -> None:
+        # busy waiters for the held lock: each refused try sends calls to the stopped
+        # node, and a give-back of that try there too
+        waiter = _lock(shared, "held", f"waiter-{k}")
+        while not stop.is_set():
+            try:
+                assert not waiter.acquire(timeout=0.5)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            tries[0] += 1
+
+    waiters = [threading.Thread(target=wait_for_held, args=(k,), daemon=True)
+               for k in range(20)]
+    nodes.stop_process(1)
+    try:
+        for t in waiters:
+            t.start()
+        end = time.monotonic() + 8.0  # four ttls
+        n = 0
+        while time.monotonic() < end:
+            n += 1
+            other = _lock(shared, f"other-{n}", f"owner-{n}")
+            started = time.monotonic()
+            assert other.acquire(blocking=False), f"acquire {n} while node 1 is stopped"
+            assert time.monotonic() - started < 1.5
+            other.release()
+            assert not a.lost, a.lost_reason
+            most = max(most, threading.active_count())
+            time.sleep(0.2)
+        assert errors == []
+        assert n >= 10 and tries[0] >= 20
+        assert not a.lost and a.lost_reason is None
+        a.ensure_held()
+        assert nodes.owners(a.keys.lock, (0, 2)) == ["owner-a", "owner-a"]
+    finally:
+        stop.set()
+        nodes.resume(1)
+        for t in waiters:
+            t.join(timeout=10)
+    assert not any(t.is_alive() for t in waiters)
+    # the stopped node answers again and takes part in what follows
+    a.extend(2.0)
+    assert not a.lost
+    a.release()
+    late = _lock(shared, "after", "owner-z")
+    assert late.acquire(blocking=False)
+    assert wait_until(lambda: nodes.owners(late.keys.lock) == ["owner-z"] * 3)
+    late.release()
+    most = max(most, threading.active_count())
+    # the calls hung on the stopped node did not pile up threads (the test's own 20
+    # waiters aside)
+    assert most - len(waiters) < baseline + 40, (baseline, most)
+    ports = [f":{s.port}" for s in nodes.servers]
+
+    def workers() -> int:
+        return sum(1 for t in threading.enumerate()
+                   if t.name.startswith("celery-dlock-redlock-")
+                   and t.name.endswith(tuple(ports)))
+
+    assert workers() <= 3 * NODE_WORKERS
+    # and they end once idle
+    assert wait_until(lambda: workers() == 0, timeout=IDLE_EXIT + 10)

@@ -197,10 +197,12 @@ class RedlockLock(Hold):
         sent_at = scheduler.now()
         leftover: dict[int, cf.Future[Any]] = {}
         # Back as soon as a quorum granted, or can no longer grant.
+        # No call starts once the grant could no longer be valid.
+        left = self.ttl - self._margin(self.ttl_ms)
         out = fan_out(self._nodes, call, self.node_timeout,
                       lambda o: len(with_code(o, 1)) >= quorum
                       or len(with_code(o, 0)) + len(with_code(o, 2)) > n - quorum,
-                      leftover)
+                      leftover, budget=left if left > 0 and not reentry else None)
         now = scheduler.now()
         yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
         valid = now < sent_at + self.ttl - self._margin(self.ttl_ms)

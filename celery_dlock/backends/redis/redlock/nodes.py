@@ -1,11 +1,13 @@
 """The nodes of a Redlock: their checks, bounded clients, concurrent calls and renewal.
 
 Used by :mod:`celery_dlock.redis.redlock`.  Every call to the N nodes goes out at once,
-from a small per-process thread pool, each on a client of its own with a short socket
-timeout (``node_timeout``) and no client-side re-sends; the caller stops waiting as
-soon as the answers it has decide the question (a quorum granted, or a quorum can no
-longer be reached), so one node that hangs (SIGSTOP, a partition) costs the caller at
-most ``node_timeout``, and nothing once the other nodes have answered.
+each from its server's own few worker threads (:mod:`.workers`: a hung server fills
+only its own), on a client of its own with a short socket timeout (``node_timeout``)
+and no client-side re-sends; a call that cannot start in time is not sent, and the
+caller stops waiting as soon as the answers it has decide the question (a quorum
+granted, or a quorum can no longer be reached), so one node that hangs (SIGSTOP, a
+partition) costs the caller at most ``node_timeout``, and nothing once the other nodes
+have answered, however long it hangs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..keyspace import check_client
 from ..scripts import RENEW_MANY
 from .report import address as node_address
 from .report import describe
+from .workers import submit_to
 
 __all__ = [
     "MIN_NODES",
@@ -45,9 +48,7 @@ __all__ = [
 
 #: The fewest nodes a Redlock accepts.
 MIN_NODES = 3
-#: Threads of the per-process pool that sends to the nodes.
-POOL_SIZE = 32
-#: How much longer than ``node_timeout`` a caller waits for a busy pool (seconds).
+#: How much longer than ``node_timeout`` a caller waits for a node's workers (seconds).
 POOL_SLACK = 0.1
 
 
@@ -135,22 +136,12 @@ def node_client(client: Any, timeout: float, use: str = "calls") -> Any:
 
 # -- concurrent calls -----------------------------------------------------------------
 
-_pool: cf.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
-
-def _executor() -> cf.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = cf.ThreadPoolExecutor(max_workers=POOL_SIZE,
-                                          thread_name_prefix="celery-dlock-redlock")
-        return _pool
-
-
-def submit(fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
-    """Run ``fn(*args)`` on the pool, without waiting."""
-    return _executor().submit(fn, *args)
+def submit(node: Any, fn: Callable[..., Any], *args: Any,
+           deadline: float | None = None) -> cf.Future[Any]:
+    """Run ``fn(*args)`` on the workers of ``node``'s server, without waiting (see
+    :mod:`.workers`)."""
+    return submit_to(node, fn, *args, deadline=deadline)
 
 
 class NodeFailed:
@@ -171,20 +162,24 @@ Outcome = list[Any]
 
 def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: float,
             decided: Callable[[Outcome], bool] | None = None,
-            leftover: dict[int, cf.Future[Any]] | None = None) -> Outcome:
-    """Run ``call(i, node)`` for every node at once; per node its reply, a
+            leftover: dict[int, cf.Future[Any]] | None = None,
+            budget: float | None = None) -> Outcome:
+    """Run ``call(i, node)`` for every node at once, each on its server's own workers
+    (so a node that hangs holds up no call to another); per node its reply, a
     :class:`NodeFailed` (an exception, or no answer within ``timeout``), or None
     when the caller stopped waiting before it answered because ``decided`` said the
-    answers so far settle the question.  A call still running goes on by itself (its
-    client's socket timeout ends it; it is put in ``leftover``, by node, when
-    given)."""
+    answers so far settle the question.  A call not started within ``timeout`` (or
+    ``budget`` seconds, when less: what is left of the operation's validity) is not
+    sent.  A call still running goes on by itself (its client's socket timeout ends
+    it; it is put in ``leftover``, by node, when given)."""
+    start = time.monotonic()
+    limit = timeout if budget is None else max(0.0, min(timeout, budget))
     pending: dict[cf.Future[Any], int] = {}
-    executor = _executor()
     for i, node in enumerate(nodes):
-        pending[executor.submit(call, i, node)] = i
+        pending[submit_to(node, call, i, node, deadline=start + limit)] = i
     out: Outcome = [None] * len(nodes)
     waiting = set(pending)
-    end = time.monotonic() + timeout + POOL_SLACK
+    end = start + timeout + POOL_SLACK
     while waiting:
         left = end - time.monotonic()
         if left <= 0:
@@ -280,10 +275,8 @@ def renew_target(clients: Sequence[Any], timeout: float) -> RedlockRenewTarget:
 
 
 def _after_fork_in_child() -> None:
-    global _pool, _pool_lock, _clients_lock, _node_clients, _targets, _targets_lock
-    # The parent's pool threads do not exist here, and its connections are its own.
-    _pool = None
-    _pool_lock = threading.Lock()
+    global _clients_lock, _node_clients, _targets, _targets_lock
+    # The parent's connections are its own.
     _clients_lock = threading.Lock()
     _node_clients = weakref.WeakKeyDictionary()
     _targets = weakref.WeakValueDictionary()

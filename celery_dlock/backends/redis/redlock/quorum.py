@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,8 @@ from ....core.hold import new_op_id
 from ..keyspace import LockKeys, foreign_keys, parse_holder
 from ..scripts import ACQUIRE, READ_HOLD, RELEASE
 from .nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
-from .report import describe, describe_error
+from .report import describe, describe_error, warn_now_and_then
+from .workers import NodeBusy, NotSent
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",
@@ -135,17 +137,29 @@ def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[A
         first = late.get(i)
         if first is not None:
             cf.wait([first], timeout=timeout + POOL_SLACK)
+            if first.done() and isinstance(first.exception(), (NotSent, NodeBusy)):
+                return  # never sent: nothing to undo
         try:
             if int(ACQUIRE(node, lock, args)[0]) == 1:
                 RELEASE(node, lock, (owner, op_id()))
         except RedisError as exc:
-            logger.warning("lock %r: Redlock node %s did not confirm the give-back "
-                           "(%s); a hold left there expires within %gs", name,
-                           describe(node, i), describe_error(exc), ttl)
+            where = describe(node, i)
+            warn_now_and_then((where, "give-back", type(exc).__name__),
+                              "lock %r: Redlock node %s did not confirm the give-back "
+                              "(%s); a hold left there expires within %gs (reported "
+                              "at most once a minute)", name, where, describe_error(exc),
+                              ttl)
+
+    def unsent(reply: Any) -> bool:
+        return isinstance(reply, NodeFailed) and isinstance(reply.error,
+                                                            (NotSent, NodeBusy))
 
     for i, reply in enumerate(out):
-        if not answered(reply):
-            submit(undo, i, nodes[i])
+        if not answered(reply) and not unsent(reply):
+            # Not sent when that node's workers are still busy past the wait: a hold
+            # the first request left there expires within the ttl.
+            submit(nodes[i], undo, i, nodes[i],
+                   deadline=time.monotonic() + 2 * (timeout + POOL_SLACK))
     if granted:
         results = fan_out(nodes, release, timeout)
         missed = sum(1 for i in granted if isinstance(results[i], NodeFailed))

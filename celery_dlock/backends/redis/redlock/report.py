@@ -18,7 +18,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-__all__ = ["address", "describe", "describe_error", "report_refusals"]
+__all__ = ["address", "describe", "describe_error", "report_refusals",
+           "warn_now_and_then"]
 
 logger = logging.getLogger("celery_dlock.redlock")
 
@@ -66,21 +67,37 @@ def describe_error(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _due(key: tuple[str, str, str]) -> bool:
+    """Whether a report of ``key`` is due (none in the last :data:`REPORT_EVERY`)."""
+    now = time.monotonic()
+    with _reported_lock:
+        last = _reported.get(key)
+        if last is not None and now - last < REPORT_EVERY:
+            return False
+        if len(_reported) > 10_000:  # many servers over a long life: start afresh
+            _reported.clear()
+        _reported[key] = now
+        return True
+
+
+def warn_now_and_then(key: tuple[str, str, str], message: str, *args: Any) -> None:
+    """``logger.warning(message, *args)``, at most once a minute per ``key``; debug
+    in between."""
+    if _due(key):
+        logger.warning(message, *args)
+    else:
+        logger.debug(message, *args)
+
+
 def report_refusals(name: str, what: str, clients: Sequence[Any],
                     errors: Sequence[BaseException | None]) -> None:
     """Log, as a warning, each node whose call of ``what`` was answered with an error
     (``errors[i]``, None for a node that did not refuse)."""
-    now = time.monotonic()
     for i, error in enumerate(errors):
         if not isinstance(error, ResponseError):
             continue
         where = describe(clients[i], i)
-        key = (where, what, type(error).__name__)
-        with _reported_lock:
-            last = _reported.get(key)
-            if last is not None and now - last < REPORT_EVERY:
-                continue
-            _reported[key] = now
-        logger.warning("lock %r: Redlock node %s refused the %s (%s); the quorum is "
-                       "counted without it (reported at most once a minute)", name,
-                       where, what, describe_error(error))
+        warn_now_and_then((where, what, type(error).__name__),
+                          "lock %r: Redlock node %s refused the %s (%s); the quorum is "
+                          "counted without it (reported at most once a minute)", name,
+                          where, what, describe_error(error))
