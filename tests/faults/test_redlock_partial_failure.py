@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from dlock_helpers import wait_until
+from dlock_helpers import closed_port, wait_until
 
 from celery_dlock import RedlockLock
 from celery_dlock.backends.redis.redlock.workers import IDLE_EXIT, NODE_WORKERS
@@ -256,3 +256,72 @@ def test_one_node_stopped_past_several_ttls_starves_nobody(nodes):
     assert workers() <= 3 * NODE_WORKERS
     # and they end once idle
     assert wait_until(lambda: workers() == 0, timeout=IDLE_EXIT + 10)
+
+
+# -- one server is not several nodes ----------------------------------------------------
+
+
+def test_one_server_given_as_several_nodes_is_refused_without_the_network(nodes):
+    from celery_dlock import InvalidLockConfig
+    from celery_dlock.backends.redis.redlock.backend import RedlockBackend
+
+    s = nodes.servers[0]
+    port = closed_port()  # nothing listens: refused without asking anyone
+    secret = "hunter2-secret"
+    cases = {
+        "databases 0, 1, 2 of one server": [
+            redis.Redis.from_url(f"redis://:{secret}@127.0.0.1:{port}/{db}")
+            for db in range(3)],
+        "one host:port twice": [
+            redis.Redis(host="127.0.0.1", port=port),
+            redis.Redis(host="127.0.0.1", port=s.port),
+            redis.Redis(host="127.0.0.1", port=port)],
+        "127.0.0.1 and localhost": [
+            redis.Redis(host="127.0.0.1", port=port, password=secret),
+            redis.Redis(host="localhost", port=port, db=1, password=secret),
+            redis.Redis(host="127.0.0.1", port=s.port)],
+    }
+    for case, clients in cases.items():
+        for make in (lambda c: RedlockLock(c, "dup"), RedlockBackend):
+            with pytest.raises(InvalidLockConfig) as caught:
+                make(clients)
+            message = str(caught.value)
+            assert "one server" in message and f":{port}/" in message, (case, message)
+            assert "nodes 0 and" in message and secret not in message, (case, message)
+        for c in clients:
+            c.close()
+
+
+def test_two_names_of_one_server_are_refused_when_first_contacted(nodes):
+    from celery_dlock import BackendUnavailable, InvalidLockConfig
+
+    tcp_and_unix = EmbeddedRedis(unix_socket=True).start()
+    nodes.extra.append(tcp_and_unix)
+    path = tcp_and_unix.unix_socket_path
+    assert path is not None
+    # a node that is down is allowed at construction, and by the check
+    down = redis.Redis(host="127.0.0.1", port=closed_port(), socket_timeout=1)
+    over_tcp = nodes.client(tcp_and_unix)
+    over_unix = redis.Redis(unix_socket_path=path, socket_timeout=5)
+    lock = _lock([over_tcp, down, over_unix], "two-names", "owner-a")  # no network
+    with pytest.raises(InvalidLockConfig) as caught:
+        lock.acquire(blocking=False)
+    message = str(caught.value)
+    assert "nodes 0 and 2" in message and "same run_id" in message
+    assert f":{tcp_and_unix.port}/0" in message and f"unix://{path}" in message
+    # nothing was kept: the one server has no hold
+    assert wait_until(lambda: not over_tcp.exists(lock.keys.lock))
+    assert lock.depth == 0
+    # independent servers with one of them down: acquired, and two down is only
+    # unavailable, never a configuration error
+    fine = _lock([nodes.client(nodes.servers[0]), down, nodes.client(nodes.servers[1])],
+                 "one-down", "owner-b")
+    assert fine.acquire(blocking=False)
+    fine.release()
+    two_down = _lock([nodes.client(nodes.servers[0]), down,
+                      redis.Redis(host="127.0.0.1", port=closed_port())],
+                     "two-down", "owner-c")
+    with pytest.raises(BackendUnavailable):
+        two_down.acquire(blocking=False)
+    over_unix.close()
+    down.close()

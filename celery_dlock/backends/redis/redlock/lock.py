@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ....core.deadline import pause_budget
-from ....core.errors import FencingUnavailable, Holder
+from ....core.errors import FencingUnavailable, Holder, InvalidLockConfig
 from ....core.hold import (
     DEFAULT_PREFIX,
     Grant,
@@ -53,8 +53,10 @@ from ..server_checks import check_server
 from .nodes import (
     POOL_SLACK,
     Outcome,
+    check_distinct,
     check_nodes,
     fan_out,
+    learn_run_id,
     node_client,
     quorum_of,
     renew_target,
@@ -184,6 +186,7 @@ class RedlockLock(Hold):
 
         def call(i: int, node: Any) -> Any:
             check_server(node)
+            learn_run_id(node)  # once per node: two names of one server are refused
             mine = list(args)
             if reentry:
                 known = expected[i] if i < len(expected) else None
@@ -209,6 +212,14 @@ class RedlockLock(Hold):
         # A node that answered with an error (out of memory, a read-only replica, a
         # missing ACL permission) refused: it did not grant, and vetoes nothing.
         report_refusals(self.name, "acquire", self.clients, failures(out))
+        # Two nodes that are one server would grant twice: nothing is kept.
+        again = args if not reentry else [*args[:4], "*", *args[5:]]
+        try:
+            check_distinct(self._nodes, self.clients, self.name)
+        except InvalidLockConfig:
+            give_back(self._nodes, self.keys, owner, again, out, leftover,
+                      self.node_timeout, self.name, self.ttl)
+            raise
         if len(yes) >= quorum and (reentry or valid):
             for i, future in leftover.items():
                 self._in_flight.setdefault(i, []).append(future)
@@ -220,7 +231,6 @@ class RedlockLock(Hold):
         # A node that did not answer gets the same request again before its give-back:
         # a re-entry's again expects the owner's hold ("*"), so a node without it
         # takes nothing.
-        again = args if not reentry else [*args[:4], "*", *args[5:]]
         give_back(self._nodes, self.keys, owner, again, out, leftover, self.node_timeout,
                   self.name, self.ttl)
         raise_conflict(self._nodes, self.keys, self.name, out)

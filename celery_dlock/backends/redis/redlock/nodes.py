@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ....core.errors import InvalidLockConfig
 from ..bounded import PLAIN_POOLS, bounded_client
@@ -38,8 +38,10 @@ __all__ = [
     "Outcome",
     "QuorumNotReached",
     "RedlockRenewTarget",
+    "check_distinct",
     "check_nodes",
     "fan_out",
+    "learn_run_id",
     "node_client",
     "quorum_of",
     "renew_target",
@@ -58,10 +60,14 @@ def quorum_of(n: int) -> int:
     return n // 2 + 1
 
 
-def check_nodes(clients: Any, name: str) -> tuple[Any, ...]:
+def check_nodes(clients: Any, name: str | None) -> tuple[Any, ...]:
     """The clients of a Redlock as a tuple; InvalidLockConfig (one line) for fewer
     than :data:`MIN_NODES`, a cluster client, something that is not a client, or one
-    server given twice (same host, port and db, or unix socket and db)."""
+    server given twice: the same host and port (``localhost``, ``127.0.0.1`` and
+    ``::1`` are one host), or the same unix socket, whatever the databases (several
+    databases of one server are one node: they fail together).  Two names of one
+    server that cannot be told apart here are found when the nodes are first
+    contacted (:func:`check_distinct`)."""
     if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence):
         raise InvalidLockConfig(
             f"a Redlock needs a list of {MIN_NODES} or more Redis clients, got "
@@ -81,12 +87,64 @@ def check_nodes(clients: Any, name: str) -> tuple[Any, ...]:
         address = node_address(client)
         if address is None:
             continue
-        if address in seen:
+        server = address[:-1]
+        if server in seen:
+            first = seen[server]
             raise InvalidLockConfig(
-                f"a Redlock's nodes must be independent servers: nodes {seen[address]} "
-                f"and {i} are both {describe(client)}", lock_name=name)
-        seen[address] = i
+                f"a Redlock's nodes must be independent servers: nodes {first} and {i} "
+                f"are one server ({describe(nodes[first])} and {describe(client)})",
+                lock_name=name)
+        seen[server] = i
     return nodes
+
+
+# -- one server under two names -------------------------------------------------------
+
+# Per node client, the run_id its server gave ("" when it would not tell).
+_run_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_run_ids_lock = threading.Lock()
+
+
+def learn_run_id(node: Any) -> None:
+    """Ask ``node``'s server for its ``run_id`` (``INFO server``) once per node
+    client; a server that does not answer raises (the node did not answer), one that
+    refuses (no ``+info`` for this ACL user) is not asked again."""
+    try:
+        with _run_ids_lock:
+            if node in _run_ids:
+                return
+    except TypeError:  # not weak-referenceable: cannot be remembered
+        return
+    try:
+        info = node.info("server")
+    except ResponseError:
+        info = None
+    run_id = str(info.get("run_id") or "") if isinstance(info, dict) else ""
+    with _run_ids_lock:
+        _run_ids[node] = run_id
+
+
+def check_distinct(nodes: Sequence[Any], clients: Sequence[Any],
+                   name: str | None) -> None:
+    """InvalidLockConfig when two of ``nodes`` gave the same ``run_id``: two names
+    (as ``clients`` spell them) of one server.  Nodes not asked yet, or that would
+    not tell, are not compared."""
+    seen: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        try:
+            with _run_ids_lock:
+                run_id = _run_ids.get(node)
+        except TypeError:
+            continue
+        if not run_id:
+            continue
+        if run_id in seen:
+            first = seen[run_id]
+            raise InvalidLockConfig(
+                f"a Redlock's nodes must be independent servers: nodes {first} and {i} "
+                f"are one server under two names ({describe(clients[first], first)} "
+                f"and {describe(clients[i], i)} have the same run_id)", lock_name=name)
+        seen[run_id] = i
 
 
 # -- bounded clients ------------------------------------------------------------------
@@ -275,10 +333,13 @@ def renew_target(clients: Sequence[Any], timeout: float) -> RedlockRenewTarget:
 
 
 def _after_fork_in_child() -> None:
-    global _clients_lock, _node_clients, _targets, _targets_lock
+    global _clients_lock, _node_clients, _targets, _targets_lock, _run_ids, \
+        _run_ids_lock
     # The parent's connections are its own.
     _clients_lock = threading.Lock()
     _node_clients = weakref.WeakKeyDictionary()
+    _run_ids = weakref.WeakKeyDictionary()
+    _run_ids_lock = threading.Lock()
     _targets = weakref.WeakValueDictionary()
     _targets_lock = threading.Lock()
 

@@ -32,32 +32,44 @@ _reported: dict[tuple[str, str, str], float] = {}
 _reported_lock = threading.Lock()
 
 
-def address(client: Any) -> tuple[Any, ...] | None:
-    """Where ``client`` connects, as a comparable tuple: ``("tcp", host, port, db)``
-    (the loopback names spelled one way) or ``("unix", path, db)``; None when
-    unknown."""
+def _spelled(client: Any) -> tuple[Any, ...] | None:
+    """Where ``client`` connects, as it spells it: ``("tcp", host, port, db)`` or
+    ``("unix", path, db)``; None when unknown."""
     pool = getattr(client, "connection_pool", None)
     kwargs = getattr(pool, "connection_kwargs", None)
     if not isinstance(kwargs, dict):
         return None
     db = int(kwargs.get("db", 0) or 0)
     if kwargs.get("path"):
-        return ("unix", os.path.realpath(str(kwargs["path"])), db)
+        return ("unix", str(kwargs["path"]), db)
     if "host" in kwargs:
-        host = str(kwargs["host"]).lower()
-        return ("tcp", _LOCAL_HOSTS.get(host, host), int(kwargs.get("port", 6379)), db)
+        return ("tcp", str(kwargs["host"]), int(kwargs.get("port", 6379) or 6379), db)
     return None
 
 
+def address(client: Any) -> tuple[Any, ...] | None:
+    """Where ``client`` connects, as a comparable tuple: ``("tcp", host, port, db)``
+    (the loopback names spelled one way) or ``("unix", path, db)`` (the real path);
+    None when unknown.  ``address(c)[:-1]`` names the server."""
+    where = _spelled(client)
+    if where is None:
+        return None
+    if where[0] == "unix":
+        return ("unix", os.path.realpath(where[1]), where[2])
+    host = where[1].lower()
+    return ("tcp", _LOCAL_HOSTS.get(host, host), where[2], where[3])
+
+
 def describe(client: Any, index: int | None = None) -> str:
-    """``host:port/db`` (or ``unix://path?db=N``) of ``client``, without credentials;
-    ``node N`` when it cannot tell."""
-    where = address(client)
+    """``host:port/db`` (or ``unix://path?db=N``) of ``client`` as it spells them,
+    without credentials; ``node N`` when it cannot tell."""
+    where = _spelled(client)
     if where is None:
         return f"node {index}" if index is not None else "a node"
     if where[0] == "unix":
         return f"unix://{where[1]}?db={where[2]}"
-    return f"{where[1]}:{where[2]}/{where[3]}"
+    host = f"[{where[1]}]" if ":" in where[1] else where[1]
+    return f"{host}:{where[2]}/{where[3]}"
 
 
 def describe_error(error: BaseException | None) -> str:
