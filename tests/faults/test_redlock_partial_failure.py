@@ -25,8 +25,6 @@ from celery_dlock import RedlockLock
 from celery_dlock.backends.redis.redlock.workers import IDLE_EXIT, NODE_WORKERS
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-pytestmark = pytest.mark.slow
-
 
 class Nodes:
     """Three independent redis-servers of one test, and clients of them."""
@@ -181,6 +179,7 @@ def test_a_refusing_node_among_too_few_is_unavailable_and_named(nodes):
 # -- one node stopped longer than the ttl -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_one_node_stopped_past_several_ttls_starves_nobody(nodes):
     a = _lock(nodes.clients(), "held", "owner-a")  # ttl 2 s
     assert a.acquire(blocking=False)
