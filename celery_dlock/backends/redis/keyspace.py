@@ -108,7 +108,7 @@ def foreign_keys(client: Any, keys: LockKeys) -> str:
             f"left untouched (use another prefix or lock name)")
 
 
-def check_client(client: Any, name: str) -> None:
+def check_client(client: Any, name: str | None) -> None:
     """InvalidLockConfig unless ``client`` is a synchronous redis-py client."""
     if client is None:
         raise InvalidLockConfig("a lock needs a Redis client", lock_name=name)

@@ -12,6 +12,7 @@ from ....core.holds import HoldInfo
 from ..inspect import release_matching
 from ..keyspace import LockKeys
 from .lock import RedlockLock
+from .nodes import check_nodes
 
 __all__ = ["RedlockBackend"]
 
@@ -23,7 +24,9 @@ class RedlockBackend:
     fences = False
 
     def __init__(self, clients: Sequence[Any]) -> None:
-        self.clients = tuple(clients)
+        # Refused here (InvalidLockConfig), not at a task's first lock: fewer than 3,
+        # or one server given as several nodes.
+        self.clients = check_nodes(clients, None)
 
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,

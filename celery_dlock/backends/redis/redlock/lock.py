@@ -34,10 +34,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import ResponseError
-
 from ....core.deadline import pause_budget
-from ....core.errors import FencingUnavailable, Holder
+from ....core.errors import FencingUnavailable, Holder, InvalidLockConfig
 from ....core.hold import (
     DEFAULT_PREFIX,
     Grant,
@@ -54,10 +52,11 @@ from ..scripts import ACQUIRE, EXTEND, RELEASE
 from ..server_checks import check_server
 from .nodes import (
     POOL_SLACK,
-    NodeFailed,
     Outcome,
+    check_distinct,
     check_nodes,
     fan_out,
+    learn_run_id,
     node_client,
     quorum_of,
     renew_target,
@@ -67,6 +66,7 @@ from .quorum import (
     Holds,
     answered,
     check_timing,
+    failures,
     give_back,
     majority_holder,
     quorum_holder,
@@ -74,6 +74,7 @@ from .quorum import (
     read_holds,
     unavailable,
 )
+from .report import report_refusals
 
 __all__ = ["DEFAULT_NODE_TIMEOUT", "FENCE_REFUSAL", "RETRY_DELAY", "RedlockLock"]
 
@@ -185,6 +186,7 @@ class RedlockLock(Hold):
 
         def call(i: int, node: Any) -> Any:
             check_server(node)
+            learn_run_id(node)  # once per node: two names of one server are refused
             mine = list(args)
             if reentry:
                 known = expected[i] if i < len(expected) else None
@@ -198,16 +200,27 @@ class RedlockLock(Hold):
         sent_at = scheduler.now()
         leftover: dict[int, cf.Future[Any]] = {}
         # Back as soon as a quorum granted, or can no longer grant.
+        # No call starts once the grant could no longer be valid.
+        left = self.ttl - self._margin(self.ttl_ms)
         out = fan_out(self._nodes, call, self.node_timeout,
                       lambda o: len(with_code(o, 1)) >= quorum
                       or len(with_code(o, 0)) + len(with_code(o, 2)) > n - quorum,
-                      leftover)
+                      leftover, budget=left if left > 0 and not reentry else None)
         now = scheduler.now()
         yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
         valid = now < sent_at + self.ttl - self._margin(self.ttl_ms)
-        if len(yes) >= quorum and (reentry or valid) and not any(
-                isinstance(r, NodeFailed) and isinstance(r.error, ResponseError)
-                for r in out):
+        # A node that answered with an error (out of memory, a read-only replica, a
+        # missing ACL permission) refused: it did not grant, and vetoes nothing.
+        report_refusals(self.name, "acquire", self.clients, failures(out))
+        # Two nodes that are one server would grant twice: nothing is kept.
+        again = args if not reentry else [*args[:4], "*", *args[5:]]
+        try:
+            check_distinct(self._nodes, self.clients, self.name)
+        except InvalidLockConfig:
+            give_back(self._nodes, self.keys, owner, again, out, leftover,
+                      self.node_timeout, self.name, self.ttl)
+            raise
+        if len(yes) >= quorum and (reentry or valid):
             for i, future in leftover.items():
                 self._in_flight.setdefault(i, []).append(future)
             reentered = reentry or sum(1 for i in yes if int(out[i][2]) > 1) >= quorum
@@ -218,7 +231,6 @@ class RedlockLock(Hold):
         # A node that did not answer gets the same request again before its give-back:
         # a re-entry's again expects the owner's hold ("*"), so a node without it
         # takes nothing.
-        again = args if not reentry else [*args[:4], "*", *args[5:]]
         give_back(self._nodes, self.keys, owner, again, out, leftover, self.node_timeout,
                   self.name, self.ttl)
         raise_conflict(self._nodes, self.keys, self.name, out)
@@ -227,12 +239,13 @@ class RedlockLock(Hold):
             return TAKEN if taken > len(gone) // 2 else GONE
         if len(yes) >= quorum:
             logger.warning("lock %r: a quorum granted it after its validity ended "
-                           "(%.3fs for a ttl of %gs): given back", self.name,
-                           now - sent_at, self.ttl)
+                           "(%.3fs for a ttl of %gs, %.3fs of drift allowance): given "
+                           "back", self.name, now - sent_at, self.ttl,
+                           self._margin(self.ttl_ms))
             self.last_holder = None
             return Refused()
         if len(yes) + len(no) + len(gone) < quorum:
-            raise unavailable(self.name, "acquire", out, self.quorum)
+            raise unavailable(self.name, "acquire", out, self.quorum, self.clients)
         holder = majority_holder(out, no)
         # One node's counter is not a fencing token.
         self.last_holder = None if holder is None else dataclasses.replace(holder,
@@ -264,6 +277,7 @@ class RedlockLock(Hold):
 
         # Back once the answers decide; a node that hangs gets the release later.
         out = self._call_all(RELEASE, (owner, op), decided, late)
+        report_refusals(self.name, "release", self.clients, failures(out))
         ours, others = tally(out)
         if ours >= quorum:
             still = any(answered(r) and int(r[0]) == STILL_HELD for r in out)
@@ -271,7 +285,7 @@ class RedlockLock(Hold):
         if others > n - quorum:
             taken = any(answered(r) and int(r[0]) == TAKEN for r in out)
             return TAKEN if taken else GONE
-        raise unavailable(self.name, "release", out, self.quorum)
+        raise unavailable(self.name, "release", out, self.quorum, self.clients)
 
     def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
         quorum, n = self.quorum, len(self._nodes)
@@ -286,12 +300,13 @@ class RedlockLock(Hold):
             return ok >= quorum or no > n - quorum
 
         out = self._call_all(EXTEND, (owner, ttl_ms), decided)
+        report_refusals(self.name, "extend", self.clients, failures(out))
         ok, no = tally(out)
         if ok >= quorum:
             return OK
         if no > n - quorum:
             return GONE
-        raise unavailable(self.name, "extend", out, self.quorum)
+        raise unavailable(self.name, "extend", out, self.quorum, self.clients)
 
     def _read(self, what: str, owner: str | None = None) -> Holds:
         return read_holds(self._nodes, self.keys, self.name, what, self.node_timeout,

@@ -1,11 +1,13 @@
 """The nodes of a Redlock: their checks, bounded clients, concurrent calls and renewal.
 
 Used by :mod:`celery_dlock.redis.redlock`.  Every call to the N nodes goes out at once,
-from a small per-process thread pool, each on a client of its own with a short socket
-timeout (``node_timeout``) and no client-side re-sends; the caller stops waiting as
-soon as the answers it has decide the question (a quorum granted, or a quorum can no
-longer be reached), so one node that hangs (SIGSTOP, a partition) costs the caller at
-most ``node_timeout``, and nothing once the other nodes have answered.
+each from its server's own few worker threads (:mod:`.workers`: a hung server fills
+only its own), on a client of its own with a short socket timeout (``node_timeout``)
+and no client-side re-sends; a call that cannot start in time is not sent, and the
+caller stops waiting as soon as the answers it has decide the question (a quorum
+granted, or a quorum can no longer be reached), so one node that hangs (SIGSTOP, a
+partition) costs the caller at most ``node_timeout``, and nothing once the other nodes
+have answered, however long it hangs.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ....core.errors import InvalidLockConfig
 from ..bounded import PLAIN_POOLS, bounded_client
 from ..cluster import is_cluster_client
 from ..keyspace import check_client
 from ..scripts import RENEW_MANY
+from .report import address as node_address
+from .report import describe
+from .workers import submit_to
 
 __all__ = [
     "MIN_NODES",
@@ -34,8 +38,10 @@ __all__ = [
     "Outcome",
     "QuorumNotReached",
     "RedlockRenewTarget",
+    "check_distinct",
     "check_nodes",
     "fan_out",
+    "learn_run_id",
     "node_client",
     "quorum_of",
     "renew_target",
@@ -44,14 +50,9 @@ __all__ = [
 
 #: The fewest nodes a Redlock accepts.
 MIN_NODES = 3
-#: Threads of the per-process pool that sends to the nodes.
-POOL_SIZE = 32
-#: How much longer than ``node_timeout`` a caller waits for a busy pool (seconds).
+#: How much longer than ``node_timeout`` a caller waits for a node's workers (seconds).
 POOL_SLACK = 0.1
 
-_PLAIN_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
-_LOCAL_HOSTS = {"localhost": "127.0.0.1", "::1": "127.0.0.1",
-                "ip6-localhost": "127.0.0.1"}
 
 
 def quorum_of(n: int) -> int:
@@ -59,31 +60,14 @@ def quorum_of(n: int) -> int:
     return n // 2 + 1
 
 
-def _address(client: Any) -> tuple[Any, ...] | None:
-    """Where ``client`` connects, as a comparable tuple (None when unknown)."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if not isinstance(kwargs, dict):
-        return None
-    db = int(kwargs.get("db", 0) or 0)
-    if kwargs.get("path"):
-        return ("unix", os.path.realpath(str(kwargs["path"])), db)
-    if "host" in kwargs:
-        host = str(kwargs["host"]).lower()
-        return ("tcp", _LOCAL_HOSTS.get(host, host), int(kwargs.get("port", 6379)), db)
-    return None
-
-
-def _describe(address: tuple[Any, ...]) -> str:
-    if address[0] == "unix":
-        return f"unix://{address[1]}?db={address[2]}"
-    return f"{address[1]}:{address[2]}/{address[3]}"
-
-
-def check_nodes(clients: Any, name: str) -> tuple[Any, ...]:
+def check_nodes(clients: Any, name: str | None) -> tuple[Any, ...]:
     """The clients of a Redlock as a tuple; InvalidLockConfig (one line) for fewer
     than :data:`MIN_NODES`, a cluster client, something that is not a client, or one
-    server given twice (same host, port and db, or unix socket and db)."""
+    server given twice: the same host and port (``localhost``, ``127.0.0.1`` and
+    ``::1`` are one host), or the same unix socket, whatever the databases (several
+    databases of one server are one node: they fail together).  Two names of one
+    server that cannot be told apart here are found when the nodes are first
+    contacted (:func:`check_distinct`)."""
     if isinstance(clients, (str, bytes)) or not isinstance(clients, Sequence):
         raise InvalidLockConfig(
             f"a Redlock needs a list of {MIN_NODES} or more Redis clients, got "
@@ -100,15 +84,67 @@ def check_nodes(clients: Any, name: str) -> tuple[Any, ...]:
             raise InvalidLockConfig(
                 f"a Redlock node must be one Redis server, not a cluster client "
                 f"(node {i})", lock_name=name)
-        address = _address(client)
+        address = node_address(client)
         if address is None:
             continue
-        if address in seen:
+        server = address[:-1]
+        if server in seen:
+            first = seen[server]
             raise InvalidLockConfig(
-                f"a Redlock's nodes must be independent servers: nodes {seen[address]} "
-                f"and {i} are both {_describe(address)}", lock_name=name)
-        seen[address] = i
+                f"a Redlock's nodes must be independent servers: nodes {first} and {i} "
+                f"are one server ({describe(nodes[first])} and {describe(client)})",
+                lock_name=name)
+        seen[server] = i
     return nodes
+
+
+# -- one server under two names -------------------------------------------------------
+
+# Per node client, the run_id its server gave ("" when it would not tell).
+_run_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_run_ids_lock = threading.Lock()
+
+
+def learn_run_id(node: Any) -> None:
+    """Ask ``node``'s server for its ``run_id`` (``INFO server``) once per node
+    client; a server that does not answer raises (the node did not answer), one that
+    refuses (no ``+info`` for this ACL user) is not asked again."""
+    try:
+        with _run_ids_lock:
+            if node in _run_ids:
+                return
+    except TypeError:  # not weak-referenceable: cannot be remembered
+        return
+    try:
+        info = node.info("server")
+    except ResponseError:
+        info = None
+    run_id = str(info.get("run_id") or "") if isinstance(info, dict) else ""
+    with _run_ids_lock:
+        _run_ids[node] = run_id
+
+
+def check_distinct(nodes: Sequence[Any], clients: Sequence[Any],
+                   name: str | None) -> None:
+    """InvalidLockConfig when two of ``nodes`` gave the same ``run_id``: two names
+    (as ``clients`` spell them) of one server.  Nodes not asked yet, or that would
+    not tell, are not compared."""
+    seen: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        try:
+            with _run_ids_lock:
+                run_id = _run_ids.get(node)
+        except TypeError:
+            continue
+        if not run_id:
+            continue
+        if run_id in seen:
+            first = seen[run_id]
+            raise InvalidLockConfig(
+                f"a Redlock's nodes must be independent servers: nodes {first} and {i} "
+                f"are one server under two names ({describe(clients[first], first)} "
+                f"and {describe(clients[i], i)} have the same run_id)", lock_name=name)
+        seen[run_id] = i
 
 
 # -- bounded clients ------------------------------------------------------------------
@@ -158,22 +194,12 @@ def node_client(client: Any, timeout: float, use: str = "calls") -> Any:
 
 # -- concurrent calls -----------------------------------------------------------------
 
-_pool: cf.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
-
-def _executor() -> cf.ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = cf.ThreadPoolExecutor(max_workers=POOL_SIZE,
-                                          thread_name_prefix="celery-dlock-redlock")
-        return _pool
-
-
-def submit(fn: Callable[..., Any], *args: Any) -> cf.Future[Any]:
-    """Run ``fn(*args)`` on the pool, without waiting."""
-    return _executor().submit(fn, *args)
+def submit(node: Any, fn: Callable[..., Any], *args: Any,
+           deadline: float | None = None) -> cf.Future[Any]:
+    """Run ``fn(*args)`` on the workers of ``node``'s server, without waiting (see
+    :mod:`.workers`)."""
+    return submit_to(node, fn, *args, deadline=deadline)
 
 
 class NodeFailed:
@@ -194,20 +220,24 @@ Outcome = list[Any]
 
 def fan_out(nodes: Sequence[Any], call: Callable[[int, Any], Any], timeout: float,
             decided: Callable[[Outcome], bool] | None = None,
-            leftover: dict[int, cf.Future[Any]] | None = None) -> Outcome:
-    """Run ``call(i, node)`` for every node at once; per node its reply, a
+            leftover: dict[int, cf.Future[Any]] | None = None,
+            budget: float | None = None) -> Outcome:
+    """Run ``call(i, node)`` for every node at once, each on its server's own workers
+    (so a node that hangs holds up no call to another); per node its reply, a
     :class:`NodeFailed` (an exception, or no answer within ``timeout``), or None
     when the caller stopped waiting before it answered because ``decided`` said the
-    answers so far settle the question.  A call still running goes on by itself (its
-    client's socket timeout ends it; it is put in ``leftover``, by node, when
-    given)."""
+    answers so far settle the question.  A call not started within ``timeout`` (or
+    ``budget`` seconds, when less: what is left of the operation's validity) is not
+    sent.  A call still running goes on by itself (its client's socket timeout ends
+    it; it is put in ``leftover``, by node, when given)."""
+    start = time.monotonic()
+    limit = timeout if budget is None else max(0.0, min(timeout, budget))
     pending: dict[cf.Future[Any], int] = {}
-    executor = _executor()
     for i, node in enumerate(nodes):
-        pending[executor.submit(call, i, node)] = i
+        pending[submit_to(node, call, i, node, deadline=start + limit)] = i
     out: Outcome = [None] * len(nodes)
     waiting = set(pending)
-    end = time.monotonic() + timeout + POOL_SLACK
+    end = start + timeout + POOL_SLACK
     while waiting:
         left = end - time.monotonic()
         if left <= 0:
@@ -303,12 +333,13 @@ def renew_target(clients: Sequence[Any], timeout: float) -> RedlockRenewTarget:
 
 
 def _after_fork_in_child() -> None:
-    global _pool, _pool_lock, _clients_lock, _node_clients, _targets, _targets_lock
-    # The parent's pool threads do not exist here, and its connections are its own.
-    _pool = None
-    _pool_lock = threading.Lock()
+    global _clients_lock, _node_clients, _targets, _targets_lock, _run_ids, \
+        _run_ids_lock
+    # The parent's connections are its own.
     _clients_lock = threading.Lock()
     _node_clients = weakref.WeakKeyDictionary()
+    _run_ids = weakref.WeakKeyDictionary()
+    _run_ids_lock = threading.Lock()
     _targets = weakref.WeakValueDictionary()
     _targets_lock = threading.Lock()
 

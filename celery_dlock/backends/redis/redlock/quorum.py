@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,12 +21,15 @@ from ....core.hold import new_op_id
 from ..keyspace import LockKeys, foreign_keys, parse_holder
 from ..scripts import ACQUIRE, READ_HOLD, RELEASE
 from .nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
+from .report import describe, describe_error, warn_now_and_then
+from .workers import NodeBusy, NotSent
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",
     "Holds",
     "answered",
     "check_timing",
+    "failures",
     "give_back",
     "majority_holder",
     "op_id",
@@ -69,14 +73,24 @@ def check_timing(name: str, ttl: float, drift_factor: Any,
     return float(drift_factor), float(node_timeout)
 
 
-def unavailable(name: str, what: str, out: Outcome, quorum: int) -> BackendUnavailable:
-    """The error for too few answers: how many answered, and the first failure."""
+def failures(out: Outcome) -> list[BaseException | None]:
+    """Per node, the error its call raised (None: it answered, or no error known)."""
+    return [r.error if isinstance(r, NodeFailed) else None for r in out]
+
+
+def unavailable(name: str, what: str, out: Outcome, quorum: int,
+                clients: Sequence[Any] = ()) -> BackendUnavailable:
+    """The error for too few answers: how many answered, and each node's failure
+    (named by ``clients`` when given, without credentials)."""
     count = sum(1 for r in out if answered(r))
-    error = "no answer"
-    for reply in out:
-        if isinstance(reply, NodeFailed):
-            error = str(reply.error) if reply.error is not None else "no answer in time"
-            break
+    failed = [(i, r) for i, r in enumerate(out) if isinstance(r, NodeFailed)]
+    if not failed:
+        error = "no answer"
+    elif not clients:
+        error = describe_error(failed[0][1].error)
+    else:
+        error = "; ".join(f"{describe(clients[i], i)}: {describe_error(r.error)}"
+                          for i, r in failed)
     return BackendUnavailable(
         f"Redlock unavailable during {what}: {count} of {len(out)} nodes answered, "
         f"{quorum} needed ({error})", lock_name=name)
@@ -123,16 +137,29 @@ def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[A
         first = late.get(i)
         if first is not None:
             cf.wait([first], timeout=timeout + POOL_SLACK)
+            if first.done() and isinstance(first.exception(), (NotSent, NodeBusy)):
+                return  # never sent: nothing to undo
         try:
             if int(ACQUIRE(node, lock, args)[0]) == 1:
                 RELEASE(node, lock, (owner, op_id()))
         except RedisError as exc:
-            logger.warning("lock %r: a node did not confirm the give-back (%s); a "
-                           "hold left there expires within %gs", name, exc, ttl)
+            where = describe(node, i)
+            warn_now_and_then((where, "give-back", type(exc).__name__),
+                              "lock %r: Redlock node %s did not confirm the give-back "
+                              "(%s); a hold left there expires within %gs (reported "
+                              "at most once a minute)", name, where, describe_error(exc),
+                              ttl)
+
+    def unsent(reply: Any) -> bool:
+        return isinstance(reply, NodeFailed) and isinstance(reply.error,
+                                                            (NotSent, NodeBusy))
 
     for i, reply in enumerate(out):
-        if not answered(reply):
-            submit(undo, i, nodes[i])
+        if not answered(reply) and not unsent(reply):
+            # Not sent when that node's workers are still busy past the wait: a hold
+            # the first request left there expires within the ttl.
+            submit(nodes[i], undo, i, nodes[i],
+                   deadline=time.monotonic() + 2 * (timeout + POOL_SLACK))
     if granted:
         results = fan_out(nodes, release, timeout)
         missed = sum(1 for i in granted if isinstance(results[i], NodeFailed))

@@ -1,0 +1,326 @@
+"""RedlockLock when one node of three fails in part: it refuses writes (out of memory,
+a read-only replica), it is stopped longer than the ttl, or two "nodes" are one server.
+
+Each test starts its own redis-servers (no persistence), which it reconfigures with
+``CONFIG SET``/``REPLICAOF`` or stops with SIGSTOP.  Timing bounds are generous (a
+loaded two-core machine); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from dlock_helpers import closed_port, wait_until
+
+from celery_dlock import RedlockLock
+from celery_dlock.backends.redis.redlock.workers import IDLE_EXIT, NODE_WORKERS
+from celery_dlock.ops.embedded import EmbeddedRedis
+
+
+class Nodes:
+    """Three independent redis-servers of one test, and clients of them."""
+
+    def __init__(self) -> None:
+        self.servers = [EmbeddedRedis(extra_args=("--maxmemory-policy", "noeviction"))
+                        for _ in range(3)]
+        self.extra: list[EmbeddedRedis] = []
+        self._clients: list[redis.Redis] = []
+        #: Per node, how the lock's clients log in (default: no ACL user).
+        self.auth: dict[int, dict[str, str]] = {}
+
+    def start(self) -> Nodes:
+        for s in self.servers:
+            s.start()
+        return self
+
+    def client(self, server: EmbeddedRedis, **kwargs: Any) -> redis.Redis:
+        kwargs.setdefault("socket_timeout", 5)
+        c = redis.Redis(host=server.host, port=server.port, **kwargs)
+        self._clients.append(c)
+        return c
+
+    def clients(self) -> list[redis.Redis]:
+        return [self.client(s, **self.auth.get(i, {}))
+                for i, s in enumerate(self.servers)]
+
+    def admin(self, i: int) -> redis.Redis:
+        return self.client(self.servers[i])
+
+    def out_of_memory(self, i: int) -> None:
+        """Node ``i`` answers every write with OOM (and still answers reads)."""
+        self.admin(i).config_set("maxmemory", 1)
+
+    def read_only_replica(self, i: int) -> None:
+        """Node ``i`` becomes a replica of a fresh server: writes answer READONLY."""
+        master = EmbeddedRedis().start()
+        self.extra.append(master)
+        self.admin(i).replicaof(master.host, master.port)
+
+    def no_script_permission(self, i: int) -> None:
+        """The lock's clients log in to node ``i`` as a user that may not run
+        scripts: every lock operation there answers NOPERM."""
+        self.admin(i).acl_setuser("dlock", enabled=True, passwords=["+a-secret-pw"],
+                                  keys=["*"], commands=["+@all", "-eval", "-evalsha"])
+        self.auth[i] = {"username": "dlock", "password": "a-secret-pw"}
+
+    def stop_process(self, i: int) -> None:
+        self._signal(i, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        self._signal(i, signal.SIGCONT)
+
+    def _signal(self, i: int, sig: int) -> None:
+        process = self.servers[i].process
+        assert process is not None
+        os.kill(process.pid, sig)
+
+    def owners(self, key: str, which: tuple[int, ...] = (0, 1, 2)) -> list[str | None]:
+        """The owner of ``key`` on each node of ``which``, asked directly."""
+        out: list[str | None] = []
+        for i in which:
+            value = self.admin(i).hget(key, "owner")
+            out.append(value.decode() if value is not None else None)
+        return out
+
+    def close(self) -> None:
+        for c in self._clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        for s in [*self.servers, *self.extra]:
+            if s.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(s.process.pid, signal.SIGCONT)
+            s.stop()
+
+
+@pytest.fixture
+def nodes() -> Iterator[Nodes]:
+    started = Nodes()
+    try:
+        yield started.start()
+    finally:
+        started.close()
+
+
+def _lock(clients: list[redis.Redis], name: str, owner: str,
+          **kwargs: Any) -> RedlockLock:
+    kwargs.setdefault("ttl", 2.0)
+    kwargs.setdefault("node_timeout", 0.2)
+    return RedlockLock(clients, name, owner=owner, prefix="pf", **kwargs)
+
+
+# -- one node refuses writes ------------------------------------------------------------
+
+REFUSALS: dict[str, Callable[[Nodes, int], None]] = {
+    "out-of-memory": Nodes.out_of_memory,
+    "read-only-replica": Nodes.read_only_replica,
+    "no-acl-permission": Nodes.no_script_permission,
+}
+ERRORS = {"out-of-memory": "OutOfMemoryError", "read-only-replica": "ReadOnlyError",
+          "no-acl-permission": "NoPermissionError"}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+def test_one_node_refusing_writes_does_not_veto_the_quorum(nodes, refusal, caplog):
+    REFUSALS[refusal](nodes, 2)
+    caplog.set_level(logging.DEBUG, logger="celery_dlock")
+    a = _lock(nodes.clients(), "refuse", "owner-a")
+    b = _lock(nodes.clients(), "refuse", "owner-b")
+    for round_ in range(3):  # every time, not by luck
+        assert a.acquire(blocking=False), f"round {round_}: 2 of 3 granted"
+        assert nodes.owners(a.keys.lock)[:2] == ["owner-a", "owner-a"]
+        assert nodes.owners(a.keys.lock)[2] is None  # the refusing node took nothing
+        assert not b.acquire(blocking=False)
+        assert a.holder() is not None and a.holder().owner == "owner-a"
+        # extend and release are answered OK by the quorum, whatever the third says
+        a.extend(3.0)
+        assert not a.lost and a.owned()
+        a.release()
+        assert a.depth == 0
+        assert nodes.owners(a.keys.lock)[:2] == [None, None]
+    # a renewal scheduler keeps the hold past several ttls on the two others
+    assert a.acquire(blocking=False)
+    time.sleep(2.5)
+    a.ensure_held()
+    assert not a.lost and a.lost_reason is None
+    a.release()
+    # the log names the node that refused and its error, and tells no untruth
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("after its validity ended" in m for m in messages), messages
+    port = nodes.servers[2].port
+    word = ERRORS[refusal]
+    assert any(f":{port}/0" in m and word in m and "refused" in m for m in messages), \
+        messages
+    assert not any("a-secret-pw" in m for m in messages)
+
+
+def test_a_refusing_node_among_too_few_is_unavailable_and_named(nodes):
+    from celery_dlock import BackendUnavailable
+
+    nodes.out_of_memory(1)
+    nodes.out_of_memory(2)
+    a = _lock(nodes.clients(), "two-refuse", "owner-a")
+    with pytest.raises(BackendUnavailable,
+                       match=r"1 of 3 nodes answered.*:\d+/0: OutOfMemoryError"):
+        a.acquire(blocking=False)
+    assert nodes.owners(a.keys.lock) == [None, None, None]  # given back on node 0
+
+
+
+# -- one node stopped longer than the ttl -----------------------------------------------
+
+
+@pytest.mark.slow
+def test_one_node_stopped_past_several_ttls_starves_nobody(nodes):
+    a = _lock(nodes.clients(), "held", "owner-a")  # ttl 2 s
+    assert a.acquire(blocking=False)
+    assert wait_until(lambda: nodes.owners(a.keys.lock) == ["owner-a"] * 3)
+    shared = nodes.clients()  # what an application's backend has: one set of clients
+    baseline = threading.active_count()
+    most = baseline
+    stop = threading.Event()
+    tries = [0]
+
+    errors: list[BaseException] = []
+
+    def wait_for_held(k: int) -> None:
+        # busy waiters for the held lock: each refused try sends calls to the stopped
+        # node, and a give-back of that try there too
+        waiter = _lock(shared, "held", f"waiter-{k}")
+        while not stop.is_set():
+            try:
+                assert not waiter.acquire(timeout=0.5)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            tries[0] += 1
+
+    waiters = [threading.Thread(target=wait_for_held, args=(k,), daemon=True)
+               for k in range(20)]
+    nodes.stop_process(1)
+    try:
+        for t in waiters:
+            t.start()
+        end = time.monotonic() + 8.0  # four ttls
+        n = 0
+        while time.monotonic() < end:
+            n += 1
+            other = _lock(shared, f"other-{n}", f"owner-{n}")
+            started = time.monotonic()
+            assert other.acquire(blocking=False), f"acquire {n} while node 1 is stopped"
+            assert time.monotonic() - started < 1.5
+            other.release()
+            assert not a.lost, a.lost_reason
+            most = max(most, threading.active_count())
+            time.sleep(0.2)
+        assert errors == []
+        assert n >= 10 and tries[0] >= 20
+        assert not a.lost and a.lost_reason is None
+        a.ensure_held()
+        assert nodes.owners(a.keys.lock, (0, 2)) == ["owner-a", "owner-a"]
+    finally:
+        stop.set()
+        nodes.resume(1)
+        for t in waiters:
+            t.join(timeout=10)
+    assert not any(t.is_alive() for t in waiters)
+    # the stopped node answers again and takes part in what follows
+    a.extend(2.0)
+    assert not a.lost
+    a.release()
+    late = _lock(shared, "after", "owner-z")
+    assert late.acquire(blocking=False)
+    assert wait_until(lambda: nodes.owners(late.keys.lock) == ["owner-z"] * 3)
+    late.release()
+    most = max(most, threading.active_count())
+    # the calls hung on the stopped node did not pile up threads (the test's own 20
+    # waiters aside)
+    assert most - len(waiters) < baseline + 40, (baseline, most)
+    ports = [f":{s.port}" for s in nodes.servers]
+
+    def workers() -> int:
+        return sum(1 for t in threading.enumerate()
+                   if t.name.startswith("celery-dlock-redlock-")
+                   and t.name.endswith(tuple(ports)))
+
+    assert workers() <= 3 * NODE_WORKERS
+    # and they end once idle
+    assert wait_until(lambda: workers() == 0, timeout=IDLE_EXIT + 10)
+
+
+# -- one server is not several nodes ----------------------------------------------------
+
+
+def test_one_server_given_as_several_nodes_is_refused_without_the_network(nodes):
+    from celery_dlock import InvalidLockConfig
+    from celery_dlock.backends.redis.redlock.backend import RedlockBackend
+
+    s = nodes.servers[0]
+    port = closed_port()  # nothing listens: refused without asking anyone
+    secret = "hunter2-secret"
+    cases = {
+        "databases 0, 1, 2 of one server": [
+            redis.Redis.from_url(f"redis://:{secret}@127.0.0.1:{port}/{db}")
+            for db in range(3)],
+        "one host:port twice": [
+            redis.Redis(host="127.0.0.1", port=port),
+            redis.Redis(host="127.0.0.1", port=s.port),
+            redis.Redis(host="127.0.0.1", port=port)],
+        "127.0.0.1 and localhost": [
+            redis.Redis(host="127.0.0.1", port=port, password=secret),
+            redis.Redis(host="localhost", port=port, db=1, password=secret),
+            redis.Redis(host="127.0.0.1", port=s.port)],
+    }
+    for case, clients in cases.items():
+        for make in (lambda c: RedlockLock(c, "dup"), RedlockBackend):
+            with pytest.raises(InvalidLockConfig) as caught:
+                make(clients)
+            message = str(caught.value)
+            assert "one server" in message and f":{port}/" in message, (case, message)
+            assert "nodes 0 and" in message and secret not in message, (case, message)
+        for c in clients:
+            c.close()
+
+
+def test_two_names_of_one_server_are_refused_when_first_contacted(nodes):
+    from celery_dlock import BackendUnavailable, InvalidLockConfig
+
+    tcp_and_unix = EmbeddedRedis(unix_socket=True).start()
+    nodes.extra.append(tcp_and_unix)
+    path = tcp_and_unix.unix_socket_path
+    assert path is not None
+    # a node that is down is allowed at construction, and by the check
+    down = redis.Redis(host="127.0.0.1", port=closed_port(), socket_timeout=1)
+    over_tcp = nodes.client(tcp_and_unix)
+    over_unix = redis.Redis(unix_socket_path=path, socket_timeout=5)
+    lock = _lock([over_tcp, down, over_unix], "two-names", "owner-a")  # no network
+    with pytest.raises(InvalidLockConfig) as caught:
+        lock.acquire(blocking=False)
+    message = str(caught.value)
+    assert "nodes 0 and 2" in message and "same run_id" in message
+    assert f":{tcp_and_unix.port}/0" in message and f"unix://{path}" in message
+    # nothing was kept: the one server has no hold
+    assert wait_until(lambda: not over_tcp.exists(lock.keys.lock))
+    assert lock.depth == 0
+    # independent servers with one of them down: acquired, and two down is only
+    # unavailable, never a configuration error
+    fine = _lock([nodes.client(nodes.servers[0]), down, nodes.client(nodes.servers[1])],
+                 "one-down", "owner-b")
+    assert fine.acquire(blocking=False)
+    fine.release()
+    two_down = _lock([nodes.client(nodes.servers[0]), down,
+                      redis.Redis(host="127.0.0.1", port=closed_port())],
+                     "two-down", "owner-c")
+    with pytest.raises(BackendUnavailable):
+        two_down.acquire(blocking=False)
+    over_unix.close()
+    down.close()
