@@ -40,7 +40,14 @@ without changing anything.  Renewal and extend only ever move the expiry later, 
 second execution of them changes nothing either.
 
 **Foreign data.**  Every script reads each key before it writes any, so a key of the
-wrong type (``WRONGTYPE``) aborts the script before it has written anything.
+wrong type (``WRONGTYPE``) aborts the script before it has written anything.  A hash
+at the lock's key that lacks one of the fields every hold has
+(:data:`~celery_dlock.backends.redis.keyspace.HOLD_FIELDS`) is no hold either: acquire,
+release, extend and force release stop with :data:`~.refusals.NOT_A_HOLD` before any
+write (one ``EXISTS`` when the key is free, a few ``HGET`` when another owner's hash is
+there, nothing when the hash names the caller's own owner token).  Renewal writes only
+to a hash whose owner is the renewing holder's token, so it never writes to one
+either: it finds the hold gone.
 
 Every script is given only the lock hash's name (``KEYS[1]``) and derives the helper
 keys from it, which keeps the arguments (and redis-py's packing of them) short on the
@@ -58,7 +65,8 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .keyspace import SUFFIXES
+from .keyspace import HOLD_FIELDS, SUFFIXES
+from .refusals import NOT_A_FENCE, NOT_A_HOLD
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
 __all__ = [
@@ -111,8 +119,40 @@ class LuaScript:
         return f"<LuaScript {self.name} {self.sha[:8]}>"
 
 
+# Whether the key of a lock is one of its holds, pasted in front of the scripts that
+# write to it.
+_HOLD_SHAPE = f"""
+local HOLD_NUMBERS = {{{", ".join(repr(f) for f in HOLD_FIELDS
+                                  if f not in ("owner", "ops"))}}}
+""" + """
+-- The field of a hold that ``get`` (a field's name -> its value or nil/false) lacks,
+-- or nil when it has them all: every hold has an owner, ops and HOLD_NUMBERS as
+-- numbers; other fields are free-form metadata.
+local function missing_field(get)
+  if not get('owner') then return 'owner' end
+  for _, f in ipairs(HOLD_NUMBERS) do
+    if not tonumber(get(f)) then return f end
+  end
+  if not get('ops') then return 'ops' end
+  return nil
+end
+
+-- An error reply when the key ``lock`` holds a hash that is not a hold (another
+-- application's), else nil (a hold, or no key).  ``holder``: its owner field, read.
+local function not_a_hold(lock, holder)
+  local missing = 'owner'
+  if not holder then
+    if redis.call('EXISTS', lock) == 0 then return nil end
+  else
+    missing = missing_field(function(f) return redis.call('HGET', lock, f) end)
+    if not missing then return nil end
+  end
+  return redis.error_reply('ERR """ + NOT_A_HOLD + """ (no ' .. missing .. ')')
+end
+"""
+
 # Shared helpers, pasted in front of the scripts that need them (EVAL has no imports).
-_COMMON = f"""
+_COMMON = _HOLD_SHAPE + f"""
 local DOORBELL_TTL = {DOORBELL_TTL_MS}
 local WAKE_GRACE = {WAKE_GRACE_MS}
 local LINE_TTL = {LINE_TTL_MS}
@@ -136,7 +176,7 @@ local function next_fence(lock, t)
   if counter then
     local n = tonumber(counter)
     if not n or n ~= math.floor(n) then
-      return redis.error_reply('ERR value is not an integer fence counter')
+      return redis.error_reply('ERR value is """ + NOT_A_FENCE + """')
     end
     if n + 1 > fence then fence = n + 1 end
   end
@@ -226,6 +266,10 @@ local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
 local expect = ARGV[5]
 local holder = redis.call('HGET', lock, 'owner')
+if holder ~= owner then
+  local foreign = not_a_hold(lock, holder)
+  if foreign then return foreign end
+end
 if holder == owner then
   local ops = redis.call('HGET', lock, 'ops')
   local fence = tonumber(redis.call('HGET', lock, 'fence'))
@@ -309,6 +353,8 @@ local lock, op = KEYS[1], ARGV[2]
 local holder = redis.call('HGET', lock, 'owner')
 if holder ~= ARGV[1] then
   if redis.call('EXISTS', lock .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
+  local foreign = not_a_hold(lock, holder)
+  if foreign then return foreign end
   if not holder then return {0} end
   return {-1}
 end
@@ -335,9 +381,14 @@ return {1}
 #         0 already expired, -1 held by another owner.
 EXTEND = LuaScript(
     "extend",
-    """
+    _HOLD_SHAPE
+    + """
 local lock, ttl = KEYS[1], tonumber(ARGV[2])
 local holder = redis.call('HGET', lock, 'owner')
+if holder ~= ARGV[1] then
+  local foreign = not_a_hold(lock, holder)
+  if foreign then return foreign end
+end
 if not holder then return 0 end
 if holder ~= ARGV[1] then return -1 end
 if redis.call('PTTL', lock) < ttl then
@@ -417,6 +468,12 @@ if notes.op and notes.op ~= '' and last_op == notes.op then
 end
 local fields = redis.call('HGETALL', lock)
 if #fields == 0 then return {0} end
+local hold = {}
+for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
+local missing = missing_field(function(f) return hold[f] end)
+if missing then
+  return redis.error_reply('ERR """ + NOT_A_HOLD + """ (no ' .. missing .. ')')
+end
 local reply = {1}
 for _, i in ipairs(conds) do
   if redis.call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
@@ -426,11 +483,9 @@ for _, i in ipairs(conds) do
 end
 if reply[1] == 1 then
   local pttl = redis.call('PTTL', lock)
-  local hold = {}
-  for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
   local now = now_ms()
   redis.call('DEL', lock)
-  if hold.owner and notes.by then
+  if notes.by then
     redis.call('DEL', marker)
     redis.call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence or '',
                'by', notes.by or '', 'reason', notes.reason or '', 'at', now,

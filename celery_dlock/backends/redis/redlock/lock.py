@@ -72,6 +72,7 @@ from .quorum import (
     quorum_holder,
     raise_conflict,
     read_holds,
+    refused,
     unavailable,
 )
 
@@ -205,9 +206,18 @@ class RedlockLock(Hold):
         now = scheduler.now()
         yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
         valid = now < sent_at + self.ttl - self._margin(self.ttl_ms)
+        # A node with another application's data at the key did not grant, and
+        # nothing was written there: the others may still make the quorum.  Any
+        # other refusal leaves the attempt in doubt: it is given back.
         if len(yes) >= quorum and (reentry or valid) and not any(
                 isinstance(r, NodeFailed) and isinstance(r.error, ResponseError)
-                for r in out):
+                and refused(self._nodes, self.keys, self.name, out, i) is None
+                for i, r in enumerate(out)):
+            for i in range(n):
+                error = refused(self._nodes, self.keys, self.name, out, i)
+                if error is not None:
+                    logger.warning("lock %r: node %d did not grant: %s", self.name, i,
+                                   error)
             for i, future in leftover.items():
                 self._in_flight.setdefault(i, []).append(future)
             reentered = reentry or sum(1 for i in yes if int(out[i][2]) > 1) >= quorum
@@ -271,6 +281,7 @@ class RedlockLock(Hold):
         if others > n - quorum:
             taken = any(answered(r) and int(r[0]) == TAKEN for r in out)
             return TAKEN if taken else GONE
+        raise_conflict(self._nodes, self.keys, self.name, out)
         raise unavailable(self.name, "release", out, self.quorum)
 
     def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
@@ -291,6 +302,7 @@ class RedlockLock(Hold):
             return OK
         if no > n - quorum:
             return GONE
+        raise_conflict(self._nodes, self.keys, self.name, out)
         raise unavailable(self.name, "extend", out, self.quorum)
 
     def _read(self, what: str, owner: str | None = None) -> Holds:

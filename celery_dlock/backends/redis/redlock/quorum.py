@@ -13,11 +13,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from ....core.errors import BackendUnavailable, Holder, InvalidLockConfig, LockKeyConflict
+from ....core.errors import BackendUnavailable, DLockError, Holder, InvalidLockConfig
 from ....core.hold import new_op_id
-from ..keyspace import LockKeys, foreign_keys, parse_holder
+from ..keyspace import LockKeys, parse_holder
+from ..refusals import refusal
 from ..scripts import ACQUIRE, READ_HOLD, RELEASE
 from .nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
 
@@ -32,6 +33,7 @@ __all__ = [
     "quorum_holder",
     "raise_conflict",
     "read_holds",
+    "refused",
     "unavailable",
 ]
 
@@ -82,13 +84,25 @@ def unavailable(name: str, what: str, out: Outcome, quorum: int) -> BackendUnava
         f"{quorum} needed ({error})", lock_name=name)
 
 
+def refused(nodes: Sequence[Any], keys: LockKeys, name: str, out: Outcome,
+            i: int) -> DLockError | None:
+    """What node ``i``'s refusal stands for (another application's data at a lock
+    key: LockKeyConflict), or None."""
+    reply = out[i]
+    if isinstance(reply, NodeFailed) and reply.error is not None:
+        return refusal(reply.error, nodes[i], keys, name)
+    return None
+
+
 def raise_conflict(nodes: Sequence[Any], keys: LockKeys, name: str,
                    out: Outcome) -> None:
-    """LockKeyConflict when a node holds another application's data at a lock key."""
-    for i, reply in enumerate(out):
-        if isinstance(reply, NodeFailed) and isinstance(reply.error, ResponseError) \
-                and "WRONGTYPE" in str(reply.error):
-            raise LockKeyConflict(foreign_keys(nodes[i], keys), lock_name=name)
+    """LockKeyConflict when a node holds another application's data at a lock key
+    (for a call that did not get its quorum: a node with foreign data is a node that
+    did not grant, and its data is left alone)."""
+    for i in range(len(out)):
+        error = refused(nodes, keys, name, out, i)
+        if error is not None:
+            raise error
 
 
 def majority_holder(out: Outcome, refused: Sequence[int]) -> Holder | None:
