@@ -11,15 +11,17 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from .keyspace import HOLD_FIELDS, SUFFIXES
-from .refusals import NOT_A_FENCE, NOT_A_HOLD
+from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
-__all__ = ["COMMON", "HOLD_SHAPE", "OPS_KEPT", "OP_MEMORY_MS", "LuaScript"]
+__all__ = ["CALL", "COMMON", "HOLD_SHAPE", "OPS_KEPT", "OP_MEMORY_MS", "LuaScript"]
 
 #: How many operation ids a hold remembers (re-sends come right after the original).
 OPS_KEPT = 8
 #: How long a final release is remembered after the hold is gone (ms).
 OP_MEMORY_MS = 60_000
+
+
 class LuaScript:
     """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss.
 
@@ -45,9 +47,35 @@ class LuaScript:
         return f"<LuaScript {self.name} {self.sha[:8]}>"
 
 
+# ``call``: what every script calls Redis with.  A command the connection's user may
+# not run (ACL) stops the script with an error that names it (``REFUSED CMD (what
+# Redis said)``); Redis's own error says only "this command".  Every other error is
+# raised as redis.call raises it (a table on Redis 7+, its text before), so
+# WRONGTYPE, READONLY, OOM and the rest keep their codes.  A script stopped by an error
+# keeps the writes it made before it: so the scripts try the expiry of a key (on a key
+# that does not exist, where it changes nothing) before they create it, and make every
+# other write that could be refused before the ones that could not be undone.
+CALL = """
+local NEW_ERRORS = redis.REDIS_VERSION ~= nil
+local function call(...)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply.err then
+    local e = reply.err
+    if string.find(e, 'NOPERM', 1, true) or string.find(e, "can't run", 1, true)
+        or string.find(e, "can't access", 1, true)
+        or string.find(e, 'no permissions', 1, true) then
+      error('""" + REFUSED + """ ' .. string.upper((...)) .. ' (' .. e .. ')', 0)
+    end
+    if NEW_ERRORS then error(reply) end
+    error(e)
+  end
+  return reply
+end
+"""
+
 # Whether the key of a lock is one of its holds, pasted in front of the scripts that
 # write to it.
-HOLD_SHAPE = f"""
+HOLD_SHAPE = CALL + f"""
 local HOLD_NUMBERS = {{{", ".join(repr(f) for f in HOLD_FIELDS
                                   if f not in ("owner", "ops"))}}}
 """ + """
@@ -73,9 +101,9 @@ end
 local function not_a_hold(lock, holder)
   local missing = 'owner'
   if not holder then
-    if redis.call('EXISTS', lock) == 0 then return nil end
+    if call('EXISTS', lock) == 0 then return nil end
   else
-    missing = missing_field(function(f) return redis.call('HGET', lock, f) end)
+    missing = missing_field(function(f) return call('HGET', lock, f) end)
     if not missing then return nil end
   end
   return foreign_hash(missing)
@@ -91,19 +119,19 @@ local OPS_KEPT = {OPS_KEPT}
 local OP_MEMORY = {OP_MEMORY_MS}
 """ + "".join(f"local {name} = '{suffix}'\n" for name, suffix in SUFFIXES.items()) + """
 local function now_ms()
-  local t = redis.call('TIME')
+  local t = call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 -- The next fencing token of ``lock``: above every token handed out before, also after
 -- a data loss reset the counter: max(counter + 1, the server's clock in microseconds
 -- at ``t``, a TIME reply), about 1.7e15: exact in a Lua number, and it fits a signed
--- 64-bit column.  A counter that is not an integer (foreign data) stops the script
--- here, before the hold is written.
+-- 64-bit column.  A counter that is not an integer (foreign data) is an error reply:
+-- the caller stops there, before it writes anything.  Only reads: the caller stores
+-- the token (the counter never expires: it must outlive every hold).
 local function next_fence(lock, t)
-  local key = lock .. FENCE_SUFFIX
   local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local counter = redis.call('GET', key)
+  local counter = call('GET', lock .. FENCE_SUFFIX)
   if counter then
     local n = tonumber(counter)
     if not n or n ~= math.floor(n) then
@@ -111,7 +139,6 @@ local function next_fence(lock, t)
     end
     if n + 1 > fence then fence = n + 1 end
   end
-  redis.call('SET', key, string.format('%.0f', fence))
   return fence
 end
 
@@ -127,23 +154,24 @@ local function seen(ops, op)
   return string.match(ops, '|' .. op .. '=([^|]*)')
 end
 
--- Remember ``op`` and its result; keep the last OPS_KEPT.
-local function remember(lock, ops, op, result)
+-- ``ops`` with ``op`` and its result remembered: the last OPS_KEPT.  The caller
+-- writes it in the HSET that changes the hold, so that both happen or neither.
+local function remembered(ops, op, result)
   ops = (ops or '') .. '|' .. op .. '=' .. result
   local _, n = string.gsub(ops, '|', '')
   while n > OPS_KEPT do
     ops = string.sub(ops, (string.find(ops, '|', 2, true)))
     n = n - 1
   end
-  redis.call('HSET', lock, 'ops', ops)
+  return ops
 end
 
 -- Drop waiters whose lease ran out (they died or gave up without saying so).
 local function purge(queue, leases, now)
-  local stale = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 256)
+  local stale = call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 256)
   if #stale > 0 then
-    redis.call('ZREM', queue, unpack(stale))
-    redis.call('ZREM', leases, unpack(stale))
+    call('ZREM', queue, unpack(stale))
+    call('ZREM', leases, unpack(stale))
   end
 end
 
@@ -152,17 +180,20 @@ end
 -- dropped from it then, instead of when its whole lease runs out.
 local function ring(lock, owner, now)
   local b = bell(lock, owner)
-  redis.call('DEL', b)
-  redis.call('RPUSH', b, 1)
-  redis.call('PEXPIRE', b, DOORBELL_TTL)
-  redis.call('ZADD', lock .. LEASES_SUFFIX, 'XX', 'LT', now + WAKE_GRACE, owner)
+  call('DEL', b)
+  -- b is gone, so this changes nothing: it stops a user who may not run PEXPIRE
+  -- before RPUSH makes a doorbell that would never expire.
+  call('PEXPIRE', b, DOORBELL_TTL)
+  call('RPUSH', b, 1)
+  call('PEXPIRE', b, DOORBELL_TTL)
+  call('ZADD', lock .. LEASES_SUFFIX, 'XX', 'LT', now + WAKE_GRACE, owner)
 end
 
 -- Ring the doorbell of the first waiter in line of ``lock``, if any.
 local function wake_head(lock, now)
   local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
   purge(queue, leases, now)
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  local head = call('ZRANGE', queue, 0, 0)[1]
   if head then
     ring(lock, head, now)
   end

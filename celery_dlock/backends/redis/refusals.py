@@ -1,12 +1,15 @@
 """What a refusal from Redis says about a lock: another application's data under its
-keys (:class:`LockKeyConflict`).
+keys (:class:`LockKeyConflict`), or a command the connection's user may not run
+(:class:`InvalidLockConfig`: the ACL is configuration).
 
 The scripts (:mod:`celery_dlock.backends.redis.scripts`) stop before writing anything
 when a key of the lock is not what they would have written: Redis's own ``WRONGTYPE``
 for a key of another type, and an error of their own, with the texts below, for a
 hash at the lock's key that is no hold (:data:`NOT_A_HOLD`) and a fence counter that
-is not an integer (:data:`NOT_A_FENCE`).  This module turns those into errors that
-name the key.
+is not an integer (:data:`NOT_A_FENCE`).  A command refused by the user's ACL stops a
+script with :data:`REFUSED` and the command's name (the scripts make their writes in an
+order that leaves nothing without its expiry then: :mod:`.lua`).  This module turns
+those into errors that name the key or the command.
 """
 
 from __future__ import annotations
@@ -14,20 +17,29 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
-from ...core.errors import DLockError, LockKeyConflict
+from ...core.errors import DLockError, InvalidLockConfig, LockKeyConflict
 from .keyspace import UNTOUCHED, LockKeys, foreign_keys
 
-__all__ = ["NOT_A_FENCE", "NOT_A_HOLD", "refusal"]
+__all__ = ["NOT_A_FENCE", "NOT_A_HOLD", "REFUSED", "refusal"]
 
 #: The scripts' error for a hash at the lock's key that is not one of their holds,
 #: followed by `` (no FIELD)``: the first field of a hold it lacks.
 NOT_A_HOLD = "not a celery-dlock hold"
 #: The scripts' error for a fence counter that is not an integer.
 NOT_A_FENCE = "not an integer fence counter"
+#: The scripts' error for a command the connection's user may not run (ACL), followed
+#: by `` CMD (what Redis said)``: Redis's own error does not name the command.
+REFUSED = "celery-dlock: refused"
 
 _MISSING = re.compile(re.escape(NOT_A_HOLD) + r" \(no (\w+)\)")
+_REFUSED = re.compile(re.escape(REFUSED) + r" ([\w|-]+) \((.*?)\)")
+# What Redis puts around its words: the error code, and the script's position.
+_NOISE = re.compile(r"^(?:ERR |NOPERM )|@?user_script: ?\d+: ")
+#: What to do about a refused command.
+ACL_HINT = ("allow it in the user's ACL rule (docs/deployments.md, 'ACL: the least "
+            "privilege')")
 
 
 def refusal(exc: BaseException, client: Any, keys: LockKeys,
@@ -48,4 +60,14 @@ def refusal(exc: BaseException, client: Any, keys: LockKeys,
         return LockKeyConflict(
             f"{keys.fence!r} does not hold an integer fence counter: {UNTOUCHED}",
             lock_name=name)
+    refused = _REFUSED.search(text)
+    if refused:
+        said = _NOISE.sub("", refused[2]).strip()
+        return InvalidLockConfig(
+            f"Redis refused {refused[1]} to this connection's user ({said}): the "
+            f"lock's scripts need it, and stopped before writing anything that would "
+            f"not expire; {ACL_HINT}", lock_name=name)
+    if isinstance(exc, NoPermissionError):
+        return InvalidLockConfig(f"Redis refused a command to this connection's "
+                                 f"user ({text}): {ACL_HINT}", lock_name=name)
     return None

@@ -59,7 +59,7 @@ within Redis 6.2 (no functions, no ``PEXPIRETIME``).
 
 from __future__ import annotations
 
-from .lua import COMMON, HOLD_SHAPE, OP_MEMORY_MS, OPS_KEPT, LuaScript
+from .lua import CALL, COMMON, HOLD_SHAPE, OP_MEMORY_MS, OPS_KEPT, LuaScript
 
 __all__ = [
     "ACQUIRE",
@@ -108,27 +108,30 @@ ACQUIRE = LuaScript(
 local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
 local expect = ARGV[5]
-local holder = redis.call('HGET', lock, 'owner')
+local holder = call('HGET', lock, 'owner')
 if holder ~= owner then
   local foreign = not_a_hold(lock, holder)
   if foreign then return foreign end
 end
 if holder == owner then
-  local ops = redis.call('HGET', lock, 'ops')
-  local fence = tonumber(redis.call('HGET', lock, 'fence'))
+  local ops = call('HGET', lock, 'ops')
+  local fence = tonumber(call('HGET', lock, 'fence'))
   local done = seen(ops, op)
   if done then return {1, fence, tonumber(done)} end
   if expect ~= '' and expect ~= '*' and tonumber(expect) ~= fence then
     return {2, -1}
   end
-  local count = redis.call('HINCRBY', lock, 'count', 1)
-  if redis.call('PTTL', lock) < ttl then
-    redis.call('PEXPIRE', lock, ttl)
+  -- The expiry first, then every field in one HSET: a refused command stops the
+  -- script before the count changed.
+  if call('PTTL', lock) < ttl then
+    call('PEXPIRE', lock, ttl)
   end
-  if tonumber(redis.call('HGET', lock, 'ttl') or 0) < ttl then
-    redis.call('HSET', lock, 'ttl', ttl)
+  local count = tonumber(call('HGET', lock, 'count')) + 1
+  local fields = {'count', count, 'ops', remembered(ops, op, count)}
+  if tonumber(call('HGET', lock, 'ttl') or 0) < ttl then
+    fields[5], fields[6] = 'ttl', ttl
   end
-  remember(lock, ops, op, count)
+  call('HSET', lock, unpack(fields))
   return {1, fence, count}
 end
 if expect ~= '' then
@@ -138,45 +141,52 @@ if expect ~= '' then
   return {2, 0}
 end
 local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
-local t = redis.call('TIME')
+local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local pttl
 if not holder then
   local head = false
-  if redis.call('EXISTS', queue) == 1 then
+  if call('EXISTS', queue) == 1 then
     purge(queue, leases, now)
-    head = redis.call('ZRANGE', queue, 0, 0)[1]
+    head = call('ZRANGE', queue, 0, 0)[1]
   end
   if (not head) or head == owner then
+    -- The key does not exist (not_a_hold saw to it), so PEXPIRE changes nothing
+    -- here: it stops a user who may not run it before the hold is written.
+    call('PEXPIRE', lock, ttl)
     local fence = next_fence(lock, t)
     if type(fence) == 'table' then return fence end
-    redis.call('HSET', lock, 'owner', owner, 'count', 1,
-               'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
-               'ops', '|' .. op .. '=1', unpack(ARGV, 6))
-    redis.call('PEXPIRE', lock, ttl)
     if head then
-      redis.call('ZREM', queue, owner)
-      redis.call('ZREM', leases, owner)
-      redis.call('DEL', bell(lock, owner))
+      call('ZREM', queue, owner)
+      call('ZREM', leases, owner)
+      call('DEL', bell(lock, owner))
     end
+    call('SET', lock .. FENCE_SUFFIX, string.format('%.0f', fence))
+    call('HSET', lock, 'owner', owner, 'count', 1,
+         'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
+         'ops', '|' .. op .. '=1', unpack(ARGV, 6))
+    call('PEXPIRE', lock, ttl)
     return {1, fence, 1}
   end
   -- Free, but promised to the first in line: make sure it has heard.
   ring(lock, head, now)
   pttl = -1
 else
-  pttl = redis.call('PTTL', lock)
+  pttl = call('PTTL', lock)
 end
 local lease = tonumber(ARGV[3])
 if lease > 0 then
-  local t = redis.call('TIME')
-  redis.call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
-  redis.call('ZADD', leases, now + lease, owner)
-  redis.call('PEXPIRE', queue, LINE_TTL)
-  redis.call('PEXPIRE', leases, LINE_TTL)
+  -- The expiry first (on a line that does not exist yet it changes nothing): a user
+  -- who may not run PEXPIRE is stopped before the line is written.
+  call('PEXPIRE', queue, LINE_TTL)
+  local t = call('TIME')
+  call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
+  call('ZADD', leases, now + lease, owner)
+  call('PEXPIRE', queue, LINE_TTL)
+  call('PEXPIRE', leases, LINE_TTL)
 end
 local reply = {0, pttl, now}
-local fields = redis.call('HGETALL', lock)
+local fields = call('HGETALL', lock)
 for i = 1, #fields do reply[i + 3] = fields[i] end
 return reply
 """,
@@ -193,27 +203,32 @@ RELEASE = LuaScript(
     COMMON
     + """
 local lock, op = KEYS[1], ARGV[2]
-local holder = redis.call('HGET', lock, 'owner')
+local holder = call('HGET', lock, 'owner')
 if holder ~= ARGV[1] then
-  if redis.call('EXISTS', lock .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
+  if call('EXISTS', lock .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
   local foreign = not_a_hold(lock, holder)
   if foreign then return foreign end
   if not holder then return {0} end
   return {-1}
 end
-local ops = redis.call('HGET', lock, 'ops')
+local ops = call('HGET', lock, 'ops')
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local count = redis.call('HINCRBY', lock, 'count', -1)
+local count = tonumber(call('HGET', lock, 'count')) - 1
 if count > 0 then
-  remember(lock, ops, op, count)
+  call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
 end
-redis.call('DEL', lock)
-redis.call('SET', lock .. RELEASE_OP_SUFFIX .. op, 1, 'PX', OP_MEMORY)
-if redis.call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
+-- The final release.  Its marker does not exist yet, so DEL changes nothing there: it
+-- stops a user who may not run DEL before any write.  The first in line is woken
+-- before the hold goes, so that a command refused on the way leaves the hold held.
+local marker = lock .. RELEASE_OP_SUFFIX .. op
+call('DEL', marker)
+if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
+call('SET', marker, 1, 'PX', OP_MEMORY)
+call('DEL', lock)
 return {1}
 """,
 )
@@ -227,18 +242,18 @@ EXTEND = LuaScript(
     HOLD_SHAPE
     + """
 local lock, ttl = KEYS[1], tonumber(ARGV[2])
-local holder = redis.call('HGET', lock, 'owner')
+local holder = call('HGET', lock, 'owner')
 if holder ~= ARGV[1] then
   local foreign = not_a_hold(lock, holder)
   if foreign then return foreign end
 end
 if not holder then return 0 end
 if holder ~= ARGV[1] then return -1 end
-if redis.call('PTTL', lock) < ttl then
-  redis.call('PEXPIRE', lock, ttl)
+if call('PTTL', lock) < ttl then
+  call('PEXPIRE', lock, ttl)
 end
-if tonumber(redis.call('HGET', lock, 'ttl') or 0) < ttl then
-  redis.call('HSET', lock, 'ttl', ttl)
+if tonumber(call('HGET', lock, 'ttl') or 0) < ttl then
+  call('HSET', lock, 'ttl', ttl)
 end
 return 1
 """,
@@ -251,18 +266,19 @@ return 1
 # and it never brings an expiry closer (a longer extend() or re-entry stays).
 RENEW_MANY = LuaScript(
     "renew_many",
-    """
+    CALL
+    + """
 local out = {}
 for i = 1, #KEYS do
-  local holder = redis.call('HGET', KEYS[i], 'owner')
+  local holder = call('HGET', KEYS[i], 'owner')
   if not holder then
     out[i] = 0
   elseif holder ~= ARGV[2 * i - 1] then
     out[i] = -1
   else
     local ttl = tonumber(ARGV[2 * i])
-    if redis.call('PTTL', KEYS[i]) < ttl then
-      redis.call('PEXPIRE', KEYS[i], ttl)
+    if call('PTTL', KEYS[i]) < ttl then
+      call('PEXPIRE', KEYS[i], ttl)
     end
     out[i] = 1
   end
@@ -302,14 +318,14 @@ for i = 1, #ARGV - 1, 2 do
   end
 end
 -- Read the marker first: foreign data under its name aborts before any write.
-local last_op = redis.call('HGET', marker, 'op')
+local last_op = call('HGET', marker, 'op')
 if notes.op and notes.op ~= '' and last_op == notes.op then
   local reply = {2}
-  local m = redis.call('HGETALL', marker)
+  local m = call('HGETALL', marker)
   for i = 1, #m do reply[i + 1] = m[i] end
   return reply
 end
-local fields = redis.call('HGETALL', lock)
+local fields = call('HGETALL', lock)
 if #fields == 0 then return {0} end
 local hold = {}
 for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
@@ -317,23 +333,26 @@ local missing = missing_field(function(f) return hold[f] end)
 if missing then return foreign_hash(missing) end
 local reply = {1}
 for _, i in ipairs(conds) do
-  if redis.call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
+  if call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
     reply = {-1}
     break
   end
 end
 if reply[1] == 1 then
-  local pttl = redis.call('PTTL', lock)
+  local pttl = call('PTTL', lock)
   local now = now_ms()
-  redis.call('DEL', lock)
-  if notes.by then
-    redis.call('DEL', marker)
-    redis.call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence or '',
-               'by', notes.by or '', 'reason', notes.reason or '', 'at', now,
-               'op', notes.op or '')
-    redis.call('PEXPIRE', marker, math.min(math.max(pttl, RELEASED_MIN), RELEASED_MAX))
-  end
+  -- Every write that could be refused comes before the hold is deleted, and the
+  -- marker's expiry is tried before the marker is written (once deleted, PEXPIRE
+  -- changes nothing on it).
   wake_head(lock, now)
+  if notes.by then
+    call('DEL', marker)
+    call('PEXPIRE', marker, RELEASED_MIN)
+    call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence,
+         'by', notes.by, 'reason', notes.reason or '', 'at', now, 'op', notes.op or '')
+    call('PEXPIRE', marker, math.min(math.max(pttl, RELEASED_MIN), RELEASED_MAX))
+  end
+  call('DEL', lock)
 end
 for i = 1, #fields do reply[i + 1] = fields[i] end
 return reply
@@ -351,11 +370,11 @@ LEAVE_QUEUE = LuaScript(
     + """
 local lock, owner = KEYS[1], ARGV[1]
 local queue = lock .. QUEUE_SUFFIX
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
-local was = redis.call('ZREM', queue, owner)
-redis.call('ZREM', lock .. LEASES_SUFFIX, owner)
-redis.call('DEL', bell(lock, owner))
-if head == owner and redis.call('EXISTS', lock) == 0 then
+local head = call('ZRANGE', queue, 0, 0)[1]
+local was = call('ZREM', queue, owner)
+call('ZREM', lock .. LEASES_SUFFIX, owner)
+call('DEL', bell(lock, owner))
+if head == owner and call('EXISTS', lock) == 0 then
   wake_head(lock, now_ms())
 end
 return was
@@ -369,10 +388,11 @@ return was
 # client refuses TIME in a pipeline, and the three answers come from one moment.
 READ_HOLD = LuaScript(
     "read_hold",
-    """
-local t = redis.call('TIME')
-local reply = {redis.call('PTTL', KEYS[1]), t[1], t[2]}
-local fields = redis.call('HGETALL', KEYS[1])
+    CALL
+    + """
+local t = call('TIME')
+local reply = {call('PTTL', KEYS[1]), t[1], t[2]}
+local fields = call('HGETALL', KEYS[1])
 for i = 1, #fields do reply[i + 3] = fields[i] end
 return reply
 """,

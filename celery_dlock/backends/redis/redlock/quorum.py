@@ -87,7 +87,8 @@ def unavailable(name: str, what: str, out: Outcome, quorum: int) -> BackendUnava
 def refused(nodes: Sequence[Any], keys: LockKeys, name: str, out: Outcome,
             i: int) -> DLockError | None:
     """What node ``i``'s refusal stands for (another application's data at a lock
-    key: LockKeyConflict), or None."""
+    key: LockKeyConflict; a command its user may not run: InvalidLockConfig), or
+    None."""
     reply = out[i]
     if isinstance(reply, NodeFailed) and reply.error is not None:
         return refusal(reply.error, nodes[i], keys, name)
@@ -96,9 +97,10 @@ def refused(nodes: Sequence[Any], keys: LockKeys, name: str, out: Outcome,
 
 def raise_conflict(nodes: Sequence[Any], keys: LockKeys, name: str,
                    out: Outcome) -> None:
-    """LockKeyConflict when a node holds another application's data at a lock key
-    (for a call that did not get its quorum: a node with foreign data is a node that
-    did not grant, and its data is left alone)."""
+    """LockKeyConflict when a node holds another application's data at a lock key,
+    InvalidLockConfig when its user may not run a command of the scripts (for a call
+    that did not get its quorum: such a node is a node that did not grant, and nothing
+    was written there)."""
     for i in range(len(out)):
         error = refused(nodes, keys, name, out, i)
         if error is not None:
