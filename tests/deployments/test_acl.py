@@ -217,3 +217,35 @@ def test_a_refused_command_is_named_and_leaves_no_key_without_its_expiry(
         client.close()
         admin.execute_command("ACL", "DELUSER", user)
         admin.close()
+
+
+def test_fail_open_does_not_run_a_body_unlocked_over_a_refused_command(
+        server: EmbeddedRedis, redis_url: str) -> None:
+    """A refused command is configuration, not an outage: a ``lock_fail_open`` task
+    fails with InvalidLockConfig instead of running its body without the lock."""
+    from celery_helpers import close_app, test_app
+
+    from celery_dlock import LockedTask
+
+    prefix = f"dlf{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command("ACL", "SETUSER", "lacks-pexpire", "reset", "on",
+                          f">{PASSWORD}", f"~{prefix}:*", "+@all", "-pexpire")
+    url = f"redis://lacks-pexpire:{PASSWORD}@127.0.0.1:{server.port}/0"
+    app = test_app("fo-acl", redis_url, dlock_url=url, dlock_key_prefix=prefix)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, shared=False, lock_key="k:{x}", lock_fail_open=True,
+              on_contention="raise")
+    def work(x: str) -> None:
+        ran.append(x)
+
+    try:
+        with pytest.raises(InvalidLockConfig, match="PEXPIRE"):
+            work.apply(("a",)).get()
+        assert ran == []
+        _expiring(admin, prefix, "the task's acquire")
+    finally:
+        close_app(app)
+        admin.execute_command("ACL", "DELUSER", "lacks-pexpire")
+        admin.close()
