@@ -6,6 +6,8 @@
 2. The same workload runs under ``MONITOR`` as a user allowed every command (on the
    same keys): every command the rule allows was sent (so none can go), and every
    command sent is allowed.
+3. A user whose rule lacks one command the scripts run gets InvalidLockConfig naming
+   it, and no key is left without its expiry.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from __future__ import annotations
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from acl_workload import run_workload
 
+from celery_dlock import InvalidLockConfig, RedisLock
+from celery_dlock.backends.redis.scripts import ACQUIRE
+from celery_dlock.core.hold import new_op_id
 from celery_dlock.ops.embedded import EmbeddedRedis
+from celery_dlock.ops.inspect import force_release
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deployments.md"
 USER, PASSWORD = "dlock", "dlock-secret"
@@ -129,3 +135,117 @@ def test_the_rule_allows_only_what_the_library_sends(server, redis_url):
     allowed = allowed_commands(acl_rule())
     assert seen <= allowed, f"sent but not allowed: {sorted(seen - allowed)}"
     assert allowed <= seen, f"allowed but never sent: {sorted(allowed - seen)}"
+
+
+# -- a user whose rule lacks one command the scripts run ------------------------------
+
+#: Every command the lock's scripts run; each is refused in turn below.
+SCRIPT_COMMANDS = ("time", "exists", "hget", "hgetall", "pttl", "get", "zrange",
+                   "zrangebyscore", "set", "hset", "pexpire", "zadd", "rpush", "del",
+                   "zrem")
+
+
+def _expiring(admin: redis.Redis, prefix: str, what: str) -> None:
+    """Every key under ``prefix`` expires, but the fence counters (they are meant to
+    last: docs/fencing.md)."""
+    for key in admin.scan_iter(match=f"{prefix}:*"):
+        if not key.endswith(b":fence"):
+            assert admin.pttl(key) > 0, f"{what} left {key!r} without an expiry"
+
+
+def _wait_in_line(admin: redis.Redis, lock: RedisLock, owner: str) -> None:
+    """``owner`` joins the line of ``lock`` (held by another owner), as a blocked
+    acquire does, then stops waiting (its place lasts as long as its lease)."""
+    reply = ACQUIRE(admin, (lock.keys.lock,), (owner, 30_000, 30_000, new_op_id(), ""))
+    assert int(reply[0]) == 0
+
+
+@pytest.mark.parametrize("command", SCRIPT_COMMANDS)
+def test_a_refused_command_is_named_and_leaves_no_key_without_its_expiry(
+        server: EmbeddedRedis, command: str) -> None:
+    """As a user whose rule lacks ``command``: take a free lock, wait in line, re-enter,
+    extend, release to the first in line, take the lock as the first in line, force a
+    release.  Each works, or fails with InvalidLockConfig naming the command; no key
+    is left without its expiry; and the command is refused somewhere."""
+    prefix = f"dlr{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(server.url)
+    user = f"lacks-{command}"
+    admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}",
+                          f"~{prefix}:*", "+@all", f"-{command}")
+    client = redis.Redis.from_url(f"redis://{user}:{PASSWORD}@127.0.0.1:{server.port}/0")
+    refused: list[str] = []
+
+    def mine(name: str) -> RedisLock:
+        return RedisLock(client, name, ttl=30, owner="U", prefix=prefix,
+                         auto_renew=False)
+
+    def held(name: str, owner: str) -> RedisLock:
+        lock = RedisLock(admin, name, ttl=30, owner=owner, prefix=prefix,
+                         auto_renew=False)
+        assert lock.acquire(blocking=False)
+        return lock
+
+    def attempt(what: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except InvalidLockConfig as exc:
+            assert command.upper() in str(exc), (what, str(exc))
+            refused.append(what)
+        _expiring(admin, prefix, what)
+
+    try:
+        attempt("a fresh acquire", lambda: mine("fresh").acquire(blocking=False))
+        held("line", "H")
+        attempt("a wait in line", lambda: mine("line").acquire(timeout=0.2))
+        held("again", "U")
+        attempt("a re-entry", lambda: mine("again").acquire(blocking=False))
+        attempt("an extend", lambda: mine("again").extend(60))
+        wake = held("wake", "U")
+        _wait_in_line(admin, wake, "W")
+        attempt("a release that wakes the first in line", mine("wake").release)
+        head = held("head", "H")
+        _wait_in_line(admin, head, "U")
+        head.release()
+        attempt("the first in line takes the lock",
+                lambda: mine("head").acquire(blocking=False))
+        forced = held("forced", "H")
+        _wait_in_line(admin, forced, "W")
+        attempt("a force release", lambda: force_release(client, prefix, "forced",
+                                                         by="ops@host", reason="x"))
+        assert refused, f"{command} was never refused: is it still used?"
+    finally:
+        client.close()
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
+
+
+def test_fail_open_does_not_run_a_body_unlocked_over_a_refused_command(
+        server: EmbeddedRedis, redis_url: str) -> None:
+    """A refused command is configuration, not an outage: a ``lock_fail_open`` task
+    fails with InvalidLockConfig instead of running its body without the lock."""
+    from celery_helpers import close_app, test_app
+
+    from celery_dlock import LockedTask
+
+    prefix = f"dlf{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command("ACL", "SETUSER", "lacks-pexpire", "reset", "on",
+                          f">{PASSWORD}", f"~{prefix}:*", "+@all", "-pexpire")
+    url = f"redis://lacks-pexpire:{PASSWORD}@127.0.0.1:{server.port}/0"
+    app = test_app("fo-acl", redis_url, dlock_url=url, dlock_key_prefix=prefix)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, shared=False, lock_key="k:{x}", lock_fail_open=True,
+              on_contention="raise")
+    def work(x: str) -> None:
+        ran.append(x)
+
+    try:
+        with pytest.raises(InvalidLockConfig, match="PEXPIRE"):
+            work.apply(("a",)).get()
+        assert ran == []
+        _expiring(admin, prefix, "the task's acquire")
+    finally:
+        close_app(app)
+        admin.execute_command("ACL", "DELUSER", "lacks-pexpire")
+        admin.close()

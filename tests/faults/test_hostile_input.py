@@ -4,9 +4,126 @@ never BackendUnavailable for another application's data."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from typing import Any
+
+import cli_app
 import pytest
 
 from celery_dlock import InvalidLockConfig, LockedTask, LockKeyConflict, RedisLock
+from celery_dlock.backends.redis.backend import RedisBackend
+from celery_dlock.backends.redis.keyspace import LockKeys
+from celery_dlock.ops.inspect import force_release
+
+#: What another application may keep at a lock's key: hashes that are not holds (no
+#: owner; an owner and nothing else of a hold; a few of a hold's fields), and keys of
+#: other types.  Each plants it with a client.
+FOREIGN: dict[str, Callable[[Any, str], object]] = {
+    "hash-without-owner": lambda c, k: c.hset(k, mapping={"name": "alice", "age": "7"}),
+    "hash-with-only-an-owner": lambda c, k: c.hset(k, mapping={"owner": "bob",
+                                                               "since": "monday"}),
+    "hash-with-part-of-a-hold": lambda c, k: c.hset(k, mapping={
+        "owner": "bob", "count": "1", "fence": "12", "extra": "x"}),
+    "string": lambda c, k: c.set(k, "someone else's"),
+    "list": lambda c, k: c.rpush(k, "a", "b"),
+}
+
+
+@pytest.fixture(params=sorted(FOREIGN))
+def foreign(request: pytest.FixtureRequest) -> Callable[[Any, str], object]:
+    return FOREIGN[request.param]
+
+
+def _plant(clients: list[Any], key: str,
+           foreign: Callable[[Any, str], object]) -> dict[int, bytes]:
+    """``foreign`` at ``key`` on every client; what DUMP says of it on each."""
+    for c in clients:
+        foreign(c, key)
+    return {i: c.dump(key) for i, c in enumerate(clients)}
+
+
+def _assert_conflict(what: str, call: Callable[[], object], key: str) -> None:
+    """``call`` raises LockKeyConflict naming ``key``."""
+    try:
+        call()
+    except LockKeyConflict as exc:
+        assert repr(key) in str(exc), (what, str(exc))
+    else:
+        pytest.fail(f"{what}: no LockKeyConflict")
+
+
+def _assert_untouched(clients: list[Any], key: str, dumps: dict[int, bytes],
+                      prefix: str) -> None:
+    """``key`` is byte for byte as planted, still without an expiry, and nothing else
+    was written under ``prefix`` (no fence counter, line of waiters or marker)."""
+    for i, c in enumerate(clients):
+        assert c.dump(key) == dumps[i]
+        assert c.ttl(key) == -1
+        assert [k.decode() for k in c.scan_iter(match=f"{prefix}:*")] == [key]
+
+
+def test_foreign_data_at_the_lock_key_is_a_conflict_and_left_untouched(
+        lock_kind, prefix, name, foreign):
+    lock = lock_kind.make(name, 30, prefix=prefix, auto_renew=False)
+    key = lock.keys.lock
+    dumps = _plant(lock_kind.clients, key, foreign)
+    calls = {"acquire": lambda: lock.acquire(blocking=False),
+             "blocking acquire": lambda: lock.acquire(timeout=0.3),
+             "release": lock.release, "extend": lock.extend}
+    for what, call in calls.items():
+        _assert_conflict(what, call, key)
+        _assert_untouched(lock_kind.clients, key, dumps, prefix)
+
+
+@pytest.mark.parametrize("lock_kind", ["redlock"], indirect=True)
+def test_a_redlock_node_with_foreign_data_does_not_grant(lock_kind, prefix, name):
+    """A foreign hash on a minority of the nodes: they do not grant and are left alone,
+    the others make the quorum; on a majority: LockKeyConflict."""
+    lock = lock_kind.make(name, 30, prefix=prefix, auto_renew=False)
+    key = lock.keys.lock
+    first, *others = lock_kind.clients
+    dumps = _plant([first], key, FOREIGN["hash-without-owner"])
+    assert lock.acquire(blocking=False)
+    lock.extend(20)
+    lock.release()
+    assert first.dump(key) == dumps[0] and first.ttl(key) == -1
+    assert not any(c.exists(key) for c in others)
+    _plant(others[:1], key, FOREIGN["hash-without-owner"])
+    with pytest.raises(LockKeyConflict, match=re.escape(repr(key))):
+        lock.acquire(blocking=False)
+    assert first.dump(key) == dumps[0] and first.ttl(key) == -1
+
+
+def test_a_force_release_leaves_foreign_data_alone(r, prefix, name, foreign):
+    key = LockKeys.for_name(prefix, name).lock
+    dumps = _plant([r], key, foreign)
+    backend = RedisBackend(r)
+    calls = {
+        "force_release": lambda: force_release(r, prefix, name, by="ops@host",
+                                               reason="stuck"),
+        "force_release with a fence": lambda: force_release(r, prefix, name, fence=12),
+        "backend.force_release": lambda: backend.force_release(prefix, name),
+        # the fields a worker names to free the hold of a child that died
+        "release_matching": lambda: backend.force_release(
+            prefix, name, conditions={"owner": "bob"}),
+        "release_matching on other fields": lambda: backend.force_release(
+            prefix, name, conditions={"name": "alice", "age": "7"}),
+    }
+    for what, call in calls.items():
+        _assert_conflict(what, call, key)
+        _assert_untouched([r], key, dumps, prefix)
+
+
+def test_celery_dlock_release_force_leaves_foreign_data_alone(redis_url, r, prefix,
+                                                              name, foreign):
+    key = LockKeys.for_name(prefix, name).lock
+    dumps = _plant([r], key, foreign)
+    proc = cli_app.run_cli(redis_url, prefix, "release", "--force", name)
+    assert proc.returncode != 0, proc.stdout
+    assert repr(key) in proc.stderr and "left untouched" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    _assert_untouched([r], key, dumps, prefix)
 
 
 def test_a_fence_counter_that_is_not_an_integer_is_a_conflict(r, prefix, name):
@@ -18,7 +135,9 @@ def test_a_fence_counter_that_is_not_an_integer_is_a_conflict(r, prefix, name):
     assert not r.exists(lock.keys.lock)  # and nothing written
 
 
-def test_fail_open_does_not_run_a_body_unlocked_over_foreign_data(redis_url, prefix):
+@pytest.mark.parametrize("where", ["fence counter", "lock key"])
+def test_fail_open_does_not_run_a_body_unlocked_over_foreign_data(redis_url, prefix,
+                                                                  where):
     from celery_helpers import close_app, test_app
 
     app = test_app("fo", redis_url, dlock_url=redis_url, dlock_key_prefix=prefix)
@@ -30,11 +149,17 @@ def test_fail_open_does_not_run_a_body_unlocked_over_foreign_data(redis_url, pre
         ran.append(x)
 
     try:
-        lock = RedisLock(app.backend.client, "k:a", prefix=prefix)
-        app.backend.client.set(lock.keys.fence, "foreign")
+        client = app.backend.client
+        lock = RedisLock(client, "k:a", prefix=prefix)
+        if where == "fence counter":
+            client.set(lock.keys.fence, "foreign")
+        else:
+            FOREIGN["hash-without-owner"](client, lock.keys.lock)
+        dump = client.dump(lock.keys.lock)
         with pytest.raises(LockKeyConflict):
             work.apply(("a",)).get()
         assert ran == []
+        assert client.dump(lock.keys.lock) == dump
     finally:
         close_app(app)
 

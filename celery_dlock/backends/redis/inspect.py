@@ -35,13 +35,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ...core.errors import BackendUnavailable, LockKeyConflict
+from ...core.errors import BackendUnavailable, DLockError
 from ...core.hold import DEFAULT_PREFIX, new_op_id
 from ...core.holds import SUMMARY_FIELDS, HoldChanged, HoldInfo
 from .cluster import node_clients
 from .hashtag import name_of_key
 from .hashtag import scan_pattern as _scan_pattern
-from .keyspace import LockKeys, decode, foreign_keys
+from .keyspace import LockKeys, decode
+from .refusals import refusal
 from .released import clean_text
 from .scripts import FORCE_RELEASE, READ_HOLD
 
@@ -142,6 +143,14 @@ def lock_name_of(prefix: str, key: str) -> str | None:
 
 def _unavailable(exc: Exception, name: str | None = None) -> BackendUnavailable:
     return BackendUnavailable(f"Redis unavailable: {exc}", lock_name=name)
+
+
+def _refused(exc: ResponseError, client: Any, keys: LockKeys,
+             name: str) -> DLockError:
+    """A force release's refusal: foreign data under the lock's keys, or a command
+    Redis refused (left to the caller as BackendUnavailable)."""
+    return refusal(exc, client, keys, name) or BackendUnavailable(
+        f"Redis refused a force release: {exc}", lock_name=name)
 
 
 def _read_hold(client: Any, key: str) -> tuple[dict[str, str], int, int]:
@@ -271,10 +280,7 @@ def force_release(client: Any, prefix: str, name: str, *,
         except _UNAVAILABLE as exc:
             raise _unavailable(exc, name) from exc
         except ResponseError as exc:
-            if "WRONGTYPE" in str(exc):
-                raise LockKeyConflict(foreign_keys(client, keys), lock_name=name) \
-                    from exc
-            raise
+            raise _refused(exc, client, keys, name) from exc
         status = int(reply[0])
         if status == 0:
             return None
@@ -287,10 +293,6 @@ def force_release(client: Any, prefix: str, name: str, *,
             raise HoldChanged(
                 f"the lock is now held by another hold (fence {fields.get('fence')}, "
                 f"not {fence}); nothing was released", lock_name=name, current=info)
-        if info is None:  # a hash without an owner: freed all the same
-            info = LockInfo(key=name, task_name=None, task_id=None, worker=None,
-                            pid=None, owner="", count=0, fence=None, ttl=None,
-                            held_for=None)
         return info
     raise HoldChanged(f"the lock changed hands {_FORCE_ATTEMPTS} times while it was "
                       "being released; nothing was released", lock_name=name)
@@ -310,8 +312,5 @@ def release_matching(client: Any, prefix: str, name: str,
     except _UNAVAILABLE as exc:
         raise _unavailable(exc, name) from exc
     except ResponseError as exc:
-        if "WRONGTYPE" in str(exc):
-            raise LockKeyConflict(foreign_keys(client, keys), lock_name=name) from exc
-        raise BackendUnavailable(f"Redis refused a force release: {exc}",
-                                 lock_name=name) from exc
+        raise _refused(exc, client, keys, name) from exc
     return int(reply[0]) == 1

@@ -16,13 +16,20 @@ from ...core.errors import Holder, InvalidLockConfig
 from .hashtag import lock_key
 from .waiters import doorbell_suffix
 
-__all__ = ["FENCE_SUFFIX", "MARKER_SUFFIX", "RELEASED_SUFFIX", "SUFFIXES", "LockKeys",
-           "check_client",
-           "decode", "foreign_keys", "parse_holder"]
+__all__ = ["FENCE_SUFFIX", "HOLD_FIELDS", "MARKER_SUFFIX", "RELEASED_SUFFIX", "SUFFIXES",
+           "UNTOUCHED", "LockKeys", "check_client", "decode", "foreign_keys",
+           "parse_holder"]
 
 #: What a key of a lock must be (TYPE), to name a key holding foreign data.
 _KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset",
               "released": "hash"}
+#: The fields every hold has (the scripts write them all at once, and delete the hash
+#: as a whole): a hash at a lock's key without one of them is another application's.
+#: A hold's other fields are metadata, free-form (``info=``): they tell nothing.
+HOLD_FIELDS = ("owner", "count", "fence", "acquired_at", "ttl", "ops")
+#: What a conflict's message says of the foreign data, after naming it.
+UNTOUCHED = ("another application's data is under this lock's keys and was left "
+             "untouched (use another prefix or lock name)")
 # The suffixes of a lock's helper keys after its hash's key, defined once: the Lua
 # scripts get them from here (:mod:`celery_dlock.backends.redis.scripts`).
 #: The fence counter.
@@ -104,8 +111,7 @@ def foreign_keys(client: Any, keys: LockKeys) -> str:
             found.append(f"{key!r} holds a {kind}, not a {expected}")
     what = ("; ".join(found)
             or f"a key of {keys.lock!r} holds another kind of data")
-    return (f"{what}: another application's data is under this lock's keys and was "
-            f"left untouched (use another prefix or lock name)")
+    return f"{what}: {UNTOUCHED}"
 
 
 def check_client(client: Any, name: str | None) -> None:

@@ -30,9 +30,9 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from ...core.errors import BackendUnavailable, DLockError, Holder, LockKeyConflict
+from ...core.errors import BackendUnavailable, DLockError, Holder
 from ...core.hold import (
     DEFAULT_PREFIX,
     Grant,
@@ -44,7 +44,8 @@ from ...core.hold import (
 )
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
-from .keyspace import LockKeys, check_client, decode, foreign_keys, parse_holder
+from .keyspace import LockKeys, check_client, decode, parse_holder
+from .refusals import refusal
 from .released import read_loss_reason
 from .renewal import renew_target
 from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, READ_HOLD, RELEASE, LuaScript
@@ -118,16 +119,9 @@ class RedisLock(Hold):
 
     def _error(self, exc: RedisError, what: str) -> DLockError:
         """The DLockError for a failed Redis call."""
-        if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
-            return LockKeyConflict(foreign_keys(self.client, self.keys),
-                                   lock_name=self.name)
-        if isinstance(exc, ResponseError) and "not an integer" in str(exc):
-            # Foreign data at the fence counter (the only integer a script INCRs):
-            # the script stopped at it, before writing the hold.
-            return LockKeyConflict(
-                f"{self.keys.fence!r} does not hold an integer fence counter: another "
-                f"application's data is under this lock's keys and was left untouched "
-                f"(use another prefix or lock name)", lock_name=self.name)
+        refused = refusal(exc, self.client, self.keys, self.name)
+        if refused is not None:
+            return refused
         return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
                                   lock_name=self.name)
 

@@ -40,7 +40,14 @@ without changing anything.  Renewal and extend only ever move the expiry later, 
 second execution of them changes nothing either.
 
 **Foreign data.**  Every script reads each key before it writes any, so a key of the
-wrong type (``WRONGTYPE``) aborts the script before it has written anything.
+wrong type (``WRONGTYPE``) aborts the script before it has written anything.  A hash
+at the lock's key that lacks one of the fields every hold has
+(:data:`~celery_dlock.backends.redis.keyspace.HOLD_FIELDS`) is no hold either: acquire,
+release, extend and force release stop with :data:`~.refusals.NOT_A_HOLD` before any
+write (one ``EXISTS`` when the key is free, a few ``HGET`` when another owner's hash is
+there, nothing when the hash names the caller's own owner token).  Renewal writes only
+to a hash whose owner is the renewing holder's token, so it never writes to one
+either: it finds the hold gone.
 
 Every script is given only the lock hash's name (``KEYS[1]``) and derives the helper
 keys from it, which keeps the arguments (and redis-py's packing of them) short on the
@@ -52,14 +59,7 @@ within Redis 6.2 (no functions, no ``PEXPIRETIME``).
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
-from typing import Any
-
-from redis.exceptions import NoScriptError
-
-from .keyspace import SUFFIXES
-from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
+from .lua import CALL, COMMON, HOLD_SHAPE, OP_MEMORY_MS, OPS_KEPT, LuaScript
 
 __all__ = [
     "ACQUIRE",
@@ -76,128 +76,11 @@ __all__ = [
     "LuaScript",
 ]
 
-#: How many operation ids a hold remembers (re-sends come right after the original).
-OPS_KEPT = 8
-#: How long a final release is remembered after the hold is gone (ms).
-OP_MEMORY_MS = 60_000
 #: The shortest and longest a force release's marker is kept (ms): as long as the
 #: freed hold had left, within these bounds.
 RELEASED_MIN_MS = 60_000
 RELEASED_MAX_MS = 3_600_000
 
-
-class LuaScript:
-    """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss.
-
-    Holds no per-client state, so it is safe to share between clients, threads and
-    forked processes.
-    """
-
-    __slots__ = ("name", "sha", "source")
-
-    def __init__(self, name: str, source: str) -> None:
-        self.name = name
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            # EVAL caches the script, so the next EVALSHA finds it.
-            return client.eval(self.source, len(keys), *keys, *args)
-
-    def __repr__(self) -> str:
-        return f"<LuaScript {self.name} {self.sha[:8]}>"
-
-
-# Shared helpers, pasted in front of the scripts that need them (EVAL has no imports).
-_COMMON = f"""
-local DOORBELL_TTL = {DOORBELL_TTL_MS}
-local WAKE_GRACE = {WAKE_GRACE_MS}
-local LINE_TTL = {LINE_TTL_MS}
-local OPS_KEPT = {OPS_KEPT}
-local OP_MEMORY = {OP_MEMORY_MS}
-""" + "".join(f"local {name} = '{suffix}'\n" for name, suffix in SUFFIXES.items()) + """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
--- The next fencing token of ``lock``: above every token handed out before, also after
--- a data loss reset the counter: max(counter + 1, the server's clock in microseconds
--- at ``t``, a TIME reply), about 1.7e15: exact in a Lua number, and it fits a signed
--- 64-bit column.  A counter that is not an integer (foreign data) stops the script
--- here, before the hold is written.
-local function next_fence(lock, t)
-  local key = lock .. FENCE_SUFFIX
-  local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local counter = redis.call('GET', key)
-  if counter then
-    local n = tonumber(counter)
-    if not n or n ~= math.floor(n) then
-      return redis.error_reply('ERR value is not an integer fence counter')
-    end
-    if n + 1 > fence then fence = n + 1 end
-  end
-  redis.call('SET', key, string.format('%.0f', fence))
-  return fence
-end
-
--- The doorbell of ``owner``: named by a digest, so no owner string reaches other keys.
-local function bell(lock, owner)
-  return lock .. DOORBELL_SUFFIX .. redis.sha1hex(owner)
-end
-
--- The result remembered for operation ``op`` of this hold (nil when unknown).  Op ids
--- are hex, so they are safe in a pattern.
-local function seen(ops, op)
-  if not ops then return nil end
-  return string.match(ops, '|' .. op .. '=([^|]*)')
-end
-
--- Remember ``op`` and its result; keep the last OPS_KEPT.
-local function remember(lock, ops, op, result)
-  ops = (ops or '') .. '|' .. op .. '=' .. result
-  local _, n = string.gsub(ops, '|', '')
-  while n > OPS_KEPT do
-    ops = string.sub(ops, (string.find(ops, '|', 2, true)))
-    n = n - 1
-  end
-  redis.call('HSET', lock, 'ops', ops)
-end
-
--- Drop waiters whose lease ran out (they died or gave up without saying so).
-local function purge(queue, leases, now)
-  local stale = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 256)
-  if #stale > 0 then
-    redis.call('ZREM', queue, unpack(stale))
-    redis.call('ZREM', leases, unpack(stale))
-  end
-end
-
--- Ring a waiter's doorbell (it holds at most one element, which expires unanswered)
--- and give the waiter WAKE_GRACE to take the free lock: one that died in line is
--- dropped from it then, instead of when its whole lease runs out.
-local function ring(lock, owner, now)
-  local b = bell(lock, owner)
-  redis.call('DEL', b)
-  redis.call('RPUSH', b, 1)
-  redis.call('PEXPIRE', b, DOORBELL_TTL)
-  redis.call('ZADD', lock .. LEASES_SUFFIX, 'XX', 'LT', now + WAKE_GRACE, owner)
-end
-
--- Ring the doorbell of the first waiter in line of ``lock``, if any.
-local function wake_head(lock, now)
-  local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
-  purge(queue, leases, now)
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
-  if head then
-    ring(lock, head, now)
-  end
-  return head
-end
-"""
 
 # KEYS[1] lock hash
 # ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
@@ -220,28 +103,35 @@ end
 # closer.  A re-sent call (same operation id) returns its first result.
 ACQUIRE = LuaScript(
     "acquire",
-    _COMMON
+    COMMON
     + """
 local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
 local expect = ARGV[5]
-local holder = redis.call('HGET', lock, 'owner')
+local holder = call('HGET', lock, 'owner')
+if holder ~= owner then
+  local foreign = not_a_hold(lock, holder)
+  if foreign then return foreign end
+end
 if holder == owner then
-  local ops = redis.call('HGET', lock, 'ops')
-  local fence = tonumber(redis.call('HGET', lock, 'fence'))
+  local ops = call('HGET', lock, 'ops')
+  local fence = tonumber(call('HGET', lock, 'fence'))
   local done = seen(ops, op)
   if done then return {1, fence, tonumber(done)} end
   if expect ~= '' and expect ~= '*' and tonumber(expect) ~= fence then
     return {2, -1}
   end
-  local count = redis.call('HINCRBY', lock, 'count', 1)
-  if redis.call('PTTL', lock) < ttl then
-    redis.call('PEXPIRE', lock, ttl)
+  -- The expiry first, then every field in one HSET: a refused command stops the
+  -- script before the count changed.
+  if call('PTTL', lock) < ttl then
+    call('PEXPIRE', lock, ttl)
   end
-  if tonumber(redis.call('HGET', lock, 'ttl') or 0) < ttl then
-    redis.call('HSET', lock, 'ttl', ttl)
+  local count = tonumber(call('HGET', lock, 'count')) + 1
+  local fields = {'count', count, 'ops', remembered(ops, op, count)}
+  if tonumber(call('HGET', lock, 'ttl') or 0) < ttl then
+    fields[5], fields[6] = 'ttl', ttl
   end
-  remember(lock, ops, op, count)
+  call('HSET', lock, unpack(fields))
   return {1, fence, count}
 end
 if expect ~= '' then
@@ -251,45 +141,52 @@ if expect ~= '' then
   return {2, 0}
 end
 local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
-local t = redis.call('TIME')
+local t = call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local pttl
 if not holder then
   local head = false
-  if redis.call('EXISTS', queue) == 1 then
+  if call('EXISTS', queue) == 1 then
     purge(queue, leases, now)
-    head = redis.call('ZRANGE', queue, 0, 0)[1]
+    head = call('ZRANGE', queue, 0, 0)[1]
   end
   if (not head) or head == owner then
+    -- The key does not exist (not_a_hold saw to it), so PEXPIRE changes nothing
+    -- here: it stops a user who may not run it before the hold is written.
+    call('PEXPIRE', lock, ttl)
     local fence = next_fence(lock, t)
     if type(fence) == 'table' then return fence end
-    redis.call('HSET', lock, 'owner', owner, 'count', 1,
-               'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
-               'ops', '|' .. op .. '=1', unpack(ARGV, 6))
-    redis.call('PEXPIRE', lock, ttl)
     if head then
-      redis.call('ZREM', queue, owner)
-      redis.call('ZREM', leases, owner)
-      redis.call('DEL', bell(lock, owner))
+      call('ZREM', queue, owner)
+      call('ZREM', leases, owner)
+      call('DEL', bell(lock, owner))
     end
+    call('SET', lock .. FENCE_SUFFIX, string.format('%.0f', fence))
+    call('HSET', lock, 'owner', owner, 'count', 1,
+         'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
+         'ops', '|' .. op .. '=1', unpack(ARGV, 6))
+    call('PEXPIRE', lock, ttl)
     return {1, fence, 1}
   end
   -- Free, but promised to the first in line: make sure it has heard.
   ring(lock, head, now)
   pttl = -1
 else
-  pttl = redis.call('PTTL', lock)
+  pttl = call('PTTL', lock)
 end
 local lease = tonumber(ARGV[3])
 if lease > 0 then
-  local t = redis.call('TIME')
-  redis.call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
-  redis.call('ZADD', leases, now + lease, owner)
-  redis.call('PEXPIRE', queue, LINE_TTL)
-  redis.call('PEXPIRE', leases, LINE_TTL)
+  -- The expiry first (on a line that does not exist yet it changes nothing): a user
+  -- who may not run PEXPIRE is stopped before the line is written.
+  call('PEXPIRE', queue, LINE_TTL)
+  local t = call('TIME')
+  call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
+  call('ZADD', leases, now + lease, owner)
+  call('PEXPIRE', queue, LINE_TTL)
+  call('PEXPIRE', leases, LINE_TTL)
 end
 local reply = {0, pttl, now}
-local fields = redis.call('HGETALL', lock)
+local fields = call('HGETALL', lock)
 for i = 1, #fields do reply[i + 3] = fields[i] end
 return reply
 """,
@@ -303,28 +200,35 @@ return reply
 #         (left alone).  A re-sent call (same operation id) returns its first result.
 RELEASE = LuaScript(
     "release",
-    _COMMON
+    COMMON
     + """
 local lock, op = KEYS[1], ARGV[2]
-local holder = redis.call('HGET', lock, 'owner')
+local holder = call('HGET', lock, 'owner')
 if holder ~= ARGV[1] then
-  if redis.call('EXISTS', lock .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
+  if call('EXISTS', lock .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
+  local foreign = not_a_hold(lock, holder)
+  if foreign then return foreign end
   if not holder then return {0} end
   return {-1}
 end
-local ops = redis.call('HGET', lock, 'ops')
+local ops = call('HGET', lock, 'ops')
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local count = redis.call('HINCRBY', lock, 'count', -1)
+local count = tonumber(call('HGET', lock, 'count')) - 1
 if count > 0 then
-  remember(lock, ops, op, count)
+  call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
 end
-redis.call('DEL', lock)
-redis.call('SET', lock .. RELEASE_OP_SUFFIX .. op, 1, 'PX', OP_MEMORY)
-if redis.call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
+-- The final release.  Its marker does not exist yet, so DEL changes nothing there: it
+-- stops a user who may not run DEL before any write.  The first in line is woken
+-- before the hold goes, so that a command refused on the way leaves the hold held.
+local marker = lock .. RELEASE_OP_SUFFIX .. op
+call('DEL', marker)
+if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
+call('SET', marker, 1, 'PX', OP_MEMORY)
+call('DEL', lock)
 return {1}
 """,
 )
@@ -335,16 +239,21 @@ return {1}
 #         0 already expired, -1 held by another owner.
 EXTEND = LuaScript(
     "extend",
-    """
+    HOLD_SHAPE
+    + """
 local lock, ttl = KEYS[1], tonumber(ARGV[2])
-local holder = redis.call('HGET', lock, 'owner')
+local holder = call('HGET', lock, 'owner')
+if holder ~= ARGV[1] then
+  local foreign = not_a_hold(lock, holder)
+  if foreign then return foreign end
+end
 if not holder then return 0 end
 if holder ~= ARGV[1] then return -1 end
-if redis.call('PTTL', lock) < ttl then
-  redis.call('PEXPIRE', lock, ttl)
+if call('PTTL', lock) < ttl then
+  call('PEXPIRE', lock, ttl)
 end
-if tonumber(redis.call('HGET', lock, 'ttl') or 0) < ttl then
-  redis.call('HSET', lock, 'ttl', ttl)
+if tonumber(call('HGET', lock, 'ttl') or 0) < ttl then
+  call('HSET', lock, 'ttl', ttl)
 end
 return 1
 """,
@@ -357,18 +266,19 @@ return 1
 # and it never brings an expiry closer (a longer extend() or re-entry stays).
 RENEW_MANY = LuaScript(
     "renew_many",
-    """
+    CALL
+    + """
 local out = {}
 for i = 1, #KEYS do
-  local holder = redis.call('HGET', KEYS[i], 'owner')
+  local holder = call('HGET', KEYS[i], 'owner')
   if not holder then
     out[i] = 0
   elseif holder ~= ARGV[2 * i - 1] then
     out[i] = -1
   else
     local ttl = tonumber(ARGV[2 * i])
-    if redis.call('PTTL', KEYS[i]) < ttl then
-      redis.call('PEXPIRE', KEYS[i], ttl)
+    if call('PTTL', KEYS[i]) < ttl then
+      call('PEXPIRE', KEYS[i], ttl)
     end
     out[i] = 1
   end
@@ -393,7 +303,7 @@ return out
 # at its next renewal.
 FORCE_RELEASE = LuaScript(
     "force_release",
-    _COMMON
+    COMMON
     + f"""
 local RELEASED_MIN, RELEASED_MAX = {RELEASED_MIN_MS}, {RELEASED_MAX_MS}
 """ + """
@@ -408,36 +318,41 @@ for i = 1, #ARGV - 1, 2 do
   end
 end
 -- Read the marker first: foreign data under its name aborts before any write.
-local last_op = redis.call('HGET', marker, 'op')
+local last_op = call('HGET', marker, 'op')
 if notes.op and notes.op ~= '' and last_op == notes.op then
   local reply = {2}
-  local m = redis.call('HGETALL', marker)
+  local m = call('HGETALL', marker)
   for i = 1, #m do reply[i + 1] = m[i] end
   return reply
 end
-local fields = redis.call('HGETALL', lock)
+local fields = call('HGETALL', lock)
 if #fields == 0 then return {0} end
+local hold = {}
+for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
+local missing = missing_field(function(f) return hold[f] end)
+if missing then return foreign_hash(missing) end
 local reply = {1}
 for _, i in ipairs(conds) do
-  if redis.call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
+  if call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
     reply = {-1}
     break
   end
 end
 if reply[1] == 1 then
-  local pttl = redis.call('PTTL', lock)
-  local hold = {}
-  for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
+  local pttl = call('PTTL', lock)
   local now = now_ms()
-  redis.call('DEL', lock)
-  if hold.owner and notes.by then
-    redis.call('DEL', marker)
-    redis.call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence or '',
-               'by', notes.by or '', 'reason', notes.reason or '', 'at', now,
-               'op', notes.op or '')
-    redis.call('PEXPIRE', marker, math.min(math.max(pttl, RELEASED_MIN), RELEASED_MAX))
-  end
+  -- Every write that could be refused comes before the hold is deleted, and the
+  -- marker's expiry is tried before the marker is written (once deleted, PEXPIRE
+  -- changes nothing on it).
   wake_head(lock, now)
+  if notes.by then
+    call('DEL', marker)
+    call('PEXPIRE', marker, RELEASED_MIN)
+    call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence,
+         'by', notes.by, 'reason', notes.reason or '', 'at', now, 'op', notes.op or '')
+    call('PEXPIRE', marker, math.min(math.max(pttl, RELEASED_MIN), RELEASED_MAX))
+  end
+  call('DEL', lock)
 end
 for i = 1, #fields do reply[i + 1] = fields[i] end
 return reply
@@ -451,15 +366,15 @@ return reply
 # the next in line is woken so that nobody waits for a doorbell that rang for a leaver.
 LEAVE_QUEUE = LuaScript(
     "leave_queue",
-    _COMMON
+    COMMON
     + """
 local lock, owner = KEYS[1], ARGV[1]
 local queue = lock .. QUEUE_SUFFIX
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
-local was = redis.call('ZREM', queue, owner)
-redis.call('ZREM', lock .. LEASES_SUFFIX, owner)
-redis.call('DEL', bell(lock, owner))
-if head == owner and redis.call('EXISTS', lock) == 0 then
+local head = call('ZRANGE', queue, 0, 0)[1]
+local was = call('ZREM', queue, owner)
+call('ZREM', lock .. LEASES_SUFFIX, owner)
+call('DEL', bell(lock, owner))
+if head == owner and call('EXISTS', lock) == 0 then
   wake_head(lock, now_ms())
 end
 return was
@@ -473,10 +388,11 @@ return was
 # client refuses TIME in a pipeline, and the three answers come from one moment.
 READ_HOLD = LuaScript(
     "read_hold",
-    """
-local t = redis.call('TIME')
-local reply = {redis.call('PTTL', KEYS[1]), t[1], t[2]}
-local fields = redis.call('HGETALL', KEYS[1])
+    CALL
+    + """
+local t = call('TIME')
+local reply = {call('PTTL', KEYS[1]), t[1], t[2]}
+local fields = call('HGETALL', KEYS[1])
 for i = 1, #fields do reply[i + 3] = fields[i] end
 return reply
 """,

@@ -285,6 +285,7 @@ class RedlockLock(Hold):
         if others > n - quorum:
             taken = any(answered(r) and int(r[0]) == TAKEN for r in out)
             return TAKEN if taken else GONE
+        raise_conflict(self._nodes, self.keys, self.name, out)
         raise unavailable(self.name, "release", out, self.quorum, self.clients)
 
     def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
@@ -306,6 +307,7 @@ class RedlockLock(Hold):
             return OK
         if no > n - quorum:
             return GONE
+        raise_conflict(self._nodes, self.keys, self.name, out)
         raise unavailable(self.name, "extend", out, self.quorum, self.clients)
 
     def _read(self, what: str, owner: str | None = None) -> Holds:

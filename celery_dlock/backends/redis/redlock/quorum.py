@@ -14,11 +14,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from ....core.errors import BackendUnavailable, Holder, InvalidLockConfig, LockKeyConflict
+from ....core.errors import BackendUnavailable, DLockError, Holder, InvalidLockConfig
 from ....core.hold import new_op_id
-from ..keyspace import LockKeys, foreign_keys, parse_holder
+from ..keyspace import LockKeys, parse_holder
+from ..refusals import refusal
 from ..scripts import ACQUIRE, READ_HOLD, RELEASE
 from .nodes import POOL_SLACK, NodeFailed, Outcome, fan_out, submit
 from .report import describe, describe_error, warn_now_and_then
@@ -36,6 +37,7 @@ __all__ = [
     "quorum_holder",
     "raise_conflict",
     "read_holds",
+    "refused",
     "unavailable",
 ]
 
@@ -96,13 +98,27 @@ def unavailable(name: str, what: str, out: Outcome, quorum: int,
         f"{quorum} needed ({error})", lock_name=name)
 
 
+def refused(nodes: Sequence[Any], keys: LockKeys, name: str, out: Outcome,
+            i: int) -> DLockError | None:
+    """What node ``i``'s refusal stands for (another application's data at a lock
+    key: LockKeyConflict; a command its user may not run: InvalidLockConfig), or
+    None."""
+    reply = out[i]
+    if isinstance(reply, NodeFailed) and reply.error is not None:
+        return refusal(reply.error, nodes[i], keys, name)
+    return None
+
+
 def raise_conflict(nodes: Sequence[Any], keys: LockKeys, name: str,
                    out: Outcome) -> None:
-    """LockKeyConflict when a node holds another application's data at a lock key."""
-    for i, reply in enumerate(out):
-        if isinstance(reply, NodeFailed) and isinstance(reply.error, ResponseError) \
-                and "WRONGTYPE" in str(reply.error):
-            raise LockKeyConflict(foreign_keys(nodes[i], keys), lock_name=name)
+    """LockKeyConflict when a node holds another application's data at a lock key,
+    InvalidLockConfig when its user may not run a command of the scripts (for a call
+    that did not get its quorum: such a node is a node that did not grant, and nothing
+    was written there)."""
+    for i in range(len(out)):
+        error = refused(nodes, keys, name, out, i)
+        if error is not None:
+            raise error
 
 
 def majority_holder(out: Outcome, refused: Sequence[int]) -> Holder | None:

@@ -1,0 +1,202 @@
+"""The pieces every script of :mod:`celery_dlock.backends.redis.scripts` is made of:
+:class:`LuaScript`, which runs one, and the Lua helpers pasted in front of them (EVAL
+has no imports)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from .keyspace import HOLD_FIELDS, SUFFIXES
+from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
+from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
+
+__all__ = ["CALL", "COMMON", "HOLD_SHAPE", "OPS_KEPT", "OP_MEMORY_MS", "LuaScript"]
+
+#: How many operation ids a hold remembers (re-sends come right after the original).
+OPS_KEPT = 8
+#: How long a final release is remembered after the hold is gone (ms).
+OP_MEMORY_MS = 60_000
+
+
+class LuaScript:
+    """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss.
+
+    Holds no per-client state, so it is safe to share between clients, threads and
+    forked processes.
+    """
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # EVAL caches the script, so the next EVALSHA finds it.
+            return client.eval(self.source, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"<LuaScript {self.name} {self.sha[:8]}>"
+
+
+# ``call``: what every script calls Redis with.  A command the connection's user may
+# not run (ACL) stops the script with an error that names it (``REFUSED CMD (what
+# Redis said)``); Redis's own error says only "this command".  Every other error is
+# raised as redis.call raises it (a table on Redis 7+, its text before), so
+# WRONGTYPE, READONLY, OOM and the rest keep their codes.  A script stopped by an error
+# keeps the writes it made before it: so the scripts try the expiry of a key (on a key
+# that does not exist, where it changes nothing) before they create it, and make every
+# other write that could be refused before the ones that could not be undone.
+CALL = """
+local NEW_ERRORS = redis.REDIS_VERSION ~= nil
+local function call(...)
+  local reply = redis.pcall(...)
+  if type(reply) == 'table' and reply.err then
+    local e = reply.err
+    if string.find(e, 'NOPERM', 1, true) or string.find(e, "can't run", 1, true)
+        or string.find(e, "can't access", 1, true)
+        or string.find(e, 'no permissions', 1, true) then
+      error('""" + REFUSED + """ ' .. string.upper((...)) .. ' (' .. e .. ')', 0)
+    end
+    if NEW_ERRORS then error(reply) end
+    error(e)
+  end
+  return reply
+end
+"""
+
+# Whether the key of a lock is one of its holds, pasted in front of the scripts that
+# write to it.
+HOLD_SHAPE = CALL + f"""
+local HOLD_NUMBERS = {{{", ".join(repr(f) for f in HOLD_FIELDS
+                                  if f not in ("owner", "ops"))}}}
+""" + """
+-- The field of a hold that ``get`` (a field's name -> its value or nil/false) lacks,
+-- or nil when it has them all: every hold has an owner, ops and HOLD_NUMBERS as
+-- numbers; other fields are free-form metadata.
+local function missing_field(get)
+  if not get('owner') then return 'owner' end
+  for _, f in ipairs(HOLD_NUMBERS) do
+    if not tonumber(get(f)) then return f end
+  end
+  if not get('ops') then return 'ops' end
+  return nil
+end
+
+-- The error reply for a hash at the lock's key that lacks the field ``missing``.
+local function foreign_hash(missing)
+  return redis.error_reply('ERR """ + NOT_A_HOLD + """ (no ' .. missing .. ')')
+end
+
+-- An error reply when the key ``lock`` holds a hash that is not a hold (another
+-- application's), else nil (a hold, or no key).  ``holder``: its owner field, read.
+local function not_a_hold(lock, holder)
+  local missing = 'owner'
+  if not holder then
+    if call('EXISTS', lock) == 0 then return nil end
+  else
+    missing = missing_field(function(f) return call('HGET', lock, f) end)
+    if not missing then return nil end
+  end
+  return foreign_hash(missing)
+end
+"""
+
+# Shared helpers, pasted in front of the scripts that need them (EVAL has no imports).
+COMMON = HOLD_SHAPE + f"""
+local DOORBELL_TTL = {DOORBELL_TTL_MS}
+local WAKE_GRACE = {WAKE_GRACE_MS}
+local LINE_TTL = {LINE_TTL_MS}
+local OPS_KEPT = {OPS_KEPT}
+local OP_MEMORY = {OP_MEMORY_MS}
+""" + "".join(f"local {name} = '{suffix}'\n" for name, suffix in SUFFIXES.items()) + """
+local function now_ms()
+  local t = call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The next fencing token of ``lock``: above every token handed out before, also after
+-- a data loss reset the counter: max(counter + 1, the server's clock in microseconds
+-- at ``t``, a TIME reply), about 1.7e15: exact in a Lua number, and it fits a signed
+-- 64-bit column.  A counter that is not an integer (foreign data) is an error reply:
+-- the caller stops there, before it writes anything.  Only reads: the caller stores
+-- the token (the counter never expires: it must outlive every hold).
+local function next_fence(lock, t)
+  local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local counter = call('GET', lock .. FENCE_SUFFIX)
+  if counter then
+    local n = tonumber(counter)
+    if not n or n ~= math.floor(n) then
+      return redis.error_reply('ERR value is """ + NOT_A_FENCE + """')
+    end
+    if n + 1 > fence then fence = n + 1 end
+  end
+  return fence
+end
+
+-- The doorbell of ``owner``: named by a digest, so no owner string reaches other keys.
+local function bell(lock, owner)
+  return lock .. DOORBELL_SUFFIX .. redis.sha1hex(owner)
+end
+
+-- The result remembered for operation ``op`` of this hold (nil when unknown).  Op ids
+-- are hex, so they are safe in a pattern.
+local function seen(ops, op)
+  if not ops then return nil end
+  return string.match(ops, '|' .. op .. '=([^|]*)')
+end
+
+-- ``ops`` with ``op`` and its result remembered: the last OPS_KEPT.  The caller
+-- writes it in the HSET that changes the hold, so that both happen or neither.
+local function remembered(ops, op, result)
+  ops = (ops or '') .. '|' .. op .. '=' .. result
+  local _, n = string.gsub(ops, '|', '')
+  while n > OPS_KEPT do
+    ops = string.sub(ops, (string.find(ops, '|', 2, true)))
+    n = n - 1
+  end
+  return ops
+end
+
+-- Drop waiters whose lease ran out (they died or gave up without saying so).
+local function purge(queue, leases, now)
+  local stale = call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 256)
+  if #stale > 0 then
+    call('ZREM', queue, unpack(stale))
+    call('ZREM', leases, unpack(stale))
+  end
+end
+
+-- Ring a waiter's doorbell (it holds at most one element, which expires unanswered)
+-- and give the waiter WAKE_GRACE to take the free lock: one that died in line is
+-- dropped from it then, instead of when its whole lease runs out.
+local function ring(lock, owner, now)
+  local b = bell(lock, owner)
+  call('DEL', b)
+  -- b is gone, so this changes nothing: it stops a user who may not run PEXPIRE
+  -- before RPUSH makes a doorbell that would never expire.
+  call('PEXPIRE', b, DOORBELL_TTL)
+  call('RPUSH', b, 1)
+  call('PEXPIRE', b, DOORBELL_TTL)
+  call('ZADD', lock .. LEASES_SUFFIX, 'XX', 'LT', now + WAKE_GRACE, owner)
+end
+
+-- Ring the doorbell of the first waiter in line of ``lock``, if any.
+local function wake_head(lock, now)
+  local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX
+  purge(queue, leases, now)
+  local head = call('ZRANGE', queue, 0, 0)[1]
+  if head then
+    ring(lock, head, now)
+  end
+  return head
+end
+"""
