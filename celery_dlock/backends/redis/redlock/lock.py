@@ -233,7 +233,7 @@ class RedlockLock(Hold):
         # takes nothing.
         give_back(self._nodes, self.keys, owner, again, out, leftover, self.node_timeout,
                   self.name, self.ttl)
-        raise_conflict(self._nodes, self.keys, self.name, out)
+        raise_conflict(self._nodes, self.keys, self.name, out, len(yes), quorum)
         if reentry and len(gone) > n - quorum:
             taken = sum(1 for i in gone if int(out[i][1]) == TAKEN)
             return TAKEN if taken > len(gone) // 2 else GONE
@@ -285,7 +285,7 @@ class RedlockLock(Hold):
         if others > n - quorum:
             taken = any(answered(r) and int(r[0]) == TAKEN for r in out)
             return TAKEN if taken else GONE
-        raise_conflict(self._nodes, self.keys, self.name, out)
+        raise_conflict(self._nodes, self.keys, self.name, out, ours, quorum)
         raise unavailable(self.name, "release", out, self.quorum, self.clients)
 
     def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
@@ -307,7 +307,7 @@ class RedlockLock(Hold):
             return OK
         if no > n - quorum:
             return GONE
-        raise_conflict(self._nodes, self.keys, self.name, out)
+        raise_conflict(self._nodes, self.keys, self.name, out, ok, quorum)
         raise unavailable(self.name, "extend", out, self.quorum, self.clients)
 
     def _read(self, what: str, owner: str | None = None) -> Holds:

@@ -110,15 +110,16 @@ def refused(nodes: Sequence[Any], keys: LockKeys, name: str, out: Outcome,
 
 
 def raise_conflict(nodes: Sequence[Any], keys: LockKeys, name: str,
-                   out: Outcome) -> None:
+                   out: Outcome, have: int, quorum: int) -> None:
     """LockKeyConflict when a node holds another application's data at a lock key,
-    InvalidLockConfig when its user may not run a command of the scripts (for a call
-    that did not get its quorum: such a node is a node that did not grant, and nothing
-    was written there)."""
-    for i in range(len(out)):
-        error = refused(nodes, keys, name, out, i)
-        if error is not None:
-            raise error
+    InvalidLockConfig when its user may not run a command of the scripts: for a call
+    that did not get its quorum (``have`` of ``quorum`` said yes) because of such
+    nodes, which did not grant (nothing was written there).  When the others decided
+    the call (another owner holds the lock), they say what happened instead."""
+    errors = [error for i in range(len(out))
+              if (error := refused(nodes, keys, name, out, i)) is not None]
+    if errors and have + len(errors) >= quorum:
+        raise errors[0]
 
 
 def majority_holder(out: Outcome, refused: Sequence[int]) -> Holder | None:
@@ -216,8 +217,8 @@ def read_holds(nodes: Sequence[Any], keys: LockKeys, name: str, what: str,
         return count >= quorum or count + unknown < quorum
 
     out = fan_out(nodes, call, timeout, settled)
-    raise_conflict(nodes, keys, name, out)
     if not settled(out):
+        raise_conflict(nodes, keys, name, out, quorum, quorum)
         raise unavailable(name, what, out, quorum)
     return _group(out)[0]
 
