@@ -3,14 +3,12 @@ line, bounded, URL passwords masked."""
 
 from __future__ import annotations
 
-import re
+from .urls import mask_secrets
 
 __all__ = ["REASON_MAX", "clean_text"]
 
 #: The longest ``reason`` (and ``by``) kept, in characters.
 REASON_MAX = 200
-
-_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/@]*@")
 
 
 def clean_text(text: str | None, limit: int = REASON_MAX) -> str:
@@ -18,7 +16,7 @@ def clean_text(text: str | None, limit: int = REASON_MAX) -> str:
     if not text:
         return ""
     line = " ".join(str(text).split())
-    line = _CREDENTIALS.sub(lambda m: m.group("scheme") + "***@", line)
+    line = mask_secrets(line)
     if len(line) > limit:
         line = line[:limit - 3].rstrip() + "..."
     return line

@@ -29,6 +29,7 @@ import redis
 from celery import Celery
 from kombu.exceptions import KombuError
 
+from ..core.urls import ENCODE_HINT, ambiguity
 from ..task.connection import mask_url
 from ..task.locked_task import LockedTask
 from .embedded import EmbeddedRedis
@@ -344,6 +345,9 @@ def _out_of_bounds(args: argparse.Namespace) -> str | None:
 
 def _unreachable(redis_url: str, timeout: float = 3.0) -> str | None:
     """Why ``redis_url`` cannot be used (one line, password masked), or None."""
+    why = ambiguity(redis_url)
+    if why is not None:
+        return f"--redis-url cannot be read one way only ({why}): {ENCODE_HINT}"
     try:
         client = redis.Redis.from_url(redis_url, socket_connect_timeout=timeout,
                                       socket_timeout=timeout)

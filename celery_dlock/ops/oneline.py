@@ -8,22 +8,14 @@ stray argument, a value given to the wrong option) has its password replaced by 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from typing import Any, NoReturn
 
 import click
 
-from ..task.connection import mask_url
+from ..core.urls import mask_secrets
 
 __all__ = ["OneLineGroup", "OneLineParser", "OneLineUsageError", "mask_secrets"]
-
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"()<>,]+")
-
-
-def mask_secrets(text: str) -> str:
-    """``text`` with the password of every URL in it replaced by ``**``."""
-    return _URL.sub(lambda match: mask_url(match.group(0)), text)
 
 
 class OneLineParser(argparse.ArgumentParser):

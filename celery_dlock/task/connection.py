@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
 import weakref
 from typing import Any
@@ -37,6 +36,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from ..backends.redis import topology
+from ..core import urls
 from ..core.errors import BackendUnavailable, InvalidLockConfig
 from .settings import conf_value
 
@@ -46,38 +46,27 @@ __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "redlock_u
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Celery's and kombu's spellings of a Redis unix socket.
 _SOCKET_SCHEMES = ("redis+socket://", "socket://")
-_AUTHORITY = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/?#]*)@")
-_SECRET_PARAMS = re.compile(r"pass|secret|token|auth", re.IGNORECASE)
-
-
-def _mask_one(url: str) -> str:
-    match = _AUTHORITY.match(url)
-    if match is not None:
-        user, colon, _ = match["userinfo"].partition(":")
-        shown = f"{user}:**" if colon else "**"
-        url = f"{match['scheme']}{shown}@{url[match.end():]}"
-    base, question, query = url.partition("?")
-    if question:
-        fragment = ""
-        if "#" in query:
-            query, fragment = query.split("#", 1)
-            fragment = "#" + fragment
-        pairs = [(k, "**" if _SECRET_PARAMS.search(k) else v)
-                 for k, v in parse_qsl(query, keep_blank_values=True)]
-        url = f"{base}?{urlencode(pairs, safe='*/')}{fragment}"
-    return url
-
-
 def mask_url(value: Any) -> str:
     """``value`` fit for a message: a URL (or ``;``-separated URLs) with every password
-    and secret query parameter replaced by ``**``; not a string: its type only."""
+    and secret query parameter replaced by ``**`` (see
+    :func:`celery_dlock.core.urls.mask_url`); not a string: its type only."""
     if value is None:
         return "None"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(repr(mask_url(v)) for v in value) + "]"
     if not isinstance(value, str):
         return f"<a {type(value).__name__}>"
-    return ";".join(_mask_one(part) for part in value.split(";"))
+    return urls.mask_url(value)
+
+
+def check_unambiguous(url: str, where: str) -> str:
+    """``url``, when it reads one way only; else :class:`InvalidLockConfig` naming
+    ``where`` and how to encode, quoting no part of the URL."""
+    why = urls.ambiguity(url)
+    if why is not None:
+        raise InvalidLockConfig(f"{where} cannot be read one way only ({why}): "
+                                f"{urls.ENCODE_HINT}")
+    return url
 
 
 def _celery_query(url: str) -> str:
@@ -100,14 +89,15 @@ def redis_url_of(url: Any) -> str | None:
     :mod:`celery_dlock.backends.redis.topology`), and Celery's unix socket spellings
     ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db);
     ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's spelling) becomes redis-py's
-    ``required``.  A list, or several URLs separated by ``;`` (broker failover,
-    Sentinel), is not one server: None.
+    ``required``.  A list, or several URLs separated by ``;`` (broker failover),
+    is not one server: None.  A ``;`` separates URLs where another ``scheme://``
+    follows it, or after the host; in a password it is part of the password.
     """
     if not isinstance(url, str):
         return None
     if topology.is_cluster_url(url) or topology.is_sentinel_url(url):
         return url  # several nodes by design (see celery_dlock.backends.redis.topology)
-    if ";" in url:
+    if len(urls.split_urls(url)) > 1 or ";" in url.rpartition("@")[2]:
         return None
     if url.startswith(_REDIS_SCHEMES):
         return _celery_query(url)
@@ -132,7 +122,7 @@ def redlock_urls(value: Any) -> tuple[str, ...] | None:
     Redlock.  :class:`InvalidLockConfig` naming ``dlock_url`` (masked) for a part that
     is not one server, or fewer than 3 of them."""
     if isinstance(value, str):
-        parts = [p.strip() for p in value.split(";") if p.strip()]
+        parts = urls.split_urls(value)
         redlock = [p.lower().startswith(REDLOCK_SCHEME) for p in parts]
         if not any(redlock):
             return None
@@ -145,7 +135,7 @@ def redlock_urls(value: Any) -> tuple[str, ...] | None:
         parts = list(value)
     else:
         return None
-    urls: list[str] = []
+    found_urls: list[str] = []
     for part in parts:
         found = redis_url_of(part) if isinstance(part, str) else None
         if found is None or topology.is_cluster_url(found) or \
@@ -153,13 +143,14 @@ def redlock_urls(value: Any) -> tuple[str, ...] | None:
             raise InvalidLockConfig(
                 f"app.conf.dlock_url: every Redlock server must be one redis://, "
                 f"rediss:// or unix:// URL, got {mask_url(part)!r}")
-        urls.append(found)
-    if len(urls) < REDLOCK_MIN_NODES:
+        found_urls.append(check_unambiguous(
+            found, f"app.conf.dlock_url (Redlock server {len(found_urls) + 1})"))
+    if len(found_urls) < REDLOCK_MIN_NODES:
         raise InvalidLockConfig(
-            f"app.conf.dlock_url names {len(urls)} Redis server(s): a Redlock needs "
-            f"{REDLOCK_MIN_NODES} or more independent servers (one server: a plain "
-            f"URL)")
-    return tuple(urls)
+            f"app.conf.dlock_url names {len(found_urls)} Redis server(s): a Redlock "
+            f"needs {REDLOCK_MIN_NODES} or more independent servers (one server: a "
+            f"plain URL)")
+    return tuple(found_urls)
 
 
 def _conf_value(conf: Any, name: str) -> Any:
@@ -203,20 +194,28 @@ def resolve_url(conf: Any) -> str:
             raise InvalidLockConfig(
                 f"app.conf.dlock_url must be a redis://, rediss://, unix://, "
                 f"redis+cluster:// or sentinel:// URL, got {mask_url(url)!r}")
-        return found
+        return _each_unambiguous(found, "app.conf.dlock_url")
     broker = _conf_value(conf, "broker_url")
     found = redis_url_of(broker)
     if found is not None:
-        return found
+        return _each_unambiguous(found, "the broker URL (broker_url)")
     backend = _conf_value(conf, "result_backend")
     found = redis_url_of(backend)
     if found is not None:
-        return found
+        return _each_unambiguous(found, "the result backend URL (result_backend)")
     raise InvalidLockConfig(
         "celery-dlock needs a Redis: set app.conf.dlock_url (for example "
         "'redis://localhost:6379/0'), or dlock_client to a function returning a client; "
         f"neither the broker URL {mask_url(broker)!r} nor the result backend "
         f"{mask_url(backend)!r} is one Redis URL it can use")
+
+
+def _each_unambiguous(url: str, where: str) -> str:
+    """``url`` when each of its URLs (a Sentinel list has several) reads one way only
+    (:func:`check_unambiguous`)."""
+    for part in urls.split_urls(url):
+        check_unambiguous(part, where)
+    return url
 
 
 def _default_client_options() -> dict[str, Any]:

@@ -20,6 +20,7 @@ import pytest
 from celery_helpers import QUICK_POLLING, close_app, test_app, test_conf
 from config_app import ENV_CONF, ENV_OPTIONS
 from dlock_helpers import wait_until
+from url_passwords import PASSWORDS, RAW_WORKS, assert_hidden
 
 from celery_dlock.backends.redis.keyspace import LockKeys
 
@@ -69,6 +70,25 @@ def test_bad_dlock_url_stops_the_worker_with_the_password_masked(redis_url):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("celery-dlock: app.conf.dlock_url must be"), output
     assert "'http://:**@nope'" in last
+
+
+@pytest.mark.parametrize("password", [p for p in PASSWORDS if p.values[0] != RAW_WORKS])
+@pytest.mark.parametrize("spelling", ["one", "sentinel", "redlock"])
+def test_an_unencoded_password_that_makes_the_url_ambiguous_stops_the_worker(
+        redis_url, password, spelling):
+    one = f"redis://:{password}@127.0.0.1:6379/0"
+    url = {"one": one,
+           "sentinel": f"sentinel://:{password}@127.0.0.1:26379;sentinel://127.0.0.1:1",
+           "redlock": ";".join(f"redlock://:{password}@127.0.0.1:{p}/0"
+                               for p in (1, 2, 3))}[spelling]
+    conf = {**_base_conf(redis_url), "dlock_url": url,
+            "dlock_transport_options": {"master_name": "m"}}
+    proc = _refused(conf)
+    output = proc.stdout + proc.stderr
+    assert_hidden(output, password)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("celery-dlock: app.conf.dlock_url"), output
+    assert "one way only" in last and "%23" in last, last
 
 
 def test_misspelt_setting_stops_the_worker(redis_url):

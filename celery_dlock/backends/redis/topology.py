@@ -14,6 +14,11 @@ The spellings ``app.conf.dlock_url`` (and the broker URL) may take:
     are the master's, as in kombu.  The client asks the sentinels for the master on
     every new connection, so it follows a failover.
 
+A ``;`` separates URLs only where another ``scheme://`` follows it (a ``;`` in a
+password does not); a password with ``; # ? / @ : %`` is written percent-encoded, and a
+URL that an unencoded one made ambiguous is refused
+(:mod:`celery_dlock.core.urls`).
+
 The transport options come from the Celery face (``dlock_transport_options`` when
 ``dlock_url`` is set, else the broker's): this module reads no settings.
 """
@@ -28,6 +33,7 @@ import redis
 import redis.cluster
 import redis.sentinel
 
+from ...core import urls
 from ...core.errors import InvalidLockConfig
 
 __all__ = [
@@ -68,7 +74,14 @@ def transport_options(url: str, options: Any, setting: str) -> Mapping[str, Any]
 
 def client_from_url(url: str, options: Mapping[str, Any],
                     transport: Mapping[str, Any] | None = None) -> Any:
-    """A client for ``url`` with ``options`` (redis-py keyword arguments)."""
+    """A client for ``url`` with ``options`` (redis-py keyword arguments).
+    :class:`InvalidLockConfig` for a URL that reads more than one way (quoting none of
+    it)."""
+    for part in urls.split_urls(url):
+        why = urls.ambiguity(part)
+        if why is not None:
+            raise InvalidLockConfig(f"the Redis URL cannot be read one way only "
+                                    f"({why}): {urls.ENCODE_HINT}")
     scheme = _scheme(url)
     if scheme in _CLUSTER:
         plain = _CLUSTER[scheme] + url[len(scheme):]
@@ -85,13 +98,12 @@ def _sentinel_master(url: str, options: Mapping[str, Any],
     where = "the sentinel:// URL"
     sentinels: list[tuple[str, int]] = []
     master: dict[str, Any] = {}
-    for i, part in enumerate(p.strip() for p in url.split(";")):
-        if not part:
-            continue
-        if _scheme(part) != _SENTINEL:
+    for i, part in enumerate(urls.split_urls(url)):
+        if _scheme(part) != _SENTINEL or ";" in part.rpartition("@")[2]:
+            got = (f"scheme {_scheme(part) or 'none'!r}" if _scheme(part) != _SENTINEL
+                   else "a ';' after a host that no sentinel:// follows")
             raise InvalidLockConfig(f"{where}: every ';'-separated part must be a "
-                                    f"sentinel:// URL, got one with scheme "
-                                    f"{_scheme(part) or 'none'!r}")
+                                    f"sentinel:// URL, got {got}")
         parts = urlsplit(part)
         try:
             port = parts.port or _SENTINEL_PORT
