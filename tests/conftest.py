@@ -20,6 +20,11 @@ from lock_kinds import KINDS, make_kind, redlock_servers  # noqa: F401 (a fixtur
 
 from celery_dlock.ops.embedded import EmbeddedRedis, find_redis_server
 
+# The fixtures celery-dlock ships for users' tests (dlock_hold, dlock_events, ...),
+# loaded as a user's conftest loads them; tests/integration/test_testing_plugin.py
+# tests them.
+pytest_plugins = ["celery_dlock.testing"]
+
 # pytest-celery's Docker-based fixtures need a Docker engine; these are their entry
 # points.  A test that asks for one is skipped when no engine answers.
 _DOCKER_FIXTURES = {"celery_setup", "celery_backend", "celery_broker",

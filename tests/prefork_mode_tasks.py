@@ -28,3 +28,10 @@ def register(app: Celery, dp: str, record: Callable[..., None]) -> None:
         record(f"{dp}:mode:{key}", tag=tag, start=start, end=time.time(),
                task_id=self.request.id, pid=os.getpid())
         return tag
+
+    @app.task(shared=False, name="pf.lock_state", base=LockedTask, bind=True,
+              lock_key="state:{key}", on_contention="raise",
+              lock_mode="until_finished", on_duplicate="raise")
+    def lock_state(self: Any, key: str) -> dict[str, Any]:
+        """What the body sees of its lock (dlock_enabled=False: none)."""
+        return {"key": key, "lock_is_none": self.lock is None, "pid": os.getpid()}

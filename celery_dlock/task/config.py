@@ -170,7 +170,9 @@ def _conf_keys(conf: Any) -> list[str]:
 
 def check_conf(conf: Any) -> None:
     """Check every ``app.conf.dlock_*`` setting: known names, good values, and that a
-    Redis can be found (masked URLs in every message)."""
+    Redis can be found (masked URLs in every message).  With ``dlock_enabled=False``
+    no Redis is needed: a ``dlock_url`` or ``dlock_client`` given is still checked,
+    none is required."""
     for key in _conf_keys(conf):
         if key.startswith("dlock_") and key not in CONF_KEYS:
             raise InvalidLockConfig(f"app.conf.{key} is not a celery-dlock setting"
@@ -188,6 +190,9 @@ def check_conf(conf: Any) -> None:
     if conf_value(conf, "dlock_enabled") is not None:
         check_bool("app.conf.dlock_enabled", conf_value(conf, "dlock_enabled"))
     factory = conf_value(conf, "dlock_client")
+    if conf_value(conf, "dlock_enabled") is False and factory is None and \
+            conf_value(conf, "dlock_url") is None:
+        return  # every lock is a no-op: no Redis needed (a memory:// broker will do)
     if factory is not None:
         if not callable(factory):
             raise InvalidLockConfig("app.conf.dlock_client must be a callable returning "

@@ -14,6 +14,7 @@ from celery.worker.request import Request
 
 from ..core.errors import DLockError, InvalidLockConfig, UnkeyableArgument
 from .hooks import free_lock_after_exit, unwatch_child, watch_child
+from .settings import enabled
 
 __all__ = ["LockedRequest"]
 
@@ -33,7 +34,7 @@ class LockedRequest(Request):  # type: ignore[misc]
 
     def on_accepted(self, pid: int, time_accepted: float) -> Any:
         result = super().on_accepted(pid, time_accepted)
-        if pid:
+        if pid and enabled(self.task.app):  # dlock_enabled=False: no lock to free
             try:
                 watch_child(self, int(pid))
             except Exception as exc:  # never break the worker's main loop
@@ -58,7 +59,7 @@ class LockedRequest(Request):  # type: ignore[misc]
 
     def _free_dead_child_lock(self) -> None:
         pid = self.worker_pid
-        if not pid:
+        if not pid or not enabled(self.task.app):
             return
         try:
             free_lock_after_exit(self.task, self.id, int(pid), self.hostname,
