@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .inspect import LockInfo
 
-__all__ = ["cell_text", "duration_text", "fit_widths", "holder_text", "printable",
-           "row_cells", "table_lines"]
+__all__ = ["QUEUED_FIELDS", "cell_text", "duration_text", "fit_widths", "holder_text",
+           "printable", "queued_text", "row_cells", "table_lines", "value_cells"]
+
+#: What ``celery dlock ls`` adds to a lock name with a queue marker (an enqueue-time
+#: ``lock_mode``): the queued call's task id and the marker's seconds left.
+QUEUED_FIELDS = ("queued_task_id", "queued_ttl")
+_DURATIONS = {"ttl", "held_for", "queued_ttl"}
 
 
 def duration_text(value: float | None) -> str:
@@ -37,7 +42,7 @@ def cell_text(value: Any) -> str:
     return "-" if value is None or value == "" else str(value)
 
 
-_NUMERIC = {"pid", "count", "fence", "ttl", "held_for", "waiting"}
+_NUMERIC = {"pid", "count", "fence", "ttl", "held_for", "waiting", "queued_ttl"}
 #: The one number that may be cut when nothing else can give: a fence keeps its last
 #: digits (which tell holds apart), at least this many, behind a "~".
 _FENCE_DIGITS_KEPT = 7
@@ -90,13 +95,18 @@ def fit_widths(columns: Sequence[str], rows: Sequence[Sequence[str]],
 
 def row_cells(info: LockInfo, columns: Sequence[str], extra: dict[str, Any] | None = None
          ) -> list[str]:
-    values = {**info.as_dict(), **(extra or {})}
-    out = []
-    for name in columns:
-        value = values.get(name)
-        out.append(duration_text(value) if name in ("ttl", "held_for")
-                   else cell_text(value))
-    return out
+    return value_cells({**info.as_dict(), **(extra or {})}, columns)
+
+
+def value_cells(values: Mapping[str, Any], columns: Sequence[str]) -> list[str]:
+    """One table row from field values: durations as durations, None as ``-``."""
+    return [duration_text(values.get(name)) if name in _DURATIONS
+            else cell_text(values.get(name)) for name in columns]
+
+
+def queued_text(task_id: str, left: float | None) -> str:
+    """A queue marker in a line: its task id and time left."""
+    return f"{task_id} ({'no expiry' if left is None else f'ttl {left:.3f}s'})"
 
 
 def holder_text(info: LockInfo) -> str:

@@ -55,9 +55,12 @@ def backend_for(app: Any) -> Backend:
         return cached[1]
 
 
-def markers_for(app: Any) -> MarkerStore:
-    """The queue markers of ``app``'s backend (enqueue-time uniqueness modes)."""
-    backend = backend_for(app)
+def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:
+    """The queue markers of ``app``'s backend (enqueue-time uniqueness modes), or of
+    ``backend`` when given (the Redis ``celery dlock --url`` reads).  Raises
+    :class:`NotSupported` when that backend keeps none (a Redlock)."""
+    if backend is None:
+        backend = backend_for(app)
     markers = getattr(backend, "markers", None)
     if markers is None:
         raise NotSupported(

@@ -37,6 +37,7 @@ from celery.exceptions import Ignore, Retry
 
 from ..core.errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
 from ..core.protocol import Lock
+from .handover import free_marker
 from .settings import defaults
 
 __all__ = [
@@ -190,6 +191,9 @@ class Contention:
                     request.id, self.key, reason, who)
         if not self.can_requeue:
             return result
+        # Its name is free before its result shows: a caller that sees the result
+        # and sends again is not a duplicate of this ended call.
+        free_marker(task, request)
         if not request.ignore_result and not task.ignore_result:
             task.backend.mark_as_done(request.id, result, request=request)
         _end_chain(task, request, result)

@@ -17,6 +17,10 @@ __all__ = ["free_marker", "free_marker_of", "hand_over"]
 
 logger = logging.getLogger("celery_dlock.task")
 
+#: Set on a request whose marker :func:`free_marker` freed (skip frees it before it
+#: stores its result; the attempt's end then need not ask again).
+_FREED = "_dlock_marker_freed"
+
 
 def _own_record(request: Any) -> MarkerRecord | None:
     record = record_of(request)
@@ -60,9 +64,13 @@ def hand_over(task: Any, request: Any, lock: Lock) -> None:
 
 def free_marker(task: Any, request: Any, requeue: bool = True) -> None:
     """The call ends without running (skip, raise, its bound of contention retries):
-    free its queue marker (a throttle's window stays)."""
-    if requeue:
+    free its queue marker (a throttle's window stays), once."""
+    if requeue and not getattr(request, _FREED, False):
         free_marker_of(task.app, request, getattr(task, "name", "?"))
+        try:
+            setattr(request, _FREED, True)
+        except AttributeError:  # a request that takes no attributes: freed again
+            pass
 
 
 def free_marker_of(app: Any, source: Any, what: str) -> bool:

@@ -66,6 +66,8 @@ class MarkerStore(Protocol):
 
     def queued(self, prefix: str) -> Iterator[tuple[str, str, float | None]]: ...
 
+    def read(self, prefix: str, name: str) -> tuple[str, float | None] | None: ...
+
 
 class MarkerRecord:
     """The marker a message carries: ``name`` under ``prefix``, for ``task_id``."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import json
 import os
 import time
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.bin.base import CLIContext
 from celery_helpers import close_app
@@ -110,6 +112,41 @@ def test_the_cli_refuses_a_redlock_app_with_one_line(redis_url, trio):
     assert "Redlock" in out.stderr and "--url" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     close_app(app)
+
+
+def test_the_cli_on_one_server_of_a_redlock_app_shows_no_markers(redis_url, trio):
+    """With --url (one of its servers) the CLI works on a Redlock app, with no queue
+    marker information: a Redlock keeps none (its sends refuse a lock_mode), so a key
+    where a marker would be is not read as one."""
+    app = Celery("rl", broker=redis_url, set_as_current=False)
+    app.conf.dlock_url = trio.urls()
+    url = trio.urls()[0]
+    r = redis.Redis.from_url(url)
+    r.set("dlock:{stock:9}:m", "not-a-queued-call", ex=60)
+    clients = [redis.Redis.from_url(u) for u in trio.urls()]
+    lock = RedlockLock(clients, "stock:9", ttl=30, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    try:
+        out = CliRunner().invoke(dlock, ["--url", url, "ls"], obj=obj)
+        assert out.exit_code == 0, out.output
+        assert "QUEUED" not in out.stdout and "stock:9" in out.stdout
+        out = CliRunner().invoke(dlock, ["--url", url, "ls", "--json"], obj=obj)
+        (row,) = [row for row in json.loads(out.stdout) if row["key"] == "stock:9"]
+        assert row["queued_task_id"] is None
+        out = CliRunner().invoke(dlock, ["--url", url, "show", "stock:9"], obj=obj)
+        assert out.exit_code == 0, out.output
+        assert "queued" not in out.stdout and "not-a-queued-call" not in out.stdout
+        out = CliRunner().invoke(dlock, ["--url", url, "top", "--iterations", "1"],
+                                 obj=obj)
+        assert out.exit_code == 0, out.output
+        assert "queued" not in out.stdout.lower() and "1 held" in out.stdout
+    finally:
+        lock.release()
+        r.delete("dlock:{stock:9}:m")
+        for client in [r, *clients]:
+            client.close()
+        close_app(app)
 
 
 def test_the_docs_snippet_runs(trio):

@@ -26,6 +26,7 @@ SCRIPTS = {
     "bench_renewal.py": "| variant | holds | round trips/pass | EVALSHA/pass |",
     "bench_waiters.py": "| variant | waiters | hand-offs | acquisitions |",
     "bench_e2e.py": "| variant | tasks/s | x plain | CPU ms/task | +CPU ms/task |",
+    "bench_send.py": "| variant | sends/s | us/send | x plain |",
 }
 
 

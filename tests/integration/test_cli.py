@@ -31,6 +31,9 @@ from celery_dlock.ops.cli import dlock
 from celery_dlock.ops.inspect import SUMMARY_FIELDS, get_lock
 
 RESULT_TIMEOUT = 30
+#: What ls --json and show --json add for a queued call (tests/integration/
+#: test_cli_markers.py); None here, where nothing is sent with a lock_mode.
+QUEUED = ("queued_task_id", "queued_ttl")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,8 @@ def test_ls_json_describes_the_running_task(env):
         assert out.exit_code == 0, out.output
         rows = json.loads(out.stdout)
         assert isinstance(rows, list)
-        assert all(list(row) == list(SUMMARY_FIELDS) for row in rows)
+        assert all(list(row) == [*SUMMARY_FIELDS, *QUEUED] for row in rows)
+        assert all(row["queued_task_id"] is None for row in rows)  # nothing queued
         row = next(row for row in rows if row["key"] == f"cli:{x}")
         assert row["task_id"] == result.id
         assert row["task_name"] == "cli_app.hold"
@@ -144,7 +148,7 @@ def test_show_prints_every_field(env):
         for name in ("task_name", "owner", "count", "fence", "ttl", "held_for"):
             assert fields[name] not in ("", "-"), name
         as_json = json.loads(run_cli("show", f"cli:{x}", "--json").stdout)
-        assert set(as_json) == {*SUMMARY_FIELDS, "host", "extra"}
+        assert set(as_json) == {*SUMMARY_FIELDS, "host", "extra", *QUEUED}
         assert as_json["task_id"] == result.id
     finally:
         finish(env, x, result)
@@ -239,7 +243,7 @@ def test_top_once_shows_the_lock_and_recent_contention(env):
 
 
 def test_top_refreshes_then_stops_on_ctrl_c(env, monkeypatch):
-    from celery_dlock.ops import cli
+    from celery_dlock.ops import top
 
     sleeps: list[float] = []
 
@@ -248,7 +252,7 @@ def test_top_refreshes_then_stops_on_ctrl_c(env, monkeypatch):
         if len(sleeps) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.time, "sleep", sleep)
+    monkeypatch.setattr(top.time, "sleep", sleep)
     out = run_cli("top", "--interval", "0.5")
     assert out.exit_code == 0
     assert out.stdout.count("celery dlock top") == 2

@@ -28,6 +28,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ...core.errors import BackendUnavailable, LockKeyConflict
+from .cluster import node_clients
 from .hashtag import name_of_key, scan_pattern
 from .keyspace import MARKER_SUFFIX, LockKeys, decode
 from .scripts import LuaScript
@@ -140,28 +141,76 @@ class RedisMarkers:
         """Remove the marker of ``name`` if it is ``task_id``'s."""
         return bool(self._run(CLEAR, (self.key(prefix, name),), (task_id,), name))
 
-    def queued(self, prefix: str) -> Iterator[tuple[str, str, float | None]]:
-        """Every marker under ``prefix``: ``(lock name, task id, seconds left)``."""
+    def read(self, prefix: str, name: str) -> tuple[str, float | None] | None:
+        """The marker of ``name``: ``(task id, seconds left)``, or None."""
         try:
-            for raw in self.client.scan_iter(match=scan_pattern(prefix) + MARKER_SUFFIX,
-                                             count=500):
-                key = decode(raw)
-                name = name_of_key(prefix, key[:-len(MARKER_SUFFIX)])
-                if name is None:
-                    continue
-                with self.client.pipeline(transaction=False) as pipe:
-                    pipe.get(key)
-                    pipe.pttl(key)
-                    value, pttl = pipe.execute()
-                if value is None:
-                    continue
-                yield name, decode(value), (pttl / 1000.0 if pttl > 0 else None)
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.get(self.key(prefix, name))
+                pipe.pttl(self.key(prefix, name))
+                value, pttl = pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            raise BackendUnavailable(f"Redis unavailable reading the marker of "
+                                     f"{name!r}: {exc}", lock_name=name) from exc
+        if value is None or isinstance(value, Exception):
+            return None  # none, or another application's data at its key
+        try:
+            task_id = decode(value)
+        except UnicodeDecodeError:
+            return None
+        left = pttl if isinstance(pttl, int) else -1
+        return task_id, (left / 1000.0 if left > 0 else None)
+
+    def queued(self, prefix: str, *,
+               page_size: int = 500) -> Iterator[tuple[str, str, float | None]]:
+        """Every marker under ``prefix``: ``(lock name, task id, seconds left)``.
+
+        ``SCAN ... TYPE string`` on each master (a cluster's in turn), a page of keys
+        read with one pipeline (``GET`` and ``PTTL`` per key).  A key that is not
+        UTF-8, or holds a value that is not, was not written here: it is skipped, as
+        is a marker that expires between the scan and the read."""
+        seen: set[str] = set()
+        try:
+            for node in node_clients(self.client):
+                page: list[tuple[str, str]] = []
+                for raw in node.scan_iter(match=scan_pattern(prefix) + MARKER_SUFFIX,
+                                          count=page_size, _type="string"):
+                    try:
+                        key = decode(raw)
+                    except UnicodeDecodeError:
+                        continue
+                    name = name_of_key(prefix, key[:-len(MARKER_SUFFIX)])
+                    if name is None or key in seen:
+                        continue
+                    seen.add(key)
+                    page.append((key, name))
+                    if len(page) >= page_size:
+                        yield from _read_markers(node, page)
+                        page = []
+                if page:
+                    yield from _read_markers(node, page)
         except ResponseError as exc:
-            if "WRONGTYPE" in str(exc):
-                return
             raise BackendUnavailable(f"Redis refused reading markers: {exc}") from exc
         except RedisError as exc:
             raise BackendUnavailable(f"Redis unavailable reading markers: {exc}") from exc
+
+
+def _read_markers(node: Any, page: list[tuple[str, str]]
+                  ) -> Iterator[tuple[str, str, float | None]]:
+    with node.pipeline(transaction=False) as pipe:
+        for key, _ in page:
+            pipe.get(key)
+            pipe.pttl(key)
+        replies = pipe.execute(raise_on_error=False)
+    for i, (_, name) in enumerate(page):
+        value, pttl = replies[2 * i], replies[2 * i + 1]
+        if value is None or isinstance(value, Exception):
+            continue  # gone since the scan, or another type by now
+        try:
+            task_id = decode(value)
+        except UnicodeDecodeError:
+            continue
+        left = pttl if isinstance(pttl, int) else -1
+        yield name, task_id, (left / 1000.0 if left > 0 else None)
 
 
 def _flag(value: bool) -> str:
