@@ -37,6 +37,7 @@ from celery.exceptions import Ignore, Retry
 
 from ..core.errors import BackendUnavailable, DLockError, Holder, LockNotAcquired
 from ..core.protocol import Lock
+from .handover import free_marker_of
 from .settings import defaults
 
 __all__ = [
@@ -190,6 +191,9 @@ class Contention:
                     request.id, self.key, reason, who)
         if not self.can_requeue:
             return result
+        # The queue marker goes before the result is stored: a client that reads the
+        # skip and enqueues again finds the name free.
+        free_marker_of(task.app, request, task.name)
         if not request.ignore_result and not task.ignore_result:
             task.backend.mark_as_done(request.id, result, request=request)
         _end_chain(task, request, result)
