@@ -155,10 +155,10 @@ def test_once_timeout_bounds_how_long_a_queued_call_keeps_the_name(
     assert per_call.id and 29_000 < marker_pttl(h, "pf.slow_task", (0.0,)) <= 30_000
     assert queued(h, "pf.long_running_task") == [old.id, new.id]
 
-    h.start_workers(count=1, concurrency=2)
+    h.start_workers(count=1, concurrency=1)  # one at a time, oldest first
     assert new.get(timeout=30) == ""
-    # The older call finds its name taken by the newer one when it starts: it is
-    # recorded as revoked and does not run (celery-once would run both).
+    # The older call starts while the newer one is queued: it finds its name taken,
+    # is recorded as revoked and does not run (celery-once would run both).
     wait_for(lambda: old.state == "REVOKED", 20, what="the older call to end")
     assert [run["task_id"] for run in runs(h, "pf.long_running_task")] == [new.id]
 
