@@ -145,7 +145,7 @@ class QueueOnce(LockedTask):
         set_translated(cls, QueueOnce, translate_once(once, default_timeout(app)))
         cls._once_graceful = bool(once.get("graceful"))
 
-    def apply_async(self, args: Any = None, kwargs: Any = None,
+    def apply_async(self, args: Any = None, kwargs: Any = None, *more: Any,
                     **options: Any) -> Any:
         """Celery's ``apply_async``, with celery-once's per-call
         ``once={'graceful': ..., 'timeout': ..., 'unlock_before_run': ...}``.
@@ -170,7 +170,7 @@ class QueueOnce(LockedTask):
             if "unlock_before_run" in once:
                 options.setdefault("lock_mode", "until_started"
                                    if once["unlock_before_run"] else "until_finished")
-        result = super().apply_async(args, kwargs, **options)
+        result = super().apply_async(args, kwargs, *more, **options)
         if graceful and isinstance(result, DroppedResult):
             return EagerResult(None, None, states.REJECTED)
         return result
