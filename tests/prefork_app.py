@@ -27,10 +27,12 @@ from celery_dlock import LockedTask
 
 try:  # the worker imports this module as tests.prefork_app, pytest as prefork_app
     from tests.celery_helpers import test_app
+    from tests.prefork_compat_tasks import register as _register_compat_tasks
     from tests.prefork_fault_tasks import register as _register_fault_tasks
     from tests.prefork_mode_tasks import register as _register_mode_tasks
 except ImportError:
     from celery_helpers import test_app
+    from prefork_compat_tasks import register as _register_compat_tasks
     from prefork_fault_tasks import register as _register_fault_tasks
     from prefork_mode_tasks import register as _register_mode_tasks
 
@@ -179,6 +181,7 @@ def make_app(url: str, prefix: str, queue: str) -> Celery:
 
     _register_fault_tasks(app, dp, _record)
     _register_mode_tasks(app, dp, _record)
+    _register_compat_tasks(app, dp, _record)
     return app
 
 

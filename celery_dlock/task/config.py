@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import types
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from celery import Task
@@ -121,17 +121,21 @@ def _defines(cls: type, name: str) -> bool:
     return any(name in klass.__dict__ for klass in cls.__mro__)
 
 
-def check_task_options(cls: type, where: str, base: type) -> None:
+def check_task_options(cls: type, where: str, base: type,
+                       known: Collection[str] = ()) -> None:
     """Refuse an unknown ``lock_*`` / ``dlock_*`` option set on ``cls`` itself.
 
-    ``base`` is the root task class: whatever it defines is known.  In a class made by
+    ``base`` is the root task class: whatever it defines is known, and so are the
+    names in ``known`` (options a subclass of it reads itself, such as the
+    ``lock_expiry`` of :class:`celery_dlock.compat.Singleton`).  In a class made by
     ``@app.task(...)`` every attribute is an option, so a name close to a known option
     (``on_contension``) is refused too; in a hand-written subclass, methods and
     properties are the class's own business.
     """
     decorated = bool(cls.__dict__.get("_decorated"))
     for name, value in cls.__dict__.items():
-        if name in TASK_OPTIONS or name.startswith("_") or _defines(base, name):
+        if name in TASK_OPTIONS or name in known or name.startswith("_") or \
+                _defines(base, name):
             continue
         prefixed = name.startswith(("lock_", "dlock_"))
         near = decorated and not _defines(Task, name) and \

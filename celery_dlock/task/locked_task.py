@@ -139,6 +139,10 @@ class LockedTask(Task):  # type: ignore[misc]
     #: (app: dlock_queue_ttl, default 3600).
     lock_queue_ttl: ClassVar[float | None] = None
 
+    #: Names a subclass reads as options of its own (a peer library's spelling, such
+    #: as ``lock_expiry``), which the unknown-option check lets through.
+    _dlock_own_options: ClassVar[frozenset[str]] = frozenset()
+
     #: The worker-side request: frees a dead child's locks from the main process.
     Request = "celery_dlock.task.request:LockedRequest"
 
@@ -152,7 +156,7 @@ class LockedTask(Task):  # type: ignore[misc]
         class is declared, and again when it is bound: annotations land then."""
         name = cls.__dict__.get("name") or cls.name or \
             f"{cls.__module__}.{cls.__qualname__}"
-        check_task_options(cls, f"task {name!r}", LockedTask)
+        check_task_options(cls, f"task {name!r}", LockedTask, cls._dlock_own_options)
         task_key_function(cls, name)
         check_combination(f"task {name!r}", getattr(cls, "lock_mode", None),
                           getattr(cls, "on_duplicate", None))
