@@ -57,35 +57,6 @@ def install(app: Any) -> None:
     send_task.__doc__ = original.__doc__
     setattr(app, _ORIGINAL, original)
     app.send_task = send_task
-    _wrap_revoke(app)
-
-
-def _wrap_revoke(app: Any) -> None:
-    """``app.control.revoke`` (and so ``AsyncResult.revoke``) also records a queued
-    call as revoked in the result store, as a worker does when it gets the revoke:
-    the next call of its lock name then sees that the queued call will not run and
-    takes its queue marker, even while no worker has read the revoke yet."""
-    control = app.control
-    original = control.revoke
-
-    def revoke(task_id: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = original(task_id, *args, **kwargs)
-        ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
-        for one in ids:
-            _mark_revoked(app, one)
-        return reply
-
-    revoke.__doc__ = original.__doc__
-    control.revoke = revoke
-
-
-def _mark_revoked(app: Any, task_id: str) -> None:
-    try:
-        backend = app.backend
-        if backend.get_state(task_id) == "PENDING":
-            backend.mark_as_revoked(task_id, reason="revoked", store_result=True)
-    except Exception:  # no result store, or it is down: the worker frees the marker
-        return
 
 
 def _send(app: Any, original: Callable[..., Any], name: str, args: Any, kwargs: Any,

@@ -67,7 +67,9 @@ def test_mutual_exclusion_between_owners(trio):
     assert a.owned() and not b.owned() and b.locked()
     a.release()
     assert b.acquire(timeout=2.0)
-    assert wait_until(lambda: trio.holders(b.keys.lock) == ["owner-b"] * 3)
+    # a quorum at once; a's release may reach the third node just after b asked it
+    assert trio.holders(b.keys.lock).count("owner-b") >= 2
+    assert wait_until(lambda: "owner-a" not in trio.holders(b.keys.lock))
     b.release()
     assert not a.locked()
 

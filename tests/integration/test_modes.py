@@ -229,14 +229,29 @@ def test_replace_keeps_the_latest_arguments_and_runs_once(harness: Harness) -> N
 
 
 def test_a_revoked_queued_call_frees_its_marker(harness: Harness) -> None:
+    """A call queued behind a busy worker is revoked: its name frees (at the latest
+    when the worker discards the message; at once where the worker records the revoke
+    in the result store), the next call queues, and only it runs."""
     h = harness
+    h.start_workers(count=1, concurrency=1)
+    busy = send(h, "rv-busy", "busy", 2.0)
+    wait_for(lambda: h.records("mode-start", "rv-busy"), 20, what="the busy call")
     opts = {"lock_mode": "until_finished", "on_duplicate": "raise"}
     a = send(h, "rv", "a", **opts)
+    with pytest.raises(AlreadyQueued):
+        send(h, "rv", "again", **opts)
     a.revoke()
-    b = send(h, "rv", "b", **opts)  # queues: a will not run
-    assert b.id != a.id and marker(h, "rv") == b.id
-    h.start_workers(count=1, concurrency=2)
-    assert b.get(timeout=30) == "b"
+
+    def accepted() -> Any:
+        try:
+            return send(h, "rv", "b", **opts)
+        except AlreadyQueued:
+            time.sleep(0.1)
+            return None
+
+    b = wait_for(accepted, 30, what="the next call to be accepted")
+    assert b.id != a.id
+    assert b.get(timeout=30) == "b" and busy.get(timeout=30) == "busy"
     time.sleep(0.5)
     assert [run["tag"] for run in runs(h, "rv")] == ["b"]
 

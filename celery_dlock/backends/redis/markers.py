@@ -2,8 +2,11 @@
 queued (:mod:`celery_dlock.task.markers` says what they mean to the Celery face).
 
 ``P:{NAME}:m`` is a string holding the task id of the queued call, with an expiry
-(the caller's queue ttl).  It shares the lock's hash tag, so one script reads the
-marker and the lock's hash together, also on a cluster.  Every script here reads a
+(the caller's queue ttl); ``P:{NAME}:mr`` the set of calls replaced by a later one
+(``on_duplicate="replace"``), as long-lived as the marker that replaced them, so that
+a replaced call never runs, also when the call that replaced it has started.  They
+share the lock's hash tag, so one script reads the marker and the lock's hash
+together, also on a cluster.  Every script here reads a
 key before it writes one, so another application's data at the marker's key
 (``WRONGTYPE``) stops it before any write: :class:`LockKeyConflict`.
 
@@ -59,6 +62,12 @@ if current then
     return {2, current, redis.call('PTTL', marker)}
   end
   if ARGV[4] == '1' then
+    -- The replaced call's id is kept (as long as the new marker) so that its start
+    -- finds it replaced also after the new call started and removed the marker.
+    local replaced = marker .. 'r'
+    redis.call('PEXPIRE', replaced, ARGV[2])
+    redis.call('SADD', replaced, current)
+    redis.call('PEXPIRE', replaced, ARGV[2])
     redis.call('SET', marker, id, 'PX', ARGV[2])
     return {4, current, 0}
   end
@@ -71,8 +80,12 @@ return {0, '', 0}
 HAND_OVER = LuaScript("marker_hand_over", """
 -- KEYS[1] marker.  ARGV[1] the starting call's task id, ARGV[2] '1': remove the
 -- marker, ARGV[3] '1': another task id in the marker means this call was replaced.
--- 1: go on; 0: this call was replaced (element 2: by which task id).
+-- 1: go on; 0: this call was replaced (element 2: by which task id, or 'a later
+-- call' when the one that replaced it has started already).
 local current = redis.call('GET', KEYS[1])
+if ARGV[3] == '1' and redis.call('SISMEMBER', KEYS[1] .. 'r', ARGV[1]) == 1 then
+  return {0, current or 'a later call'}
+end
 if current == ARGV[1] then
   if ARGV[2] == '1' then redis.call('DEL', KEYS[1]) end
   return {1, ''}
