@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -75,21 +76,36 @@ class LockKind:
         counter, its line (what an empty restart, or a failover to a replica that
         missed the writes, does to it; the servers may be shared with other tests, so
         nothing else is touched)."""
+        self._settle(lock.keys.lock)
         lose_lock_data(self.clients, lock.keys.lock)
 
     def drop_hold(self, lock: Any) -> None:
         """Every server forgets ``lock``'s hold (its hash) and nothing else: its fence
         counter and line stay, as when the key is deleted by hand or evicted."""
+        self._settle(lock.keys.lock)
         for c in self.clients:
             c.delete(lock.keys.lock)
 
     def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
         """Free ``lock_name`` on every server whoever holds it (an operator's
         ``celery dlock release --force``)."""
+        from celery_dlock.backends.redis.keyspace import LockKeys
         from celery_dlock.ops.inspect import force_release
 
+        self._settle(LockKeys.for_name(prefix, lock_name).lock)
         for c in self.clients:
             force_release(c, prefix, lock_name)
+
+    def _settle(self, key: str, timeout: float = 2.0) -> None:
+        """Let a just-granted hold reach every server first: a Redlock acquire returns
+        at its quorum, and its call to the last node may land a moment later (after a
+        fault the test stages now, which would then look like a new hold)."""
+        if len(self.clients) < 2:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and \
+                not all(c.exists(key) for c in self.clients):
+            time.sleep(0.01)
 
     def __str__(self) -> str:
         return self.name
