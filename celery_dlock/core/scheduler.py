@@ -90,6 +90,14 @@ class _Entry:
     def renewable(self) -> bool:
         return self.target is not None and not self.in_flight and not self.releasing
 
+    def first_look(self) -> float:
+        """When the watchdog must next look at this hold: its deadline, or when its
+        renewal falls due (half an interval early, as :meth:`RenewalScheduler._scan`
+        takes it)."""
+        if self.target is None:
+            return self.deadline
+        return min(self.deadline, self.next_due - self.interval / 2)
+
 
 class _Renewer:
     """The thread that renews the holds of one target, one batch at a time."""
@@ -143,6 +151,8 @@ class RenewalScheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._dirty = False
+        #: When the waiting watchdog looks again by itself (None: it is not waiting).
+        self._wake_at: float | None = None
         self.renewal_calls = 0  # renewal calls made, for tests and benchmarks
 
     def now(self) -> float:
@@ -167,7 +177,7 @@ class RenewalScheduler:
             self._entries[id(lock)] = entry
             if self._start_thread and self._thread is None:
                 self._start()
-            self._poke()
+            self._poke(entry.first_look())
 
     def _entry(self, lock: object, hold_id: int | None) -> _Entry | None:
         entry = self._entries.get(id(lock))
@@ -192,7 +202,7 @@ class RenewalScheduler:
                 entry.deadline = max(entry.deadline,
                                      lease_end(sent_at, ttl_ms, margin))
                 entry.next_due = sent_at + entry.interval
-                self._poke()
+                self._poke(entry.first_look())
 
     def set_releasing(self, lock: object, hold_id: int, releasing: bool) -> None:
         """While the final release runs, renewal results for the hold are ignored."""
@@ -200,7 +210,8 @@ class RenewalScheduler:
             entry = self._entry(lock, hold_id)
             if entry is not None:
                 entry.releasing = releasing
-                self._poke()
+                if not releasing:  # renewable again (a final release failed)
+                    self._poke()
 
     def held_locks(self) -> list[Any]:
         """The live lock objects whose holds are registered."""
@@ -218,10 +229,13 @@ class RenewalScheduler:
 
     # -- one pass -----------------------------------------------------------------
 
-    def _poke(self) -> None:
-        """(under the condition) Make the watchdog look again now."""
+    def _poke(self, at: float | None = None) -> None:
+        """(under the condition) Make the watchdog look again now; with ``at``, only
+        if it would otherwise look later than ``at`` (a hold registered on the hot path
+        then wakes no thread: the watchdog is due to look before the hold needs it)."""
         self._dirty = True
-        self._cond.notify_all()
+        if at is None or self._wake_at is None or at < self._wake_at:
+            self._cond.notify_all()
 
     def _scan(self, now: float) -> tuple[list[tuple[_Entry, str]],
                                          dict[int, list[_Entry]], float]:
@@ -363,8 +377,13 @@ class RenewalScheduler:
                     if not self._dirty and not self._stopping:
                         # At most IDLE_WAIT: a wait counts no suspended time, the
                         # clock does, so a resumed process looks again soon.
-                        timeout = min(IDLE_WAIT, max(0.0, wake - self._clock()))
-                        self._cond.wait(timeout)
+                        now = self._clock()
+                        timeout = min(IDLE_WAIT, max(0.0, wake - now))
+                        self._wake_at = now + timeout
+                        try:
+                            self._cond.wait(timeout)
+                        finally:
+                            self._wake_at = None
             except Exception:  # never let the watchdog die
                 logger.exception("scheduler pass failed")
                 time.sleep(ERROR_RETRY_INTERVAL)
