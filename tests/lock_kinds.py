@@ -118,27 +118,40 @@ class QuorumView:
     def __init__(self, clients: list[redis.Redis]) -> None:
         self.clients = clients
 
-    def _agreed(self, values: list[Any]) -> Any:
+    def _landed(self, timeout: float = 2.0) -> None:
+        """Let the node calls already sent land first: a Redlock operation returns at
+        its quorum, and its calls to the other nodes may still be on their way (two
+        releases in a row can each leave a different node behind for a moment)."""
+        from celery_dlock.backends.redis.redlock.workers import calls_in_flight
+
+        deadline = time.monotonic() + timeout
+        while calls_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _agreed(self, read: Callable[[redis.Redis], Any]) -> Any:
+        self._landed()
+        values = [read(c) for c in self.clients]
         for value in values:
             if values.count(value) > len(values) // 2:
                 return value
         raise AssertionError(f"no majority of the servers agrees: {values!r}")
 
     def exists(self, *keys: str) -> Any:
-        return self._agreed([c.exists(*keys) for c in self.clients])
+        return self._agreed(lambda c: c.exists(*keys))
 
     def hget(self, key: str, field: str) -> Any:
-        return self._agreed([c.hget(key, field) for c in self.clients])
+        return self._agreed(lambda c: c.hget(key, field))
 
     def hgetall(self, key: str) -> Any:
-        return self._agreed([c.hgetall(key) for c in self.clients])
+        return self._agreed(lambda c: c.hgetall(key))
 
     def zrange(self, key: str, start: int, end: int) -> Any:
-        return self._agreed([c.zrange(key, start, end) for c in self.clients])
+        return self._agreed(lambda c: c.zrange(key, start, end))
 
     def pttl(self, key: str) -> int:
         """The median: a value of the majority (theirs differ by the time between
         the reads)."""
+        self._landed()
         values = sorted(int(c.pttl(key)) for c in self.clients)
         return values[len(values) // 2]
 

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from .report import address
 
 __all__ = ["IDLE_EXIT", "NODE_BACKLOG", "NODE_WORKERS", "NodeBusy", "NotSent",
-           "submit_to"]
+           "calls_in_flight", "submit_to", "worker_threads"]
 
 #: The most threads calling one server at once.
 NODE_WORKERS = 8
@@ -112,6 +112,10 @@ class NodeWorkers:
         with self._cond:
             return self._threads
 
+    def calls(self) -> int:
+        with self._cond:
+            return len(self._queue) + self._running
+
 
 _workers: dict[tuple[Any, ...], NodeWorkers] = {}
 _workers_lock = threading.Lock()
@@ -142,6 +146,14 @@ def worker_threads() -> int:
     with _workers_lock:
         found = list(_workers.values())
     return sum(w.threads() for w in found)
+
+
+def calls_in_flight() -> int:
+    """How many calls wait or run now, over every server (for tests: a Redlock
+    operation returns at its quorum, its other calls land a moment later)."""
+    with _workers_lock:
+        found = list(_workers.values())
+    return sum(w.calls() for w in found)
 
 
 def _after_fork_in_child() -> None:
