@@ -64,6 +64,8 @@ expect_pass "force release: told at next contact, fenced" "$BITS" -DFORCE -DLOST
 expect_pass "data loss: told at next contact, fences rise" "$BITS" -DDATA_LOSS -DLOST_REPLIES
 echo "-- mutants (each must produce a counterexample)"
 expect_fail "no operation ids" "$MUTANT_BITS" -DNO_OPID -DLOST_REPLIES
+expect_fail "a re-sent final release is not recognised" "$MUTANT_BITS" \
+  -DNO_RELEASE_MEMORY -DLOST_REPLIES
 expect_fail "no local deadline (no watchdog)" "$MUTANT_BITS" -DNO_DEADLINE
 expect_fail "re-entry or renewal may shorten" "$MUTANT_BITS" -DSHORTEN
 expect_fail "pause beyond the margin" "$MUTANT_BITS" -DPAUSE=2

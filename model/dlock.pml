@@ -24,6 +24,8 @@
  *
  * Switches (pass with spin -D...), each a mutant that must produce a counterexample:
  *   NO_OPID       the scripts ignore operation ids (a re-sent call runs twice)
+ *   NO_RELEASE_MEMORY a re-sent final release is not recognised (the fence counter
+ *                 says nothing of how a hold ended): a release is reported lost
  *   NO_DEADLINE   no watchdog: a hold is lost only when a renewal reply says so
  *   SHORTEN       re-entry and renewal set the expiry even when that brings it closer
  *   NO_FENCE_CHECK the resource accepts every write
@@ -97,7 +99,10 @@ byte max_fence = 0;      /* the highest fence ever handed out (for the property)
 bool renew_drop[3];      /* one renewal per client may go unanswered (RENEW_HANG) */
 bool waiting[3];         /* the renewer is waiting for a renewal's reply */
 byte s_lastop[3];        /* last operation id applied per owner (ops field) */
-byte s_tomb[3];          /* op id of the final release that freed it, per owner (:r:OP) */
+byte s_prev = 0;         /* the counter the current hold's grant found (its hash's prev) */
+/* ghosts, for the properties only */
+bool gone_by_loss[3];    /* the client's hold ended otherwise than by its release */
+bool ended_since[3];     /* another hold ended since the client's final release */
 byte s_waiter = NONE;    /* the first in line */
 byte s_promise_end = 0;  /* a free lock is promised to s_waiter until then */
 
@@ -123,7 +128,9 @@ bool dropped[3];         /* the reply of the client's last request was lost */
 
 inline expire() {
   if
-  :: s_owner != NONE && now >= s_expiry -> s_owner = NONE; s_count = 0
+  :: s_owner != NONE && now >= s_expiry ->
+     gone_by_loss[s_owner] = true; ended_since[3 - s_owner] = true;
+     s_owner = NONE; s_count = 0
   :: else -> skip
   fi
 }
@@ -218,8 +225,10 @@ end_server:
 #ifdef TOLD_FIRST
              assert(!(in_cs[other] && alive[other] && !lost[other]));
 #endif
+             s_prev = fence_ctr;
              next_fence();
              s_owner = c; s_count = 1; s_fence = fence_ctr; s_lastop[c] = op;
+             gone_by_loss[c] = false;
              s_expiry = now + ttl - DRIFT;
              if
              :: s_waiter == c || now >= s_promise_end -> s_waiter = NONE
@@ -241,7 +250,12 @@ end_server:
                 s_count--; s_lastop[c] = op;
                 if
                 :: s_count == 0 ->
-                   s_owner = NONE; s_tomb[c] = op;
+                   /* the counter says: freed by its owner (fence + 1) */
+                   if
+                   :: fence_ctr < s_fence + 1 -> fence_ctr = s_fence + 1
+                   :: else -> skip
+                   fi;
+                   s_owner = NONE; ended_since[c] = false; ended_since[other] = true;
                    if
                    :: s_waiter != NONE -> s_promise_end = now + GRACE  /* ring */
                    :: else -> skip
@@ -253,13 +267,25 @@ end_server:
              fi
 #endif
           :: else ->
-#ifndef NO_OPID
+#if !defined(NO_OPID) && !defined(NO_RELEASE_MEMORY)
+             /* a re-sent final release: the request names the hold's fence (in the
+              * ttl field; 0 for a give-back, which names none), and the counter, or
+              * the next hold's prev, says that hold was freed by its owner */
              if
-             :: s_tomb[c] == op -> reply(c, OK, 0)          /* re-sent final release */
-             :: else -> reply(c, GONE, 0)
+             :: ttl != 0 && ((s_owner == NONE && fence_ctr == ttl + 1)
+                             || (s_owner != NONE && s_prev == ttl + 1)) ->
+                reply(c, OK, 0)
+             :: else ->
+                if
+                :: s_owner == NONE -> reply(c, GONE, 0)
+                :: else -> reply(c, TAKEN, 0)
+                fi
              fi
 #else
-             reply(c, GONE, 0)
+             if
+             :: s_owner == NONE -> reply(c, GONE, 0)
+             :: else -> reply(c, TAKEN, 0)
+             fi
 #endif
           fi
        :: kind == REN ->
@@ -353,10 +379,16 @@ end_watchdog:
 proctype Operator() {
   if
   :: atomic { s_owner != NONE ->
+       gone_by_loss[s_owner] = true; ended_since[3 - s_owner] = true;
 #ifdef DATA_LOSS
-       s_owner = NONE; s_count = 0; fence_ctr = 0; s_waiter = NONE;
-       s_lastop[1] = 0; s_lastop[2] = 0; s_tomb[1] = 0; s_tomb[2] = 0
+       s_owner = NONE; s_count = 0; fence_ctr = 0; s_waiter = NONE; s_prev = 0;
+       s_lastop[1] = 0; s_lastop[2] = 0
 #else
+       /* a force release leaves the counter at fence + 2 (+ a tag of its op id) */
+       if
+       :: fence_ctr < s_fence + 2 -> fence_ctr = s_fence + 2
+       :: else -> skip
+       fi;
        s_owner = NONE; s_count = 0
 #endif
      }
@@ -387,7 +419,7 @@ proctype Client(byte c; bool reenter) {
         if
         :: !late -> break
         :: late ->
-           call(c, REL, op, TTL, st, v, false);          /* too late to vouch for: give back */
+           call(c, REL, op, 0, st, v, false);   /* too late to vouch for: give back */
            if
            :: tries < 3 && now < MAXT -> tries++
            :: else -> goto done
@@ -445,11 +477,16 @@ proctype Client(byte c; bool reenter) {
   /* release every acquire */
   do
   :: mycount[c] > 0 ->
-     call(c, REL, op, TTL, st, v, false);
+     call(c, REL, op, myfence[c], st, v, false);   /* names its hold's fence */
      atomic {
        mycount[c]--;
        if
-       :: (st == GONE || st == TAKEN) && !lost[c] -> lost[c] = true  /* LockLost */
+       :: (st == GONE || st == TAKEN) && !lost[c] ->
+          /* a release is reported lost only when the hold did end otherwise (or,
+           * for a re-sent final release, when a later hold has ended since its
+           * first execution: the documented bound of the counter's memory) */
+          assert(gone_by_loss[c] || ended_since[c]);
+          lost[c] = true  /* LockLost */
        :: else -> skip
        fi;
        if

@@ -69,7 +69,8 @@ DEFAULT_PREFIX = "dlock"
 
 _HOST = socket.gethostname()
 #: Fields of a hold that ``info`` may not set.
-RESERVED_INFO = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid", "ops"})
+RESERVED_INFO = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid", "ops",
+                           "prev"})
 
 _Self = TypeVar("_Self", bound="Hold")
 _hold_ids = itertools.count(1)

@@ -33,7 +33,6 @@ for extra in (TESTS / "faults", TESTS / "fencing", TESTS):
     if str(extra) not in sys.path:
         sys.path.append(str(extra))
 
-from dlock_helpers import release_marker  # noqa: E402
 from proxy import FaultProxy  # noqa: E402
 
 
@@ -359,8 +358,8 @@ class Run:
         return {"forced": forced, "stopped_at": time.time()}
 
     def locks_left(self) -> dict[str, Any]:
-        """Lock keys under the run's prefix (not the fence counter, not the short-lived
-        release markers) once ttl + 5 s have passed: a holder killed at the very end
+        """Lock keys under the run's prefix (not the fence counter) once ttl + 5 s have
+        passed: a holder killed at the very end
         leaves its hold to expire within ttl."""
         r = redis.Redis.from_url(self.direct_url, socket_timeout=5)
         started = time.monotonic()
@@ -368,8 +367,7 @@ class Run:
         def keys() -> list[str]:
             found = [k.decode() for k in r.scan_iter(match=f"{self.prefix}:*",
                                                       count=1000)]
-            return sorted(k for k in found if not k.endswith(":fence")
-                          and not release_marker(k))
+            return sorted(k for k in found if not k.endswith(":fence"))
 
         left = keys()
         while left and time.monotonic() - started < self.cfg.ttl + 5:

@@ -126,14 +126,87 @@ def test_a_release_tried_again_by_the_caller_undoes_one_acquire(own_server, prox
     assert not direct.exists(lock.keys.lock)
 
 
-def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix, name):
+def _keys_of(client: redis.Redis, lock: RedisLock) -> set[str]:
+    """Every key of ``lock``'s name (its hash tag), by name."""
+    return {k.decode() for k in client.scan_iter(match=lock.keys.lock + "*")}
+
+
+@pytest.mark.parametrize("then", ["nobody", "another owner takes it"])
+def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix, name,
+                                                      then):
     client = _client(proxy.url, timeout=0.5, retries=2)
     _load_scripts(client, prefix)
-    lock = RedisLock(client, name, ttl=10, prefix=prefix)
+    lost = _LossRecorder()
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, on_lost=lost)
     lock.acquire()
-    proxy.drop_reply(RELEASE.sha.encode())
+    direct = _direct(own_server)
+    other = RedisLock(direct, name, ttl=10, prefix=prefix, owner="other",
+                      auto_renew=False)
+    matched = proxy.drop_reply(RELEASE.sha.encode())
+    took = threading.Event()
+
+    def take() -> None:  # as soon as the first send freed the lock
+        if matched.wait(10) and _first_acquire_time(other, limit=5) is not None:
+            took.set()
+
+    taker = threading.Thread(target=take, daemon=True)
+    if then != "nobody":
+        taker.start()
     lock.release()  # freed by the first send; the re-send must say "released" too
-    assert not _direct(own_server).exists(lock.keys.lock)
+    if taker.is_alive():
+        taker.join(10)
+    assert matched.is_set()
+    assert not lock.lost and lock.lost_reason is None and not lost.times
+    assert lock.depth == 0
+    if then == "nobody":
+        # Nothing is left behind but the fence counter (the answer of the re-send
+        # came from it: no marker key).
+        assert _keys_of(direct, lock) == {lock.keys.fence}
+    else:
+        assert took.is_set(), "the other owner never took the freed lock"
+        assert direct.hget(lock.keys.lock, "owner") == b"other"
+        other.release()
+        assert _keys_of(direct, lock) == {lock.keys.fence}
+
+
+def test_a_final_release_tried_again_later_still_says_released(own_server, proxy,
+                                                               prefix, name):
+    # No client re-sends: the final release is applied, its reply is lost and the call
+    # raises.  Tried again after another owner took and holds the lock, it must not be
+    # reported as a loss: the other hold says it was granted right after this one.
+    client = _client(proxy.url, timeout=0.5, retries=0)
+    _load_scripts(client, prefix)
+    lost = _LossRecorder()
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, on_lost=lost)
+    lock.acquire()
+    matched = proxy.drop_reply(RELEASE.sha.encode())
+    with pytest.raises(BackendUnavailable):
+        lock.release()
+    assert matched.is_set()
+    proxy.heal()
+    direct = _direct(own_server)
+    other = RedisLock(direct, name, ttl=10, prefix=prefix, owner="other",
+                      auto_renew=False)
+    assert other.acquire(blocking=False)
+    lock.release()  # the same operation again
+    assert not lost.times and not lock.lost and lock.depth == 0
+    assert other.owned()
+    other.release()
+
+
+def test_a_release_whose_hold_expired_is_still_reported_lost(own_server, prefix, name):
+    # The counter tells a release from an expiry: a hold that expired (or was freed
+    # by force) left it at its own fence, so its release is a loss, also after
+    # another owner took and gave back the lock.
+    direct = _direct(own_server)
+    lost = _LossRecorder()
+    lock = RedisLock(direct, name, ttl=10, prefix=prefix, on_lost=lost,
+                     auto_renew=False)
+    lock.acquire()
+    direct.delete(lock.keys.lock)  # as an expiry does
+    with pytest.raises(LockLost):
+        lock.release()
+    assert lost.times and lock.lost
 
 
 # -- 3. a partitioned holder is told first ---------------------------------------------

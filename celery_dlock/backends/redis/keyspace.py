@@ -39,8 +39,6 @@ QUEUE_SUFFIX = ":q"
 LEASES_SUFFIX = ":ql"
 #: A waiter's doorbell (followed by the sha1 of its owner).
 DOORBELL_SUFFIX = ":w:"
-#: A final release's marker (followed by its operation id).
-RELEASE_OP_SUFFIX = ":r:"
 #: The suffix of a force release's marker (:mod:`celery_dlock.backends.redis.released`).
 RELEASED_SUFFIX = ":released"
 #: A queue marker (enqueue-time uniqueness; :mod:`celery_dlock.backends.redis.markers`).
@@ -48,7 +46,7 @@ MARKER_SUFFIX = ":m"
 #: Every suffix, by the name the Lua scripts know it by.
 SUFFIXES = {"FENCE_SUFFIX": FENCE_SUFFIX, "QUEUE_SUFFIX": QUEUE_SUFFIX,
             "LEASES_SUFFIX": LEASES_SUFFIX, "DOORBELL_SUFFIX": DOORBELL_SUFFIX,
-            "RELEASE_OP_SUFFIX": RELEASE_OP_SUFFIX, "RELEASED_SUFFIX": RELEASED_SUFFIX}
+            "RELEASED_SUFFIX": RELEASED_SUFFIX}
 
 
 class LockKeys(NamedTuple):

@@ -180,7 +180,10 @@ class RedisLock(Hold):
             logger.debug("could not give back %r: %s", self.name, exc)
 
     def _send_release(self, owner: str, op: str) -> int:
-        return int(self._run(RELEASE, (owner, op))[0])
+        # The hold's fence lets a re-send of the final release (its reply lost) learn
+        # that it freed the lock: no marker key is left behind for it.
+        fence = "" if self._fence is None else str(self._fence)
+        return int(self._run(RELEASE, (owner, op, fence))[0])
 
     def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
         # EXTEND only ever moves the expiry later: a second execution changes

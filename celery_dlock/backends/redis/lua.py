@@ -14,12 +14,10 @@ from .keyspace import HOLD_FIELDS, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
-__all__ = ["CALL", "COMMON", "HOLD_SHAPE", "OPS_KEPT", "OP_MEMORY_MS", "LuaScript"]
+__all__ = ["CALL", "COMMON", "HOLD_SHAPE", "OPS_KEPT", "LuaScript"]
 
 #: How many operation ids a hold remembers (re-sends come right after the original).
 OPS_KEPT = 8
-#: How long a final release is remembered after the hold is gone (ms).
-OP_MEMORY_MS = 60_000
 
 
 class LuaScript:
@@ -116,7 +114,6 @@ local DOORBELL_TTL = {DOORBELL_TTL_MS}
 local WAKE_GRACE = {WAKE_GRACE_MS}
 local LINE_TTL = {LINE_TTL_MS}
 local OPS_KEPT = {OPS_KEPT}
-local OP_MEMORY = {OP_MEMORY_MS}
 """ + "".join(f"local {name} = '{suffix}'\n" for name, suffix in SUFFIXES.items()) + """
 local function now_ms()
   local t = call('TIME')
@@ -128,7 +125,8 @@ end
 -- at ``t``, a TIME reply), about 1.7e15: exact in a Lua number, and it fits a signed
 -- 64-bit column.  A counter that is not an integer (foreign data) is an error reply:
 -- the caller stops there, before it writes anything.  Only reads: the caller stores
--- the token (the counter never expires: it must outlive every hold).
+-- the token (the counter never expires: it must outlive every hold).  Also returns
+-- the counter as found ('0' when there was none).
 local function next_fence(lock, t)
   local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local counter = call('GET', lock .. FENCE_SUFFIX)
@@ -139,7 +137,40 @@ local function next_fence(lock, t)
     end
     if n + 1 > fence then fence = n + 1 end
   end
-  return fence
+  return fence, counter or '0'
+end
+
+-- How a hold ended, left in the fence counter so that a re-sent call can tell what
+-- its first execution did without a marker key: its owner's final release leaves
+-- the counter at the hold's fence + FREED_BY_OWNER, a force release with operation
+-- id OP at fence + by_force(OP) (2 + the first 8 bits of OP: a force release with
+-- another id rarely passes for it); an expiry leaves it at the fence.  (Never
+-- lowered; the next hold still gets max(counter + 1, the clock), which is the clock
+-- unless the hold ended within 258 microseconds of its grant.)
+local FREED_BY_OWNER = 1
+
+local function by_force(op)
+  local tag = op and tonumber(string.sub(op, 1, 2), 16)
+  if not tag then return 2 end
+  return 2 + tag
+end
+
+local function mark_freed(lock, fence, how)
+  local counter = tonumber(call('GET', lock .. FENCE_SUFFIX) or 0)
+  if counter and counter < fence + how then
+    call('SET', lock .. FENCE_SUFFIX, string.format('%.0f', fence + how))
+  end
+end
+
+-- Whether the hold with fence ``fence`` (a string; '' or nil: unknown) ended ``how``
+-- and at most one more hold happened since: the counter still says so (no hash,
+-- ``holder`` nil), or the hold there now was granted right after it (its ``prev``
+-- field is the counter it found).  A later end moves the counter further.
+local function freed(lock, holder, fence, how)
+  if not fence or fence == '' or not tonumber(fence) then return false end
+  local after = string.format('%.0f', tonumber(fence) + how)
+  if holder then return call('HGET', lock, 'prev') == after end
+  return call('GET', lock .. FENCE_SUFFIX) == after
 end
 
 -- The doorbell of ``owner``: named by a digest, so no owner string reaches other keys.

@@ -10,6 +10,8 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
                       or renewal: no operation ever brings its expiry closer.
 ``P:{NAME}:fence``    integer, the last fencing token handed out; never expires.  A fresh
                       hold gets ``max(counter + 1, server clock in microseconds)``,
+                      and its owner's final release leaves it at that hold's fence
+                      + 1 (how a re-sent release knows it freed the lock),
                       so tokens strictly increase across holders, and also after the
                       server lost its data (an empty restart, a failover to a replica
                       that missed the write): the clock kept going while the counter
@@ -24,8 +26,6 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
 ``P:{NAME}:w:H``      list used as a doorbell, ``H`` = sha1 of the waiter's owner (so no
                       owner string can spell another lock's key): a release pushes one
                       element to the waiter first in line, whose ``BLPOP`` returns.
-``P:{NAME}:r:OP``     a short-lived marker that the final release with operation id
-                      ``OP`` freed the lock, so that a re-sent release says "released".
 ``P:{NAME}:released`` hash: a short-lived marker left by a force release that says
                       who it is (``celery dlock release``): the owner and fence of
                       the hold it freed, who freed it, why, when and the call's
@@ -59,7 +59,7 @@ within Redis 6.2 (no functions, no ``PEXPIRETIME``).
 
 from __future__ import annotations
 
-from .lua import CALL, COMMON, HOLD_SHAPE, OP_MEMORY_MS, OPS_KEPT, LuaScript
+from .lua import CALL, COMMON, HOLD_SHAPE, OPS_KEPT, LuaScript
 
 __all__ = [
     "ACQUIRE",
@@ -67,7 +67,6 @@ __all__ = [
     "FORCE_RELEASE",
     "LEAVE_QUEUE",
     "OPS_KEPT",
-    "OP_MEMORY_MS",
     "READ_HOLD",
     "RELEASE",
     "RELEASED_MAX_MS",
@@ -154,7 +153,7 @@ if not holder then
     -- The key does not exist (not_a_hold saw to it), so PEXPIRE changes nothing
     -- here: it stops a user who may not run it before the hold is written.
     call('PEXPIRE', lock, ttl)
-    local fence = next_fence(lock, t)
+    local fence, prev = next_fence(lock, t)
     if type(fence) == 'table' then return fence end
     if head then
       call('ZREM', queue, owner)
@@ -164,7 +163,7 @@ if not holder then
     call('SET', lock .. FENCE_SUFFIX, string.format('%.0f', fence))
     call('HSET', lock, 'owner', owner, 'count', 1,
          'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
-         'ops', '|' .. op .. '=1', unpack(ARGV, 6))
+         'ops', '|' .. op .. '=1', 'prev', prev, unpack(ARGV, 6))
     call('PEXPIRE', lock, ttl)
     return {1, fence, 1}
   end
@@ -193,41 +192,47 @@ return reply
 )
 
 # KEYS[1] lock hash
-# ARGV[1] owner, ARGV[2] operation id
+# ARGV[1] owner, ARGV[2] operation id, ARGV[3] the fence of the owner's hold ('' when
+# unknown: a give-back)
 # Returns {1} released (the key is gone; the first waiter was woken),
 #         {2, count} still held by this owner (count > 0 acquisitions left),
 #         {0} already expired (nothing to release), {-1} held by another owner
-#         (left alone).  A re-sent call (same operation id) returns its first result.
+#         (left alone).  A re-sent call (same operation id) returns its first result:
+#         a non-final one from the hold's ``ops``; a final one from the fence counter,
+#         which the final release leaves at the hold's fence + 1 (see ``freed``: the
+#         answer holds until a second later hold is granted).
+# The final release leaves no key behind but the fence counter.
 RELEASE = LuaScript(
     "release",
     COMMON
     + """
 local lock, op = KEYS[1], ARGV[2]
-local holder = call('HGET', lock, 'owner')
+-- One read for the hold's fields (false where missing).
+local hold = call('HMGET', lock, 'owner', 'ops', 'count', 'fence')
+local holder = hold[1]
 if holder ~= ARGV[1] then
-  if call('EXISTS', lock .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
   local foreign = not_a_hold(lock, holder)
   if foreign then return foreign end
+  if freed(lock, holder, ARGV[3], FREED_BY_OWNER) then return {1} end
   if not holder then return {0} end
   return {-1}
 end
-local ops = call('HGET', lock, 'ops')
+local ops = hold[2]
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local count = tonumber(call('HGET', lock, 'count')) - 1
+local count = tonumber(hold[3]) - 1
 if count > 0 then
   call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
 end
--- The final release.  Its marker does not exist yet, so DEL changes nothing there: it
--- stops a user who may not run DEL before any write.  The first in line is woken
--- before the hold goes, so that a command refused on the way leaves the hold held.
-local marker = lock .. RELEASE_OP_SUFFIX .. op
-call('DEL', marker)
+-- The final release.  The counter first (never lowered): a command refused there
+-- stops the script before any other write.  The first in line is woken before the
+-- hold goes, so that a command refused on the way leaves the hold held (a bumped
+-- counter and a doorbell rung early change nothing a holder relies on).
+mark_freed(lock, tonumber(hold[4]), FREED_BY_OWNER)
 if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
-call('SET', marker, 1, 'PX', OP_MEMORY)
 call('DEL', lock)
 return {1}
 """,
@@ -294,13 +299,17 @@ return out
 # Returns {1, field, value, ...} freed (the hash as it was), {0} nothing was held,
 #         {-1, field, value, ...} a condition did not match (left alone),
 #         {2, field, value, ...} nothing done: the call with this operation id already
-#         freed a hold (this is a re-send); the fields are the marker's.
+#         freed a hold (this is a re-send); the fields are the marker's (none when
+#         it left no marker).
 # For operators (``celery dlock release``) and for a worker freeing the lock of a child
 # process that died (conditions: that task id in that pid).  A call that frees a hold
-# and says who it is (':by') leaves the marker ``P:{NAME}:released`` (owner, fence,
-# by, reason, at, op of the hold it freed), kept for as long as the hold had left but
-# at least RELEASED_MIN_MS and at most RELEASED_MAX_MS, so that the holder learns why
-# at its next renewal.
+# and gives a reason (':reason') leaves the marker ``P:{NAME}:released`` (owner,
+# fence, by, reason, at, op of the hold it freed), kept for as long as the hold had
+# left but at least RELEASED_MIN_MS and at most RELEASED_MAX_MS, so that the holder
+# learns who and why at its next renewal.  Without a reason it leaves no key but the
+# fence counter, at the freed hold's fence + 2 + a tag of the operation id: a re-send
+# that names that fence learns from it (or from the next hold's ``prev``) that it
+# freed the hold.
 FORCE_RELEASE = LuaScript(
     "force_release",
     COMMON
@@ -326,11 +335,20 @@ if notes.op and notes.op ~= '' and last_op == notes.op then
   return reply
 end
 local fields = call('HGETALL', lock)
-if #fields == 0 then return {0} end
 local hold = {}
 for i = 1, #fields - 1, 2 do hold[fields[i]] = fields[i + 1] end
-local missing = missing_field(function(f) return hold[f] end)
-if missing then return foreign_hash(missing) end
+if #fields > 0 then
+  local missing = missing_field(function(f) return hold[f] end)
+  if missing then return foreign_hash(missing) end
+end
+local named = nil
+for _, i in ipairs(conds) do
+  if ARGV[i] == 'fence' then named = ARGV[i + 1] end
+end
+if notes.op and named and freed(lock, hold.owner, named, by_force(notes.op)) then
+  return {2}
+end
+if #fields == 0 then return {0} end
 local reply = {1}
 for _, i in ipairs(conds) do
   if call('HGET', lock, ARGV[i]) ~= ARGV[i + 1] then
@@ -344,12 +362,13 @@ if reply[1] == 1 then
   -- Every write that could be refused comes before the hold is deleted, and the
   -- marker's expiry is tried before the marker is written (once deleted, PEXPIRE
   -- changes nothing on it).
+  mark_freed(lock, tonumber(hold.fence), by_force(notes.op))
   wake_head(lock, now)
-  if notes.by then
+  if notes.reason and notes.reason ~= '' then
     call('DEL', marker)
     call('PEXPIRE', marker, RELEASED_MIN)
     call('HSET', marker, 'owner', hold.owner, 'fence', hold.fence,
-         'by', notes.by, 'reason', notes.reason or '', 'at', now, 'op', notes.op or '')
+         'by', notes.by or '', 'reason', notes.reason, 'at', now, 'op', notes.op or '')
     call('PEXPIRE', marker, math.min(math.max(pttl, RELEASED_MIN), RELEASED_MAX))
   end
   call('DEL', lock)

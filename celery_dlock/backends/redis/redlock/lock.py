@@ -157,7 +157,7 @@ class RedlockLock(Hold):
         drift = max(ttl * self._drift_rate(), ttl * self.drift_factor + DRIFT_FLOOR)
         return drift + pause_budget(ttl, self.pause_budget)
 
-    def _call_all(self, script: Any, args: Sequence[Any],
+    def _call_all(self, script: Any, args: Sequence[Any] | Callable[[int], Sequence[Any]],
                   decided: Callable[[Outcome], bool] | None = None,
                   after: Mapping[int, list[cf.Future[Any]]] | None = None) -> Outcome:
         """``script`` on every node at once; on a node with calls ``after`` still
@@ -168,7 +168,7 @@ class RedlockLock(Hold):
         def call(i: int, node: Any) -> Any:
             if after and after.get(i):
                 cf.wait(after[i], timeout=self.node_timeout + POOL_SLACK)
-            return script(node, keys, args)
+            return script(node, keys, args(i) if callable(args) else args)
 
         return fan_out(self._nodes, call, self.node_timeout, decided)
 
@@ -276,7 +276,16 @@ class RedlockLock(Hold):
             return ours >= quorum or others > n - quorum
 
         # Back once the answers decide; a node that hangs gets the release later.
-        out = self._call_all(RELEASE, (owner, op), decided, late)
+        # (None of this object's: a release of a hold it does not have, by its owner.)
+        fences = self._node_fences if self._depth > 0 else ()
+
+        def args(i: int) -> tuple[str, str, str]:
+            # Each node's fence of this hold: a re-send of the final release there
+            # learns from that node's counter that it freed the lock.
+            fence = fences[i] if i < len(fences) else None
+            return owner, op, "" if fence is None else str(fence)
+
+        out = self._call_all(RELEASE, args, decided, late)
         report_refusals(self.name, "release", self.clients, failures(out))
         ours, others = tally(out)
         if ours >= quorum:
