@@ -112,8 +112,15 @@ def foreign_keys(client: Any, keys: LockKeys) -> str:
     return f"{what}: {UNTOUCHED}"
 
 
+#: Client classes already found to be synchronous redis-py clients (a lock is made per
+#: task attempt: the checks below run once per class, not per lock).
+_GOOD_CLIENT_TYPES: set[type] = set()
+
+
 def check_client(client: Any, name: str | None) -> None:
     """InvalidLockConfig unless ``client`` is a synchronous redis-py client."""
+    if type(client) in _GOOD_CLIENT_TYPES:
+        return
     if client is None:
         raise InvalidLockConfig("a lock needs a Redis client", lock_name=name)
     if isinstance(client, (str, bytes)):
@@ -129,3 +136,5 @@ def check_client(client: Any, name: str | None) -> None:
         raise InvalidLockConfig(
             f"a lock needs a Redis client (redis.Redis or redis.cluster.RedisCluster), "
             f"got {type(client).__name__}", lock_name=name)
+    if type(client).__module__.startswith("redis."):  # a class of its own may change
+        _GOOD_CLIENT_TYPES.add(type(client))
