@@ -4,8 +4,8 @@ A snippet is the ``python`` block after ``<!-- snippet: NAME -->``.  Its host na
 and ports are replaced by those of the test's servers (each replacement must find its
 text, so a snippet that changes fails here instead of silently testing nothing); it
 runs in a fresh namespace, prints the fence its locked task got, and the lock's fence
-counter on the target server must say that hold was released by its owner (fence + 1).  The server settings
-block must be accepted by a redis-server.
+counter on the target server must say that hold was released by its owner (fence + 1).
+The server settings block must be accepted by a redis-server.
 """
 
 from __future__ import annotations
