@@ -6,7 +6,8 @@ Debian's ``mariadb-server`` package (``mariadbd`` or ``mysqld`` and
 by ``mariadb-install-db`` in a temporary directory, the server on a free loopback port
 (``--bind-address=127.0.0.1``) with its socket in that directory, no durability (the
 data is thrown away) and grant tables on: an init file creates the user ``dlock`` with
-a random password and a database ``dlock`` it owns.  MariaDB runs as root only when
+a random password and a database ``dlock`` it owns (and may grant on, to users it
+creates).  MariaDB runs as root only when
 told, so as root the server is started with ``--user=root``.  :class:`Unavailable`
 says why there is no server, for the skip reason.
 
@@ -122,7 +123,10 @@ class MariaDBServer:
             f"CREATE DATABASE IF NOT EXISTS {DATABASE};\n"
             f"CREATE USER IF NOT EXISTS '{USER}'@'127.0.0.1' "
             f"IDENTIFIED BY '{self.password}';\n"
-            f"GRANT ALL PRIVILEGES ON {DATABASE}.* TO '{USER}'@'127.0.0.1';\n")
+            f"GRANT ALL PRIVILEGES ON {DATABASE}.* TO '{USER}'@'127.0.0.1' "
+            f"WITH GRANT OPTION;\n"
+            # tests make users of their own with only the privileges they name
+            f"GRANT CREATE USER ON *.* TO '{USER}'@'127.0.0.1';\n")
         path.chmod(0o600)
         return path
 

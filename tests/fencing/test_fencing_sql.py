@@ -15,8 +15,10 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from conftest import Db
@@ -363,3 +365,49 @@ def test_mysql_upsert_whose_row_another_unique_key_took_is_not_reported_written(
         cur.close()
     finally:
         conn.close()
+
+
+def test_mysql_least_privilege_grants_are_enough(mariadb_url: str) -> None:
+    """docs/fencing.md's grants: SELECT and UPDATE on the table for ``fenced_update``
+    and ``claim`` (the refusal check is a ``SELECT ... FOR UPDATE``), INSERT too for
+    ``fenced_upsert``; nothing else."""
+    import pymysql
+
+    admin_db = Db("mariadb", mariadb_url)
+    admin = admin_db.connect()
+    user, password = f"app_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    try:
+        table = stock(admin_db, admin)
+        cur = admin.cursor()
+        try:
+            cur.execute("CREATE USER %s@'127.0.0.1' IDENTIFIED BY %s", (user, password))
+            cur.execute(f"GRANT SELECT, UPDATE ON {table} TO %s@'127.0.0.1'", (user,))
+        except pymysql.err.OperationalError as exc:  # a server of someone else's
+            pytest.skip(f"cannot create a user to grant to: {exc}")
+        parts = urlsplit(mariadb_url)
+        app = Db("mariadb", parts._replace(
+            netloc=f"{user}:{password}@{parts.hostname}:{parts.port}").geturl()).connect()
+        try:
+            claim(app, table, {"sku": "A"}, 5)
+            fenced_update(app, table, {"sku": "A"}, 5, {"qty": 9})
+            app.commit()
+            with pytest.raises(StaleFence):
+                fenced_update(app, table, {"sku": "A"}, 4, {"qty": 0})
+            app.rollback()
+            denied = "INSERT command denied"
+            with pytest.raises(pymysql.err.OperationalError, match=denied):
+                fenced_upsert(app, table, {"sku": "B"}, 5, {"qty": 1})
+            app.rollback()
+            cur.execute(f"GRANT INSERT ON {table} TO %s@'127.0.0.1'", (user,))
+            fenced_upsert(app, table, {"sku": "B"}, 5, {"qty": 1})
+            app.commit()
+            with pytest.raises(StaleFence):
+                fenced_upsert(app, table, {"sku": "B"}, 4, {"qty": 0})
+            app.rollback()
+        finally:
+            app.close()
+        assert rows(admin, table) == [("A", 9, "stocked", 5), ("B", 1, None, 5)]
+        cur.execute("DROP USER %s@'127.0.0.1'", (user,))
+        cur.close()
+    finally:
+        admin.close()
