@@ -24,9 +24,10 @@ it: an older holder that resumes after your claim can no longer write, so what y
 stays true until you write.  See ``docs/fencing.md`` for the whole argument, the table
 recipe and the ``SELECT ... FOR UPDATE`` comparison.
 
-Works with any DB-API 2 connection (sqlite3, psycopg 3, psycopg2, ...: the placeholder
-style is read from the driver module's ``paramstyle`` or given as ``paramstyle=``) and
-with a SQLAlchemy ``Connection`` or ``Session`` (imported only when one is passed).  The
+Works on SQLite, PostgreSQL, MySQL and MariaDB, with any DB-API 2 connection (sqlite3,
+psycopg, PyMySQL, ...: the placeholder style is read from the driver module's
+``paramstyle`` or given as ``paramstyle=``) and with a SQLAlchemy ``Connection`` or
+``Session`` (imported only when one is passed; no driver is imported here).  The
 helpers never commit: the write belongs to the caller's transaction.  Table and column
 names must be plain SQL names (letters, digits, ``_``, optionally ``schema.table``);
 values are always bound parameters.  This module imports neither Celery nor Redis.
@@ -107,8 +108,8 @@ class FencedRowMissing(DLockError, LookupError):
 
 
 def fence_column_ddl(table: str, column: str = DEFAULT_COLUMN) -> str:
-    """``ALTER TABLE`` adding the fence column to an existing table (SQLite and
-    PostgreSQL): ``BIGINT NOT NULL DEFAULT 0``, below any token a lock hands out."""
+    """``ALTER TABLE`` adding the fence column to an existing table (SQLite, PostgreSQL,
+    MySQL): ``BIGINT NOT NULL DEFAULT 0``, below any token a lock hands out."""
     return (f"ALTER TABLE {_table(table)} ADD COLUMN {_column(column)} "
             f"BIGINT NOT NULL DEFAULT 0")
 
@@ -165,10 +166,13 @@ def fenced_upsert(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
     """Insert the row under ``key``, or update it if no newer holder wrote it.
 
     ``INSERT ... ON CONFLICT (<key columns>) DO UPDATE SET ... WHERE
-    COALESCE(table.column, 0) <= excluded.column`` (SQLite 3.24+, PostgreSQL 9.5+): the
-    key columns need a primary
-    key or unique constraint.  Raises :class:`StaleFence` when the existing row carries a
-    higher fence.  Does not commit.
+    COALESCE(table.column, 0) <= excluded.column`` (SQLite 3.24+, PostgreSQL 9.5+); on
+    MySQL and MariaDB ``INSERT ... ON DUPLICATE KEY UPDATE`` with every column set to
+    ``IF(COALESCE(column, 0) <= fence, <new>, <old>)``, the fence column last, and the
+    row's fence read back (``FOR UPDATE``) to tell a write from a refusal.  The key
+    columns need a primary key or unique constraint (on MySQL: the table's only one).
+    Raises :class:`StaleFence` when the existing row carries a higher fence.  Does not
+    commit.
     """
     values = dict(values or {})
     fence = _check(table, key, fence, values, column)
@@ -176,6 +180,17 @@ def fenced_upsert(conn: Any, table: str, key: Mapping[str, Any], fence: int | No
     row = {**dict(key), **values, column: fence}
     names = ", ".join(row)
     params = ", ".join(sql.param(v) for v in row.values())
+    if _is_mysql(conn):
+        # Each assignment sees the columns assigned before it: the fence goes last, so
+        # every condition reads the fence the row had before this statement.
+        updates = ", ".join(
+            f"{c} = IF(COALESCE({column}, 0) <= {sql.param(fence)}, {sql.param(v)}, {c})"
+            for c, v in (*values.items(), (column, fence)))
+        _run(conn, f"INSERT INTO {table} ({names}) VALUES ({params}) "
+                   f"ON DUPLICATE KEY UPDATE {updates}", sql.params())
+        _explain_nothing_written(conn, table, key, fence, column, paramstyle,
+                                 lock_name, upserted=True)
+        return 1
     updates = ", ".join(f"{c} = excluded.{c}" for c in (*values, column))
     bare = table.rsplit(".", 1)[-1]
     text = (f"INSERT INTO {table} ({names}) VALUES ({params}) "
@@ -275,19 +290,35 @@ def _where(sql: _Sql, key: Mapping[str, Any]) -> str:
     return " AND ".join(f"{c} = {sql.param(v)}" for c, v in key.items())
 
 
+def _read_fence(conn: Any, table: str, key: Mapping[str, Any], column: str,
+                paramstyle: str | None) -> Sequence[Any] | None:
+    """The row's fence as committed now: on MySQL a locking read, since a plain one
+    reads the transaction's snapshot (REPEATABLE READ), which may predate a newer
+    holder's write."""
+    sql = _Sql(_style_of(conn, paramstyle))
+    lock = " FOR UPDATE" if _is_mysql(conn) else ""
+    return _fetch_one(conn, f"SELECT {column} FROM {table} WHERE {_where(sql, key)}"
+                            f"{lock}", sql.params())
+
+
 def _explain_nothing_written(conn: Any, table: str, key: Mapping[str, Any], fence: int,
                              column: str, paramstyle: str | None,
-                             lock_name: str | None) -> None:
+                             lock_name: str | None, *, upserted: bool = False) -> None:
     """The conditional write matched nothing: say why, or accept a driver's count of
-    changed rows (a row already at these values under this fence)."""
-    sql = _Sql(_style_of(conn, paramstyle))
-    found = _fetch_one(conn, f"SELECT {column} FROM {table} WHERE {_where(sql, key)}",
-                       sql.params())
-    if found is None:
-        raise FencedRowMissing(table=table, key=key, fence=fence, lock_name=lock_name)
-    if int(found[0] or 0) > fence:
-        raise StaleFence(table=table, key=key, fence=fence, found=int(found[0]),
+    changed rows (a row already at these values under this fence).  After a MySQL
+    upsert, whose row count cannot tell a refusal from a write (with
+    ``CLIENT.FOUND_ROWS``, SQLAlchemy's default, both count 1), the row must be at
+    this very fence (the statement holds its lock until the transaction ends)."""
+    found = _read_fence(conn, table, key, column, paramstyle)
+    at = None if found is None else int(found[0] or 0)
+    if at is not None and at > fence:
+        raise StaleFence(table=table, key=key, fence=fence, found=at,
                          lock_name=lock_name)
+    if at is None or (upserted and at != fence):  # another unique key took the row
+        raise FencedRowMissing(
+            f"no row in {table} {_describe(key)} at fence {fence} after the upsert: "
+            f"its key must be the table's primary key (or only unique key)"
+            if upserted else "", table=table, key=key, fence=fence, lock_name=lock_name)
 
 
 # -- connections ----------------------------------------------------------------------
@@ -295,6 +326,20 @@ def _explain_nothing_written(conn: Any, table: str, key: Mapping[str, Any], fenc
 
 def _is_sqlalchemy(conn: Any) -> bool:
     return any(c.__module__.split(".")[0] == "sqlalchemy" for c in type(conn).__mro__)
+
+
+#: DB-API drivers (top-level modules) that speak to MySQL or MariaDB.
+_MYSQL_DRIVERS = frozenset({"pymysql", "MySQLdb", "mysql", "mariadb"})
+
+
+def _is_mysql(conn: Any) -> bool:
+    """MySQL or MariaDB, which have ``ON DUPLICATE KEY UPDATE`` for ``ON CONFLICT``."""
+    if _is_sqlalchemy(conn):
+        dialect = getattr(conn, "dialect", None)  # a Connection; a Session has a bind
+        if dialect is None and callable(getattr(conn, "get_bind", None)):
+            dialect = conn.get_bind().dialect
+        return getattr(dialect, "name", None) in ("mysql", "mariadb")
+    return any(c.__module__.split(".")[0] in _MYSQL_DRIVERS for c in type(conn).__mro__)
 
 
 def _style_of(conn: Any, paramstyle: str | None) -> str:

@@ -1,5 +1,5 @@
 """A writer process for the fenced-write tests: takes a real ``RedisLock`` and
-increments a fenced counter row in SQLite or PostgreSQL, as the test tells it.
+increments a fenced counter row in SQLite, PostgreSQL or MariaDB, as the test tells it.
 
 Commands arrive on stdin, one JSON object a line; each gets one JSON line back:
 
@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -35,6 +37,13 @@ THINK = 0.005  # seconds between reading the counter and writing it
 def connect(kind: str, dsn: str) -> Any:
     if kind == "sqlite":
         return sqlite3.connect(dsn, timeout=60)
+    if kind == "mariadb":
+        import pymysql
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from mariadb_server import connect_args
+
+        return pymysql.connect(**connect_args(dsn), connect_timeout=10)
     import psycopg
 
     return psycopg.connect(dsn, connect_timeout=10)
@@ -68,11 +77,15 @@ def main() -> int:
     parser.add_argument("--name", required=True)
     parser.add_argument("--ttl", type=float, default=1.0)
     parser.add_argument("--no-renew", action="store_true")
-    parser.add_argument("--db", choices=("sqlite", "postgresql"), required=True)
-    parser.add_argument("--dsn", required=True)
+    parser.add_argument("--db", choices=("sqlite", "postgresql", "mariadb"),
+                        required=True)
+    # the database's path or URL; else $DLOCK_FENCING_DSN (a URL with a password)
+    parser.add_argument("--dsn", default=os.environ.get("DLOCK_FENCING_DSN"))
     parser.add_argument("--table", required=True)
     parser.add_argument("--who", required=True)
     args = parser.parse_args()
+    if not args.dsn:
+        parser.error("--dsn or $DLOCK_FENCING_DSN is required")
 
     client = redis.Redis.from_url(args.redis_url, socket_timeout=10)
     lock = RedisLock(client, args.name, ttl=args.ttl, prefix=args.prefix,

@@ -1,12 +1,12 @@
 """Fenced writes under a real ``RedisLock``, from several processes.
 
 Writer processes (``fencing_writer.py``) take one lock name on the suite's
-redis-server and increment a fenced counter row in SQLite or PostgreSQL.  One holder
-is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or simply
-idle with ``auto_renew=False``); the others take the lock in turn meanwhile.  When the
-paused holder resumes and writes with its old fence, the database refuses it and the
-row stays as the newer holders left it; no increment is lost and the log of accepted
-writes never goes back in fence order.
+redis-server and increment a fenced counter row in SQLite, PostgreSQL or MariaDB.  One
+holder is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or
+simply idle with ``auto_renew=False``); the others take the lock in turn meanwhile.
+When the paused holder resumes and writes with its old fence, the database refuses it
+and the row stays as the newer holders left it; no increment is lost and the log of
+accepted writes never goes back in fence order.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ WRITERS = 3
 class Writer:
     """One ``fencing_writer.py`` process, driven line by line."""
 
-    def __init__(self, argv: list[str], stderr: Path) -> None:
+    def __init__(self, argv: list[str], stderr: Path, db: Db) -> None:
         self.stderr_path = stderr
         self._stderr: IO[str] = stderr.open("w")
+        env = {**os.environ, "DLOCK_FENCING_DSN": db.dsn}  # not in argv: a password
         self.proc = subprocess.Popen([sys.executable, str(HERE / "fencing_writer.py"),
-                                      *argv], cwd=REPO, text=True,
+                                      *argv], cwd=REPO, text=True, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr)
 
@@ -82,8 +83,9 @@ def prepare(db: Db) -> tuple[str, str]:
     conn = db.connect()
     table = db.table(conn, "name TEXT PRIMARY KEY, value BIGINT NOT NULL, "
                            "last_fence BIGINT NOT NULL DEFAULT 0")
-    serial = ("INTEGER PRIMARY KEY AUTOINCREMENT" if db.kind == "sqlite"
-              else "BIGSERIAL PRIMARY KEY")
+    serial = {"sqlite": "INTEGER PRIMARY KEY AUTOINCREMENT",
+              "mariadb": "BIGINT AUTO_INCREMENT PRIMARY KEY"}.get(
+                  db.kind, "BIGSERIAL PRIMARY KEY")
     cur = conn.cursor()
     cur.execute(f"CREATE TABLE {table}_log (id {serial}, who TEXT, fence BIGINT, "
                 f"value BIGINT)")
@@ -115,6 +117,7 @@ def snapshot(db: Db, table: str) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]
 # pausing runs on SQLite only, to keep the suite short.
 @pytest.mark.parametrize(("db", "pause"), [("sqlite", "sigstop"),
                                            ("postgresql", "sigstop"),
+                                           ("mariadb", "sigstop"),
                                            ("sqlite", "idle-without-renewal")],
                          indirect=["db"])
 def test_holder_paused_past_its_ttl_is_refused_by_the_database(
@@ -122,15 +125,15 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
         pause: str) -> None:
     table, _ = prepare(db)
     common = ["--redis-url", redis_url, "--prefix", prefix, "--name", name,
-              "--ttl", str(TTL), "--db", db.kind, "--dsn", db.dsn, "--table", table]
+              "--ttl", str(TTL), "--db", db.kind, "--table", table]
     paused_argv = [*common, "--who", "paused"]
     if pause == "idle-without-renewal":
         paused_argv.append("--no-renew")
     writers: list[Writer] = []
     try:
-        paused = Writer(paused_argv, tmp_path / "paused.err")
+        paused = Writer(paused_argv, tmp_path / "paused.err", db)
         writers.append(paused)
-        others = [Writer([*common, "--who", f"w{i}"], tmp_path / f"w{i}.err")
+        others = [Writer([*common, "--who", f"w{i}"], tmp_path / f"w{i}.err", db)
                   for i in range(WRITERS)]
         writers += others
         for w in writers:

@@ -1,4 +1,5 @@
-"""Fenced writes through DB-API connections, on SQLite and on PostgreSQL (psycopg 3).
+"""Fenced writes through DB-API connections, on SQLite, PostgreSQL (psycopg 3) and
+MariaDB (PyMySQL).
 
 Two holders of one lock name race with an old and a new fence: the old one's write is
 refused with :class:`StaleFence` and leaves the row as the new one wrote it; one hold
@@ -11,10 +12,13 @@ from __future__ import annotations
 import ast
 import pickle
 import sqlite3
+import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from conftest import Db
@@ -96,6 +100,32 @@ def test_upsert_inserts_updates_and_refuses_a_stale_fence(db: Db, conn: Any) -> 
     conn.rollback()
     assert (caught.value.fence, caught.value.found) == (3, 4)
     assert rows(conn, table) == [("B", 3, "new", 4)]
+
+
+def test_a_stale_write_is_refused_even_after_its_transaction_read_the_older_row(
+        db: Db, conn: Any) -> None:
+    """MySQL's REPEATABLE READ: a plain read sees the snapshot the transaction took at
+    its first read, which here still shows the old holder's fence; the helpers judge
+    by the row as committed (a locking read), never by that snapshot."""
+    table = stock(db, conn)
+    fenced_update(conn, table, {"sku": "A"}, 5, {"qty": 9})
+    conn.commit()
+    cur = conn.cursor()  # A's transaction reads the row: fence 5, its own
+    cur.execute(f"SELECT qty, last_fence FROM {table}")
+    assert [tuple(r) for r in cur.fetchall()] == [(9, 5)]
+    cur.close()
+    b = db.connect()  # meanwhile B, the newer holder, writes and commits
+    try:
+        fenced_update(b, table, {"sku": "A"}, 6, {"qty": 8, "note": "B"})
+        b.commit()
+    finally:
+        b.close()
+    for helper in (fenced_update, fenced_upsert):  # A, late, in the same transaction
+        with pytest.raises(StaleFence) as caught:
+            helper(conn, table, {"sku": "A"}, 5, {"qty": 7})
+        assert (caught.value.fence, caught.value.found) == (5, 6)
+    conn.rollback()
+    assert rows(conn, table) == [("A", 8, "B", 6)]
 
 
 def test_update_of_a_missing_row_says_so(db: Db, conn: Any) -> None:
@@ -236,6 +266,10 @@ def test_a_connection_whose_driver_is_unknown_needs_a_paramstyle() -> None:
     c.inner.close()
 
 
+#: Database drivers (top-level modules): the package imports none of them.
+DRIVERS = {"pymysql", "MySQLdb", "mysql", "mariadb", "psycopg", "psycopg2", "sqlite3"}
+
+
 def test_stale_fence_travels_through_pickle() -> None:
     err = StaleFence(table="stock", key={"sku": "A"}, fence=3, found=4)
     back = pickle.loads(pickle.dumps(err))
@@ -246,6 +280,7 @@ def test_stale_fence_travels_through_pickle() -> None:
 
 def test_the_module_imports_neither_celery_nor_redis_and_sqlalchemy_only_on_use(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nor any database driver: the caller's connection brings its own."""
     import celery_dlock.core.errors
     import celery_dlock.fencing
 
@@ -259,6 +294,13 @@ def test_the_module_imports_neither_celery_nor_redis_and_sqlalchemy_only_on_use(
         top_level = {(n.module or "") for n in tree.body
                      if isinstance(n, ast.ImportFrom)}
         assert "sqlalchemy" not in top_level
+        assert not imported & DRIVERS, (module.__name__, imported)
+    drivers = sorted(DRIVERS | {"sqlalchemy"})
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, celery_dlock, celery_dlock.fencing; "
+         f"print(sorted(set(sys.modules).intersection({drivers!r})))"],
+        capture_output=True, text=True, timeout=60, check=True)
+    assert loaded.stdout.strip() == "[]", loaded
     monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # as if not installed
     c = sqlite3.connect(":memory:")
     c.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v TEXT, last_fence BIGINT)")
@@ -299,3 +341,73 @@ def test_errors_name_the_lock_when_told(db: Db, conn: Any) -> None:
     conn.rollback()
     assert stale.value.lock_name == "stock:A" and "(lock 'stock:A')" in str(stale.value)
     assert missing.value.lock_name == "stock:B" and "'stock:B'" in str(missing.value)
+
+
+def test_mysql_upsert_whose_row_another_unique_key_took_is_not_reported_written(
+        mariadb_url: str) -> None:
+    """``ON DUPLICATE KEY UPDATE`` updates the row of whichever unique key collides:
+    with a second unique key the statement can write another row than the key names.
+    The helper reads the row under its key back and says so, for a rollback."""
+    db = Db("mariadb", mariadb_url)
+    conn = db.connect()
+    try:
+        table = db.table(conn, "id INTEGER PRIMARY KEY, code VARCHAR(20) UNIQUE, "
+                               "last_fence BIGINT NOT NULL DEFAULT 0")
+        fenced_upsert(conn, table, {"id": 1}, 3, {"code": "X"})
+        conn.commit()
+        with pytest.raises(FencedRowMissing) as caught:
+            fenced_upsert(conn, table, {"id": 2}, 3, {"code": "X"})
+        assert "primary key" in str(caught.value) and "\n" not in str(caught.value)
+        conn.rollback()
+        cur = conn.cursor()
+        cur.execute(f"SELECT id, code, last_fence FROM {table}")
+        assert [tuple(r) for r in cur.fetchall()] == [(1, "X", 3)]
+        cur.close()
+    finally:
+        conn.close()
+
+
+def test_mysql_least_privilege_grants_are_enough(mariadb_url: str) -> None:
+    """docs/fencing.md's grants: SELECT and UPDATE on the table for ``fenced_update``
+    and ``claim`` (the refusal check is a ``SELECT ... FOR UPDATE``), INSERT too for
+    ``fenced_upsert``; nothing else."""
+    import pymysql
+
+    admin_db = Db("mariadb", mariadb_url)
+    admin = admin_db.connect()
+    user, password = f"app_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    try:
+        table = stock(admin_db, admin)
+        cur = admin.cursor()
+        try:
+            cur.execute("CREATE USER %s@'127.0.0.1' IDENTIFIED BY %s", (user, password))
+            cur.execute(f"GRANT SELECT, UPDATE ON {table} TO %s@'127.0.0.1'", (user,))
+        except pymysql.err.OperationalError as exc:  # a server of someone else's
+            pytest.skip(f"cannot create a user to grant to: {exc}")
+        parts = urlsplit(mariadb_url)
+        app = Db("mariadb", parts._replace(
+            netloc=f"{user}:{password}@{parts.hostname}:{parts.port}").geturl()).connect()
+        try:
+            claim(app, table, {"sku": "A"}, 5)
+            fenced_update(app, table, {"sku": "A"}, 5, {"qty": 9})
+            app.commit()
+            with pytest.raises(StaleFence):
+                fenced_update(app, table, {"sku": "A"}, 4, {"qty": 0})
+            app.rollback()
+            denied = "INSERT command denied"
+            with pytest.raises(pymysql.err.OperationalError, match=denied):
+                fenced_upsert(app, table, {"sku": "B"}, 5, {"qty": 1})
+            app.rollback()
+            cur.execute(f"GRANT INSERT ON {table} TO %s@'127.0.0.1'", (user,))
+            fenced_upsert(app, table, {"sku": "B"}, 5, {"qty": 1})
+            app.commit()
+            with pytest.raises(StaleFence):
+                fenced_upsert(app, table, {"sku": "B"}, 4, {"qty": 0})
+            app.rollback()
+        finally:
+            app.close()
+        assert rows(admin, table) == [("A", 9, "stocked", 5), ("B", 1, None, 5)]
+        cur.execute("DROP USER %s@'127.0.0.1'", (user,))
+        cur.close()
+    finally:
+        admin.close()
