@@ -207,9 +207,7 @@ RELEASE = LuaScript(
     COMMON
     + """
 local lock, op = KEYS[1], ARGV[2]
--- One read for the hold's fields (false where missing).
-local hold = call('HMGET', lock, 'owner', 'ops', 'count', 'fence')
-local holder = hold[1]
+local holder = call('HGET', lock, 'owner')
 if holder ~= ARGV[1] then
   local foreign = not_a_hold(lock, holder)
   if foreign then return foreign end
@@ -217,10 +215,10 @@ if holder ~= ARGV[1] then
   if not holder then return {0} end
   return {-1}
 end
-local ops = hold[2]
+local ops = call('HGET', lock, 'ops')
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local count = tonumber(hold[3]) - 1
+local count = tonumber(call('HGET', lock, 'count')) - 1
 if count > 0 then
   call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
@@ -229,7 +227,7 @@ end
 -- stops the script before any other write.  The first in line is woken before the
 -- hold goes, so that a command refused on the way leaves the hold held (a bumped
 -- counter and a doorbell rung early change nothing a holder relies on).
-mark_freed(lock, tonumber(hold[4]), FREED_BY_OWNER)
+mark_freed(lock, tonumber(call('HGET', lock, 'fence')), FREED_BY_OWNER)
 if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
