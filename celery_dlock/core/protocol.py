@@ -123,8 +123,10 @@ class Backend(Protocol):
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None) -> Lock:
-        """A lock object for ``name`` (no server call)."""
+             auto_renew: bool = True, pause_budget: float | None = None,
+             max_hold: float | None = None) -> Lock:
+        """A lock object for ``name`` (no server call); ``max_hold``: see
+        :mod:`celery_dlock.core.max_hold`."""
         ...
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:

@@ -82,7 +82,7 @@ from .handover import free_marker, hand_over
 from .hooks import install
 from .keys import KeyFunction, task_key_function
 from .request import LockedRequest
-from .settings import check_combination, enabled
+from .settings import check_combination, check_max_hold_option, enabled
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -129,6 +129,9 @@ class LockedTask(Task):  # type: ignore[misc]
     #: Seconds the holder may be frozen at its deadline and still be told first
     #: (app: dlock_pause_budget; default a tenth of lock_ttl, at most 2 s).
     lock_pause_budget: ClassVar[float | None] = None
+    #: Seconds after which a hold is no longer renewed and is lost ("max hold");
+    #: lock_lost_action applies (app: dlock_lock_max_hold; default None: unbounded).
+    lock_max_hold: ClassVar[float | None] = None
     #: Uniqueness at enqueue: "while_running" (default), "until_started",
     #: "until_finished", "queued_and_running" or "throttle" (app: dlock_mode).
     lock_mode: ClassVar[str | None] = None
@@ -160,6 +163,8 @@ class LockedTask(Task):  # type: ignore[misc]
         task_key_function(cls, name)
         check_combination(f"task {name!r}", getattr(cls, "lock_mode", None),
                           getattr(cls, "on_duplicate", None))
+        check_max_hold_option(f"task {name!r}", getattr(cls, "lock_ttl", None),
+                              getattr(cls, "lock_max_hold", None))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -220,7 +225,8 @@ class LockedTask(Task):  # type: ignore[misc]
         return backend_for(self.app).lock(key, settings["lock_ttl"],
                                           prefix=settings["lock_prefix"],
                                           info=hold_info(self.name, request),
-                                          pause_budget=settings["lock_pause_budget"])
+                                          pause_budget=settings["lock_pause_budget"],
+                                          max_hold=settings["lock_max_hold"])
 
     # -- running ----------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ __all__ = [
     "Setting",
     "check_bool",
     "check_combination",
+    "check_max_hold_option",
     "conf_of",
     "conf_value",
     "defaults",
@@ -164,6 +165,10 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
     Setting("lock_queue_ttl", "dlock_queue_ttl", 3600.0, _positive,
             "seconds a queue marker outlives its enqueue (plus any countdown/eta): "
             "the longest a lost message keeps its key from being queued again"),
+    Setting("lock_max_hold", "dlock_lock_max_hold", None, _positive,
+            "seconds after which a hold is no longer renewed and is lost with the "
+            "reason 'max hold ... reached' (lock_lost_action applies); at least "
+            "lock_ttl (None: unbounded)"),
     Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
@@ -267,3 +272,15 @@ def check_combination(where: str, mode: Any, policy: Any) -> None:
         raise InvalidLockConfig(
             f"{where}: on_duplicate='replace' cannot go with lock_mode='throttle' (the "
             f"window's call may have run already); use drop, raise or return_existing")
+
+
+def check_max_hold_option(where: str, ttl: Any, max_hold: Any) -> None:
+    """Refuse a lock_max_hold shorter than the lock_ttl (the first grant already
+    lasts a ttl)."""
+    if max_hold is None or ttl is None:
+        return
+    if _positive(f"{where} option lock_max_hold", max_hold) < \
+            _positive(f"{where} option lock_ttl", ttl):
+        raise InvalidLockConfig(f"{where}: lock_max_hold ({max_hold:g}s) must be at "
+                                f"least lock_ttl ({ttl:g}s): the first grant already "
+                                f"lasts a ttl")
