@@ -81,6 +81,7 @@ from .contention import (
 from .handover import free_marker, hand_over
 from .hooks import install
 from .keys import KeyFunction, task_key_function
+from .rate import SLOT_HEADER, park_if_over
 from .request import LockedRequest
 from .settings import check_combination, check_max_hold_option, enabled
 from .startup import install as install_startup_check
@@ -132,6 +133,11 @@ class LockedTask(Task):  # type: ignore[misc]
     #: Seconds after which a hold is no longer renewed and is lost ("max hold");
     #: lock_lost_action applies (app: dlock_lock_max_hold; default None: unbounded).
     lock_max_hold: ClassVar[float | None] = None
+    #: Per lock name, cluster-wide: "5/s", "100/m", "2/h"; a call over it is parked
+    #: (re-queued for its slot; app: dlock_rate) ...
+    lock_rate: ClassVar[str | None] = None
+    #: ... with this many at once after a quiet spell (app: dlock_rate_burst, 1).
+    lock_rate_burst: ClassVar[int | None] = None
     #: Uniqueness at enqueue: "while_running" (default), "until_started",
     #: "until_finished", "queued_and_running" or "throttle" (app: dlock_mode).
     lock_mode: ClassVar[str | None] = None
@@ -257,6 +263,8 @@ class LockedTask(Task):  # type: ignore[misc]
         error: DLockError | None = None
         lock: Lock | None = None
         try:
+            if requeue and settings["lock_rate"] is not None:
+                park_if_over(self, request, args, kwargs, key, settings)
             lock = self._new_lock(key, settings, request)
             acquired = lock.acquire(blocking=False)
             if not acquired and requeue:
@@ -396,7 +404,8 @@ class LockedTask(Task):  # type: ignore[misc]
         headers = sig.options.get("headers")
         if "headers" not in extra_options and headers:
             sig.options["headers"] = {k: v for k, v in headers.items()
-                                      if k not in (CONTENTION_HEADER, DUPLICATE_HEADER)}
+                                      if k not in (CONTENTION_HEADER, DUPLICATE_HEADER,
+                                                   SLOT_HEADER)}
         return sig
 
     # -- lock lost ----------------------------------------------------------------------

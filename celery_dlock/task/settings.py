@@ -28,6 +28,7 @@ from typing import Any
 
 from ..core.errors import InvalidLockConfig
 from ..core.hold import DEFAULT_PREFIX
+from ..core.rates import Rate, check_burst, parse_rate
 
 __all__ = [
     "CALL_OPTIONS",
@@ -106,6 +107,14 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     return check
 
 
+def _rate(name: str, value: Any) -> Rate:
+    return parse_rate(value, where=name)
+
+
+def _burst(name: str, value: Any) -> int:
+    return check_burst(value, name)
+
+
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidLockConfig(f"{name} must be True or False, got {value!r}")
@@ -169,6 +178,13 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
             "seconds after which a hold is no longer renewed and is lost with the "
             "reason 'max hold ... reached' (lock_lost_action applies); at least "
             "lock_ttl (None: unbounded)"),
+    Setting("lock_rate", "dlock_rate", None, _rate,
+            "per lock name, cluster-wide: at most this many calls start per second, "
+            "minute or hour ('5/s', '100/m', '2/h'); a call over it is parked "
+            "(re-queued for its slot, not counted against max_retries)"),
+    Setting("lock_rate_burst", "dlock_rate_burst", 1, _burst,
+            "calls lock_rate lets start at once after a quiet spell (1: evenly "
+            "spaced)"),
     Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
@@ -188,6 +204,9 @@ NOT_PER_CALL = {
         "frees a dead child's lock, and celery dlock) must agree on"),
     "lock_lost_action": "a lost lock is handled outside the call, from the task's "
                         "own settings",
+    **dict.fromkeys(("lock_rate", "lock_rate_burst"),
+                    "a rate is shared by every call of a name: one call cannot have "
+                    "its own"),
 }
 #: Options one call may override in its message headers.
 CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)

@@ -20,7 +20,8 @@ from celery import signals as celery_signals
 from ..core.errors import DLockError
 from .config import SETTINGS, check_conf, read_setting
 from .keys import task_key_function
-from .settings import check_max_hold_option
+from .rate import check_rates_supported
+from .settings import check_max_hold_option, enabled
 
 __all__ = ["check_app", "install"]
 
@@ -44,6 +45,8 @@ def check_app(app: Any) -> None:
         values = {option: read_setting(task, option) for option in SETTINGS}
         check_max_hold_option(f"task {task.name!r}", values["lock_ttl"],
                               values["lock_max_hold"])
+        if values["lock_rate"] is not None and enabled(app):
+            check_rates_supported(app, f"task {task.name!r} option lock_rate")
         task_key_function(type(task), task.name)
 
 

@@ -11,6 +11,7 @@ from .inspect import force_release, get_lock, iter_locks, release_matching, wait
 from .keyspace import LockKeys
 from .lock import RedisLock
 from .markers import RedisMarkers
+from .rate import RedisRates
 
 __all__ = ["RedisBackend"]
 
@@ -58,6 +59,10 @@ class RedisBackend:
     def markers(self) -> RedisMarkers:
         """The queue markers of enqueue-time uniqueness, on the same Redis."""
         return RedisMarkers(self.client)
+
+    def rates(self) -> RedisRates:
+        """Per-name rates (``lock_rate``), on the same Redis."""
+        return RedisRates(self.client)
 
     def __repr__(self) -> str:
         return f"<RedisBackend {self.client!r}>"
