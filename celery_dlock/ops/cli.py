@@ -38,6 +38,7 @@ from celery import current_app
 
 from ..core.errors import LockKeyConflict
 from ..core.holds import HoldInfo
+from ..core.rates import RateState
 from .audit import record_release, released_by
 from .formatting import (
     QUEUED_FIELDS,
@@ -133,19 +134,22 @@ def ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 @reports_redis_errors
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show one lock (KEY is the lock name, as ls shows it) with every field, and
-    the call queued for it (an enqueue-time lock_mode's marker)."""
+    """Show one lock (KEY is the lock name, as ls shows it) with every field, the
+    call queued for it (an enqueue-time lock_mode's marker) and its lock_rate's
+    state."""
     target = target_of(ctx)
     backend = target.backend()
     info = backend.read(target.prefix, key)
     queued = target.queued_one(key)
-    if info is None and queued is None:
+    rate = rate_state(backend, target.prefix, key)
+    if info is None and queued is None and rate is None:
         _not_held(ctx, target, key)
         return
     if as_json:
         full: dict[str, Any] = info.as_dict() if info is not None else {
             **_row(key, None, None), "host": None, "extra": {}}
         full["queued_task_id"], full["queued_ttl"] = queued if queued else (None, None)
+        full["rate"] = rate.as_dict() if rate is not None else None
         click.echo(json.dumps(full, indent=2))
         return
     fields: list[tuple[str, str]] = [] if info is not None else [("key", key),
@@ -162,10 +166,25 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     if info is not None:
         waiting = backend.waiting(target.prefix, [key]).get(key, 0)
         fields.append(("waiting", str(waiting)))
+    if rate is not None:
+        fields.append(("rate", rate_text(rate)))
     fields.append(("redis_key", backend.storage_key(target.prefix, key)))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(printable(f"{name + ':':<{size}} {text}"))
+
+
+def rate_state(backend: Any, prefix: str, key: str) -> RateState | None:
+    """The lock_rate state of ``key`` (None: no call lately, or a backend that keeps
+    no rates)."""
+    rates = getattr(backend, "rates", None)
+    return None if rates is None else rates().state(prefix, key)
+
+
+def rate_text(rate: RateState) -> str:
+    """A rate's state in one line."""
+    return (f"{rate.available} of {rate.burst} may start now, next slot in "
+            f"{rate.next_in:.3f}s (one every {rate.interval:.3f}s)")
 
 
 def _not_held(ctx: click.Context, target: Target, key: str) -> None:

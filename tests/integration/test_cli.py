@@ -148,7 +148,8 @@ def test_show_prints_every_field(env):
         for name in ("task_name", "owner", "count", "fence", "ttl", "held_for"):
             assert fields[name] not in ("", "-"), name
         as_json = json.loads(run_cli("show", f"cli:{x}", "--json").stdout)
-        assert set(as_json) == {*SUMMARY_FIELDS, "host", "extra", *QUEUED}
+        assert set(as_json) == {*SUMMARY_FIELDS, "host", "extra", *QUEUED, "rate"}
+        assert as_json["rate"] is None  # no lock_rate
         assert as_json["task_id"] == result.id
     finally:
         finish(env, x, result)

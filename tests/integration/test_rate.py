@@ -8,6 +8,8 @@ no one-second window holds more starts than the rate plus the burst.
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,12 +18,15 @@ from pathlib import Path
 import pytest
 import redis
 from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
 from worker_harness import Harness, open_harness, wait_for
 
 from celery_dlock import InvalidLockConfig, LockedTask
-from celery_dlock.core.errors import NotSupported
 from celery_dlock.backends.redis.rate import RedisRates, rate_key
+from celery_dlock.core.errors import NotSupported
 from celery_dlock.core.rates import parse_rate
+from celery_dlock.ops.cli import dlock
 from celery_dlock.task.startup import check_app
 
 
@@ -42,7 +47,7 @@ def test_gcra_grants_at_the_rate_and_parks_in_order(rates, prefix, name):
     slots = [d.slot for d in parked]
     assert all(s is not None for s in slots)
     # Successive slots, one interval apart, in the order asked.
-    gaps = [(b - a) / 1e6 for a, b in zip(slots, slots[1:])]  # type: ignore[operator]
+    gaps = [(b - a) / 1e6 for a, b in itertools.pairwise(slots)]  # type: ignore[operator]
     assert all(abs(g - 0.2) < 0.005 for g in gaps), gaps
     assert 0.1 < parked[0].delay <= 0.2 and parked[2].delay > parked[1].delay
     state = rates.state(prefix, name)
@@ -126,6 +131,25 @@ def test_a_redlock_backend_refuses_lock_rate_at_worker_start(redis_url):
         check_app(app)
 
 
+def test_celery_dlock_show_prints_the_rate_state(rates, redis_url, prefix, name):
+    rate = parse_rate("2/s", burst=2)
+    rates.take(prefix, name, rate)
+    app = Celery("rate-cli", broker="memory://", set_as_current=False)
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    args = ["--url", redis_url, "--prefix", prefix, "show", name]
+    out = CliRunner().invoke(dlock, args, obj=obj)
+    assert out.exit_code == 0, out.output
+    line = next(x for x in out.stdout.splitlines() if x.startswith("rate:"))
+    assert "1 of 2 may start now" in line and "one every 0.500s" in line
+    shown = json.loads(CliRunner().invoke(dlock, [*args, "--json"], obj=obj).stdout)
+    assert shown["rate"]["burst"] == 2 and shown["rate"]["available"] == 1
+    assert shown["rate"]["next_in"] == 0
+    rates.take(prefix, name, rate)
+    rates.take(prefix, name, rate)  # parked: the next slot is ahead
+    shown = json.loads(CliRunner().invoke(dlock, [*args, "--json"], obj=obj).stdout)
+    assert shown["rate"]["available"] == 0 and 0.3 < shown["rate"]["next_in"] <= 1.0
+
+
 # -- real workers ----------------------------------------------------------------------
 
 
@@ -145,8 +169,8 @@ def test_two_nodes_keep_the_rate_and_park_without_dropping(harness: Harness) -> 
     results = [task.delay(key, n) for n in range(30)]
     # All 30 succeed (max_retries=0: a parked call never counts as a retry).
     assert sorted(res.get(timeout=60) for res in results) == list(range(30))
-    runs = wait_for(lambda: (lambda x: x if len(x) >= 30 else None)(
-        h.records("rated", key)), 10, what="30 recorded starts")
+    wait_for(lambda: len(h.records("rated", key)) >= 30, 10, what="30 recorded starts")
+    runs = h.records("rated", key)
     assert len(runs) == 30, "each call ran once"
     assert {run["retries"] for run in runs} == {0}
     starts = sorted(run["start"] for run in runs)
