@@ -8,9 +8,11 @@ import threading
 import time
 
 import pytest
+from celery import Celery
 
-from celery_dlock import InvalidLockConfig, LockLost
+from celery_dlock import InvalidLockConfig, LockedTask, LockLost
 from celery_dlock.core.owner import owner_context
+from celery_dlock.task.startup import check_app
 
 TTL = 1.0
 MAX_HOLD = 2.5
@@ -115,3 +117,35 @@ def test_without_max_hold_the_hold_is_renewed_past_it(lock_kind, name):
 def test_bad_max_hold_is_refused(lock_kind, name, bad):
     with pytest.raises(InvalidLockConfig, match="max_hold"):
         lock_kind.make(name, TTL, max_hold=bad)
+
+
+# -- LockedTask: lock_max_hold is checked where it is given ---------------------------
+
+
+def _body() -> None:
+    """A task body (Celery needs a named function)."""
+
+
+def _app(**conf: object) -> Celery:
+    app = Celery("max-hold", broker="memory://", set_as_current=False)
+    app.conf.update(dlock_url="redis://127.0.0.1:1/0", **conf)
+    app.finalize()  # the decorator builds the task class at once
+    return app
+
+
+def test_a_task_max_hold_below_its_ttl_is_refused_at_declaration():
+    with pytest.raises(InvalidLockConfig, match=r"lock_max_hold .*at least lock_ttl"):
+        _app().task(base=LockedTask, name="mh_short", lock_ttl=10, lock_max_hold=5,
+                    shared=False)(_body)
+    with pytest.raises(InvalidLockConfig, match="lock_max_hold"):
+        _app().task(base=LockedTask, name="mh_bad", lock_max_hold="5",
+                    shared=False)(_body)
+
+
+def test_an_app_max_hold_below_a_task_ttl_stops_the_worker_start():
+    app = _app(dlock_lock_max_hold=5)
+    app.task(base=LockedTask, name="mh_app", lock_ttl=10, shared=False)(_body)
+    with pytest.raises(InvalidLockConfig, match="lock_max_hold"):
+        check_app(app)
+    app.conf.dlock_lock_max_hold = 60
+    check_app(app)  # at least the ttl: fine
