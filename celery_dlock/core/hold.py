@@ -459,9 +459,11 @@ class Hold:
                 self._leave_line(owner)
 
     def _check_bound(self, hold_id: int, now: float, what: str) -> None:
-        """Report the hold lost and raise LockLost when it is at its max hold."""
+        """Report the hold lost and raise LockLost when it is at its max hold (its
+        bound less the deadline's margin: where the watchdog reports it too)."""
         bound, max_hold = self._bound, self.max_hold
-        if bound is None or max_hold is None or capped_ms(self.ttl_ms, bound, now) > 0:
+        if bound is None or max_hold is None or \
+                now < bound - self._margin(self.ttl_ms):
             return
         reason = reached_reason(max_hold)
         if not self._mark_lost(reason, hold_id):
