@@ -174,3 +174,7 @@ class RateStore(Protocol):
     def state(self, prefix: str, name: str) -> RateState | None:
         """The rate of ``name`` as the server keeps it now (None: no call lately)."""
         ...
+
+    def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
+        """Every name under ``prefix`` with a rate state, each once."""
+        ...

@@ -69,7 +69,7 @@ from .top import top
 __all__ = ["dlock"]
 
 #: The fields of a row of ``ls --json``.
-LS_FIELDS = (*SUMMARY_FIELDS, *QUEUED_FIELDS)
+LS_FIELDS = (*SUMMARY_FIELDS, *QUEUED_FIELDS, "rate")
 
 
 def _row(name: str, info: HoldInfo | None, queued: Queued | None) -> dict[str, Any]:
@@ -110,21 +110,31 @@ def ls(ctx: click.Context, as_json: bool) -> None:
     TTL is the time left before the hold expires unless renewed, HELD_FOR the time
     since it was taken (by the Redis server's clock).  QUEUED_TASK_ID is the call
     queued with an enqueue-time lock_mode (shown when any is), QUEUED_TTL its
-    marker's time left; a name queued and not held has a row of its own.
+    marker's time left; a name queued and not held has a row of its own.  RATE is
+    the state of a lock_rate (shown when any name has one): calls that may start
+    now of its burst, and when the next slot is free; a rated name not held has a
+    row of its own too.
     """
     target = target_of(ctx)
-    infos = {info.key: info for info in target.backend().holds(target.prefix)}
+    backend = target.backend()
+    infos = {info.key: info for info in backend.holds(target.prefix)}
     queued = target.queued() or {}
+    rates = rate_states(backend, target.prefix)
     rows = [_row(name, infos.get(name), queued.get(name))
-            for name in sorted(infos.keys() | queued.keys())]
+            for name in sorted(infos.keys() | queued.keys() | rates.keys())]
+    for row in rows:
+        rate = rates.get(row["key"])
+        row["rate"] = rate.as_dict() if rate is not None else None
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
         click.echo(printable(f"No locks held under prefix {target.prefix!r}."))
         return
-    columns = LS_FIELDS if queued else SUMMARY_FIELDS
-    for line in table_lines(columns, (value_cells(row, columns) for row in rows)):
+    columns = (*SUMMARY_FIELDS, *(QUEUED_FIELDS if queued else ()),
+               *(("rate",) if rates else ()))
+    cells = ({**row, "rate": rate_cell(rates.get(row["key"]))} for row in rows)
+    for line in table_lines(columns, (value_cells(row, columns) for row in cells)):
         click.echo(printable(line))
 
 
@@ -179,6 +189,20 @@ def rate_state(backend: Any, prefix: str, key: str) -> RateState | None:
     no rates)."""
     rates = getattr(backend, "rates", None)
     return None if rates is None else rates().state(prefix, key)
+
+
+def rate_states(backend: Any, prefix: str) -> dict[str, RateState]:
+    """Every lock_rate state under ``prefix``, by name (none on a backend that keeps
+    no rates)."""
+    rates = getattr(backend, "rates", None)
+    return {} if rates is None else dict(rates().states(prefix))
+
+
+def rate_cell(rate: RateState | None) -> str | None:
+    """A rate's state in a table cell: free now of its burst, next slot."""
+    if rate is None:
+        return None
+    return f"{rate.available}/{rate.burst} next {rate.next_in:.2f}s"
 
 
 def rate_text(rate: RateState) -> str:

@@ -88,7 +88,8 @@ def test_ls_json_describes_the_running_task(env):
         assert out.exit_code == 0, out.output
         rows = json.loads(out.stdout)
         assert isinstance(rows, list)
-        assert all(list(row) == [*SUMMARY_FIELDS, *QUEUED] for row in rows)
+        assert all(list(row) == [*SUMMARY_FIELDS, *QUEUED, "rate"] for row in rows)
+        assert all(row["rate"] is None for row in rows)  # no lock_rate
         assert all(row["queued_task_id"] is None for row in rows)  # nothing queued
         row = next(row for row in rows if row["key"] == f"cli:{x}")
         assert row["task_id"] == result.id

@@ -150,6 +150,24 @@ def test_celery_dlock_show_prints_the_rate_state(rates, redis_url, prefix, name)
     assert shown["rate"]["available"] == 0 and 0.3 < shown["rate"]["next_in"] <= 1.0
 
 
+def test_celery_dlock_ls_lists_rated_names(rates, redis_url, prefix, name):
+    rates.take(prefix, name, parse_rate("1/s"))
+    rates.take(prefix, name, parse_rate("1/s"))  # parked: the next slot is ahead
+    app = Celery("rate-ls", broker="memory://", set_as_current=False)
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    args = ["--url", redis_url, "--prefix", prefix, "ls"]
+    out = CliRunner().invoke(dlock, args, obj=obj)
+    assert out.exit_code == 0, out.output
+    header, *lines = out.stdout.splitlines()
+    assert header.split()[-1] == "RATE"
+    (line,) = [x for x in lines if x.startswith(name)]  # not held: a row of its own
+    assert "0/1 next" in line
+    rows = json.loads(CliRunner().invoke(dlock, [*args, "--json"], obj=obj).stdout)
+    (row,) = [x for x in rows if x["key"] == name]
+    assert row["owner"] is None and row["rate"]["available"] == 0
+    assert 1.0 < row["rate"]["next_in"] <= 2.0
+
+
 # -- real workers ----------------------------------------------------------------------
 
 

@@ -10,13 +10,15 @@ lists the lock hashes) never shows it as a lock.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
 from ...core.errors import BackendUnavailable, LockKeyConflict
 from ...core.rates import Rate, RateDecision, RateState
-from .hashtag import lock_key
+from .cluster import node_clients
+from .hashtag import lock_key, name_of_key, scan_pattern
 from .keyspace import UNTOUCHED, decode
 from .scripts import LuaScript
 
@@ -118,3 +120,22 @@ class RedisRates:
         return RateState(interval=interval / 1_000_000, burst=tau // interval + 1,
                          available=int(available),
                          next_in=max(0, tat - tau - now) / 1_000_000)
+
+    def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
+        """Every name under ``prefix`` with a rate state, each once."""
+        seen: set[str] = set()
+        try:
+            nodes = list(node_clients(self.client))
+            keys = [decode(raw) for node in nodes for raw in node.scan_iter(
+                match=scan_pattern(prefix) + RATE_SUFFIX, count=500, _type="hash")]
+        except (RedisError, UnicodeDecodeError) as exc:
+            raise BackendUnavailable(f"Redis unavailable while listing rates: "
+                                     f"{exc}") from exc
+        for key in keys:
+            name = name_of_key(prefix, key[:-len(RATE_SUFFIX)])
+            if name is None or name in seen:
+                continue
+            seen.add(name)
+            state = self.state(prefix, name)
+            if state is not None:
+                yield name, state
