@@ -12,6 +12,7 @@ from celery import Celery
 
 from celery_dlock import InvalidLockConfig, LockedTask, LockLost
 from celery_dlock.core.owner import owner_context
+from celery_dlock.core.scheduler import RenewalScheduler
 from celery_dlock.task.startup import check_app
 
 TTL = 1.0
@@ -149,3 +150,37 @@ def test_an_app_max_hold_below_a_task_ttl_stops_the_worker_start():
         check_app(app)
     app.conf.dlock_lock_max_hold = 60
     check_app(app)  # at least the ttl: fine
+
+
+# -- the scheduler's side, on an injected clock ----------------------------------------
+
+
+class _Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_last_renewal_reaches_the_bound_and_none_follows(lock_kind, name):
+    clock = _Clock()
+    hb = RenewalScheduler(clock=clock, start_thread=False)
+    told: list[str | None] = []
+    lock = lock_kind.make(name, 3.0, max_hold=4.0, scheduler=hb,
+                          on_lost=lambda lk: told.append(lk.lost_reason))
+    lock.acquire()  # at 1000: bound 1004
+    try:
+        hb.renew_due(1001.0)  # asks for 3 s: up to 1004, the bound exactly
+        hb.renew_due(1002.0)  # asks only for the 2 s left
+        calls = hb.renewal_calls
+        assert calls == 2
+        assert not told
+        hb.renew_due(1003.0)  # at its bound: not renewed again ...
+        assert hb.renewal_calls == calls
+        assert not told  # ... and not lost before its deadline (1004 less the margin)
+        hb.renew_due(1004.0)
+        assert told == ["max hold of 4s reached"]
+        assert lock.lost_reason == "max hold of 4s reached"
+    finally:
+        lock.release_all()
