@@ -30,6 +30,8 @@ from ..core.protocol import RateStore
 from ..core.rates import Rate, RateDecision
 from . import signals
 from .backend import backend_for
+from .connection import redlock_urls
+from .settings import conf_value
 
 __all__ = ["SLOT_HEADER", "check_rates_supported", "park_if_over", "rates_for"]
 
@@ -39,24 +41,28 @@ logger = logging.getLogger("celery_dlock.rate")
 SLOT_HEADER = "dlock_rate_slot"
 
 
+def _unsupported(kind: str) -> NotSupported:
+    return NotSupported(
+        f"lock_rate needs per-name rates, which the {kind} backend does not keep (use "
+        f"one Redis, a Cluster or Sentinel for tasks with a lock_rate)")
+
+
 def rates_for(app: Any) -> RateStore:
     """The rates of ``app``'s backend; :class:`NotSupported` when it keeps none."""
     backend = backend_for(app)
     rates = getattr(backend, "rates", None)
     if rates is None:
-        raise NotSupported(
-            f"lock_rate needs per-name rates, which the {backend.kind} backend does not "
-            f"keep (use one Redis, a Cluster or Sentinel for tasks with a lock_rate)")
+        raise _unsupported(backend.kind)
     store: RateStore = rates()
     return store
 
 
 def check_rates_supported(app: Any, where: str) -> None:
-    """At worker start: refuse ``lock_rate`` on a backend that keeps no rates."""
-    try:
-        rates_for(app)
-    except NotSupported as exc:
-        raise NotSupported(f"{where}: {exc}") from None
+    """At worker start, from the configuration alone (no client is made): refuse
+    ``lock_rate`` with a Redlock ``dlock_url``.  (A ``dlock_client`` returning several
+    clients is found out at the first call, which fails with the same error.)"""
+    if redlock_urls(conf_value(app, "dlock_url")) is not None:
+        raise NotSupported(f"{where}: {_unsupported('redlock')}")
 
 
 def _slot_of(request: Any) -> int | None:

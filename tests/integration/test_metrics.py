@@ -61,7 +61,7 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
         return "never noticed"
 
     @app.task(base=LockedTask, bind=True, name=f"m{tag}.rated", lock_key="m:{x}",
-              lock_rate="2/s", max_retries=0)
+              lock_rate="2/s", max_retries=0, shared=False)
     def rated(self: Any, x: str) -> str:
         return "ran"
 

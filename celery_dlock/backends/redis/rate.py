@@ -59,11 +59,12 @@ return {0, at - now, at}
 
 # KEYS[1] the rate state.  Replies {tat, interval, tau, now} (us; empty when none).
 READ = LuaScript("rate_read", """
-local v = redis.call('HMGET', KEYS[1], 'tat', 'interval', 'tau')
-if not v[1] then return {} end
+local tat = redis.call('HGET', KEYS[1], 'tat')
+if not tat then return {} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-return {v[1], v[2], v[3], string.format('%.0f', now)}
+return {tat, redis.call('HGET', KEYS[1], 'interval'), redis.call('HGET', KEYS[1], 'tau'),
+        string.format('%.0f', now)}
 """)
 
 
