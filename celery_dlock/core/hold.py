@@ -46,6 +46,7 @@ from .errors import (
     LockNotAcquired,
     LockNotOwned,
 )
+from .max_hold import capped_ms, check_max_hold, reached_reason
 from .protocol import GONE, OK, STILL_HELD
 from .renew_target import RenewTarget
 from .scheduler import RenewalScheduler, get_scheduler
@@ -180,6 +181,10 @@ class Hold:
     :param blocking_timeout: how long ``with lock:`` and a plain ``acquire()`` wait.
     :param pause_budget: seconds this holder may be frozen at its deadline and still
         be told first (default: :func:`~celery_dlock.core.deadline.pause_budget`).
+    :param max_hold: seconds after which a hold is no longer renewed and is reported
+        lost ("max hold ... reached"), however often it was renewed, re-entered or
+        extended (None: unbounded; at least the ttl; see
+        :mod:`celery_dlock.core.max_hold`).
     """
 
     #: Whether :attr:`fence` gives fencing tokens on this kind of lock.
@@ -189,10 +194,14 @@ class Hold:
                  on_lost: Callable[[Any], object] | None,
                  scheduler: RenewalScheduler | None, auto_renew: bool,
                  blocking_timeout: float | None,
-                 pause_budget: float | None = None) -> None:
+                 pause_budget: float | None = None,
+                 max_hold: float | None = None) -> None:
         self.name = name
         self.on_lost = on_lost
         self.ttl_ms = _ttl_to_ms(ttl, "ttl", name)
+        self.max_hold = check_max_hold(max_hold, self.ttl_ms / 1000.0, name)
+        #: When the current hold reaches its max hold (scheduler clock; None: never).
+        self._bound: float | None = None
         self.auto_renew = auto_renew
         self.blocking_timeout = blocking_timeout
         self.pause_budget = pause_budget
@@ -252,6 +261,13 @@ class Hold:
     def _renew_target(self) -> RenewTarget | None:
         """Where the scheduler renews this lock's holds."""
         raise NotImplementedError
+
+    def _acquire_ttl_ms(self, reentry: bool) -> int:
+        """The ttl (ms) an acquire asks the server for: the lock's, or for a
+        re-entry of a hold with a max hold, no more than the time left to it."""
+        if not reentry or self._bound is None:
+            return self.ttl_ms
+        return max(1, capped_ms(self.ttl_ms, self._bound, self._get_scheduler().now()))
 
     def _renew_key(self) -> str:
         """The name the renew target knows the hold by."""
@@ -399,6 +415,8 @@ class Hold:
                            lock_name=self.name)
         deadline = None if timeout is None else time.monotonic() + timeout
         scheduler = self._get_scheduler()
+        if reentry:
+            self._check_bound(hold_id, scheduler.now(), "cannot re-enter: lock lost: ")
         margin = self._margin(self.ttl_ms)
         op = new_op_id()
         queued = acquired = False
@@ -441,6 +459,18 @@ class Hold:
             if queued and not acquired:
                 self._leave_line(owner)
 
+    def _check_bound(self, hold_id: int, now: float, what: str) -> None:
+        """Report the hold lost and raise LockLost when it is at its max hold (its
+        bound less the deadline's margin: where the watchdog reports it too)."""
+        bound, max_hold = self._bound, self.max_hold
+        if bound is None or max_hold is None or \
+                now < bound - self._margin(self.ttl_ms):
+            return
+        reason = reached_reason(max_hold)
+        if not self._mark_lost(reason, hold_id):
+            reason = self._lost_reason or reason
+        raise LockLost(f"{what}{reason}", lock_name=self.name)
+
     def _acquired(self, owner: str, grant: Grant, sent_at: float,
                   margin: float) -> None:
         scheduler = self._get_scheduler()
@@ -456,13 +486,17 @@ class Hold:
                 self._lost_reason = None
                 self._release_op = None
                 self._extend_op = None
+                self._bound = (None if self.max_hold is None
+                               else sent_at + self.max_hold)
                 target = self._renew_target() if self.auto_renew else None
                 scheduler.register(self, self._hold_id, target, self._renew_key(), owner,
                                    self.ttl_ms, sent_at, fence=grant.fence,
-                                   margin=margin)
+                                   margin=margin, bound=self._bound)
             else:
-                # Re-entry: the expiry is now at least ttl from the send time.
-                scheduler.confirmed(self, self._hold_id, self.ttl_ms, sent_at, margin)
+                # Re-entry: the expiry is now at least ttl from the send time (or, at
+                # a max hold, the bound).
+                scheduler.confirmed(self, self._hold_id, self.ttl_ms, sent_at, margin,
+                                    capped_ms(self.ttl_ms, self._bound, sent_at))
             self._depth += 1
 
     # -- release ------------------------------------------------------------------------
@@ -579,13 +613,18 @@ class Hold:
                 self._extend_op = (hold_id, ttl_ms, op) if held_here else None
         scheduler = self._get_scheduler()
         sent_at = scheduler.now()
-        status = self._send_extend(owner, ttl_ms, op)
+        send_ms = ttl_ms
+        if held_here:
+            self._check_bound(hold_id, sent_at, "cannot extend: lock lost: ")
+            send_ms = capped_ms(ttl_ms, self._bound, sent_at)
+        status = self._send_extend(owner, send_ms, op)
         with self._state:
             self._extend_op = None
         if status == OK:
             self.ttl_ms = ttl_ms
             if held_here:
-                scheduler.confirmed(self, hold_id, ttl_ms, sent_at, self._margin(ttl_ms))
+                scheduler.confirmed(self, hold_id, ttl_ms, sent_at, self._margin(ttl_ms),
+                                    send_ms)
             return
         if held_here:
             raise self._report_gone(status, owner, hold_id, "cannot extend: lock ")

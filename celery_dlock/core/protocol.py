@@ -12,6 +12,9 @@ Two protocols, and the reply codes every backend speaks:
   checks that the only module of theirs that names a backend is the one that chooses
   it from the configuration).
 
+An optional capability: a backend with a ``rates()`` method returning a
+:class:`RateStore` keeps per-name rates (``lock_rate``); one without it refuses them.
+
 Nothing here imports a driver or Celery.
 """
 
@@ -23,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .errors import Holder
 from .holds import HoldInfo
+from .rates import Rate, RateDecision, RateState
 
 __all__ = [
     "GONE",
@@ -32,6 +36,7 @@ __all__ = [
     "TAKEN",
     "Backend",
     "Lock",
+    "RateStore",
 ]
 
 # -- reply codes, named once --------------------------------------------------------
@@ -123,8 +128,10 @@ class Backend(Protocol):
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None) -> Lock:
-        """A lock object for ``name`` (no server call)."""
+             auto_renew: bool = True, pause_budget: float | None = None,
+             max_hold: float | None = None) -> Lock:
+        """A lock object for ``name`` (no server call); ``max_hold``: see
+        :mod:`celery_dlock.core.max_hold`."""
         ...
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
@@ -149,4 +156,25 @@ class Backend(Protocol):
         """Free ``name`` whoever holds it (only the hold with ``fence``, or whose
         metadata matches ``conditions``, when given); the hold freed, or None.  The
         holder is told at its next contact, with ``by`` and ``reason``."""
+        ...
+
+
+class RateStore(Protocol):
+    """Per-name rates kept on a backend's servers (``lock_rate``; the rule is
+    :mod:`celery_dlock.core.rates`), every time on the server's clock."""
+
+    def take(self, prefix: str, name: str, rate: Rate,
+             slot: int | None = None) -> RateDecision:
+        """May a call of ``name`` start now under ``rate``?  Either it may, or the
+        next free slot is reserved for it.  ``slot``: the slot a parked call was given
+        and comes back for (it may start from then until one interval later; before,
+        it is told to wait again for the same slot; after, it asks afresh)."""
+        ...
+
+    def state(self, prefix: str, name: str) -> RateState | None:
+        """The rate of ``name`` as the server keeps it now (None: no call lately)."""
+        ...
+
+    def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
+        """Every name under ``prefix`` with a rate state, each once."""
         ...

@@ -24,6 +24,10 @@ Rules that keep renewal from ever outliving its holder:
 * renewal never re-creates a key: a lock found gone or held by another owner is reported
   lost (``on_lost``) and dropped from the registry;
 * failed renewals are retried every :data:`ERROR_RETRY_INTERVAL` until the deadline;
+* a hold with a *bound* (``max_hold``: :mod:`celery_dlock.core.max_hold`) is never
+  renewed past it: the last renewal asks only for the time left, and the hold's
+  deadline then falls a margin before the bound, where it is reported lost with the
+  reason "max hold ... reached";
 * after ``fork()`` the child starts with an empty registry and no threads (see
   :func:`get_scheduler`), so a child never renews its parent's locks.
 """
@@ -43,6 +47,7 @@ from typing import Any, Protocol
 
 from .deadline import clock as _default_clock
 from .deadline import lease_end
+from .max_hold import capped_ms, reached_reason
 from .renew_target import LossNote, RenewTarget
 
 __all__ = [
@@ -82,13 +87,31 @@ class _Entry:
     fence: int | None = None
     #: Seconds each deadline keeps back from the ttl (drift and pause budget).
     margin: float | None = None
+    #: When the hold was taken (the send time of its acquire, scheduler clock).
+    started: float = 0.0
+    #: The hold may not outlive this moment (scheduler clock; None: unbounded) ...
+    bound: float | None = None
+    #: ... and a confirmed renewal (or extend) already reached it: no more renewals.
+    at_bound: bool = False
 
     @property
     def interval(self) -> float:
         return self.ttl_ms / 3000.0
 
     def renewable(self) -> bool:
-        return self.target is not None and not self.in_flight and not self.releasing
+        return (self.target is not None and not self.in_flight and not self.releasing
+                and not self.at_bound)
+
+    def send_ms(self, sent_at: float) -> int:
+        """The ttl a renewal sent at ``sent_at`` asks for: the hold's, or only the time
+        left to its bound (0: the bound is reached)."""
+        return capped_ms(self.ttl_ms, self.bound, sent_at)
+
+    def loss_reason(self) -> str:
+        """Why a hold whose deadline passed is lost."""
+        if self.at_bound and self.bound is not None:
+            return reached_reason(self.bound - self.started)
+        return "no renewal was confirmed before its deadline"
 
     def first_look(self) -> float:
         """When the watchdog must next look at this hold: its deadline, or when its
@@ -163,15 +186,18 @@ class RenewalScheduler:
 
     def register(self, lock: _Hold, hold_id: int, target: RenewTarget | None, key: str,
                  owner: str, ttl_ms: int, sent_at: float, *,
-                 fence: int | None = None, margin: float | None = None) -> None:
+                 fence: int | None = None, margin: float | None = None,
+                 bound: float | None = None) -> None:
         """Watch a hold confirmed by a request sent at ``sent_at`` (and renew it
         through ``target`` unless that is None); ``fence`` picks the :class:`LossNote`
         that applies to it; each of its deadlines keeps ``margin`` seconds back from
-        the ttl (default: :func:`~celery_dlock.core.deadline.margin_of` the ttl)."""
+        the ttl (default: :func:`~celery_dlock.core.deadline.margin_of` the ttl);
+        ``bound``: renewals never take it past that moment (its max hold)."""
         entry = _Entry(ref=weakref.ref(lock), lock_id=id(lock), hold_id=hold_id,
                        target=target, key=key, owner=owner, ttl_ms=ttl_ms,
                        deadline=lease_end(sent_at, ttl_ms, margin), next_due=0.0,
-                       fence=fence, margin=margin)
+                       fence=fence, margin=margin, started=sent_at, bound=bound)
+        entry.at_bound = bound is not None and entry.send_ms(sent_at) < ttl_ms
         entry.next_due = sent_at + entry.interval
         with self._cond:
             self._entries[id(lock)] = entry
@@ -191,16 +217,20 @@ class RenewalScheduler:
                 del self._entries[id(lock)]
 
     def confirmed(self, lock: object, hold_id: int, ttl_ms: int, sent_at: float,
-                  margin: float | None = None) -> None:
+                  margin: float | None = None, sent_ms: int | None = None) -> None:
         """An extend sent at ``sent_at`` was confirmed: renew with ``ttl_ms`` (and its
-        ``margin``) from now on and move the deadline (never earlier)."""
+        ``margin``) from now on and move the deadline (never earlier); ``sent_ms``:
+        the ttl the extend asked for when its bound cut it shorter."""
         with self._cond:
             entry = self._entry(lock, hold_id)
             if entry is not None:
                 entry.ttl_ms = ttl_ms
                 entry.margin = margin
+                if sent_ms is not None and sent_ms < ttl_ms:
+                    entry.at_bound = True
+                lease = ttl_ms if sent_ms is None else sent_ms
                 entry.deadline = max(entry.deadline,
-                                     lease_end(sent_at, ttl_ms, margin))
+                                     lease_end(sent_at, lease, margin))
                 entry.next_due = sent_at + entry.interval
                 self._poke(entry.first_look())
 
@@ -249,7 +279,7 @@ class RenewalScheduler:
                 del self._entries[lock_id]
             elif e.deadline <= now:
                 del self._entries[lock_id]
-                lost.append((e, "no renewal was confirmed before its deadline"))
+                lost.append((e, e.loss_reason()))
             else:
                 wake = min(wake, e.deadline)
                 if e.renewable():
@@ -281,31 +311,45 @@ class RenewalScheduler:
                      now: float | None = None) -> None:
         # One call for the batch; one item per (key, owner) even when several lock
         # objects of one owner re-entered the same lock (the longest ttl wins).
+        # A hold with a bound asks only for the time left to it.
+        sent_at = self._clock() if now is None else now
         unique: dict[tuple[str, str], int] = {}
+        sent: dict[int, int] = {}
         for e in entries:
             pair = (e.key, e.owner)
-            unique[pair] = max(unique.get(pair, 0), e.ttl_ms)
-        items = [(key, owner, ttl) for (key, owner), ttl in unique.items()]
-        sent_at = self._clock() if now is None else now
+            sent[e.lock_id] = e.send_ms(sent_at)
+            unique[pair] = max(unique.get(pair, 0), sent[e.lock_id])
+        items = [(key, owner, ttl) for (key, owner), ttl in unique.items() if ttl > 0]
+        if not items:  # every hold of the batch is at its bound
+            with self._cond:
+                for e in entries:
+                    e.in_flight = False
+                    e.at_bound = True
+                self._poke()
+            return
         self.renewal_calls += 1
         try:
             replies = list(target.renew(items))
         except Exception as exc:
             self._renewal_failed(entries, exc, None if now is None else now)
             return
-        status = dict(zip(unique, replies, strict=True))
+        status = dict(zip([(k, o) for k, o, _ in items], replies, strict=True))
         lost: list[tuple[_Entry, str]] = []
         with self._cond:
             for e in entries:
                 e.in_flight = False
                 if self._entries.get(e.lock_id) is not e:
                     continue  # released (or lost) while the call was in flight
+                if sent[e.lock_id] <= 0:
+                    e.at_bound = True
+                    continue
                 answer = status[(e.key, e.owner)]
                 code = answer.code if isinstance(answer, LossNote) else int(answer)
                 if code == 1:
-                    e.deadline = max(e.deadline,
-                                     lease_end(sent_at, e.ttl_ms, e.margin))
+                    lease = sent[e.lock_id]
+                    e.deadline = max(e.deadline, lease_end(sent_at, lease, e.margin))
                     e.next_due = sent_at + e.interval
+                    e.at_bound = e.at_bound or lease < e.ttl_ms
                 elif not e.releasing:
                     del self._entries[e.lock_id]
                     reason = ("expired before it was renewed" if code == 0

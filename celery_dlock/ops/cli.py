@@ -38,6 +38,7 @@ from celery import current_app
 
 from ..core.errors import LockKeyConflict
 from ..core.holds import HoldInfo
+from ..core.rates import RateState
 from .audit import record_release, released_by
 from .formatting import (
     QUEUED_FIELDS,
@@ -68,7 +69,7 @@ from .top import top
 __all__ = ["dlock"]
 
 #: The fields of a row of ``ls --json``.
-LS_FIELDS = (*SUMMARY_FIELDS, *QUEUED_FIELDS)
+LS_FIELDS = (*SUMMARY_FIELDS, *QUEUED_FIELDS, "rate")
 
 
 def _row(name: str, info: HoldInfo | None, queued: Queued | None) -> dict[str, Any]:
@@ -109,21 +110,31 @@ def ls(ctx: click.Context, as_json: bool) -> None:
     TTL is the time left before the hold expires unless renewed, HELD_FOR the time
     since it was taken (by the Redis server's clock).  QUEUED_TASK_ID is the call
     queued with an enqueue-time lock_mode (shown when any is), QUEUED_TTL its
-    marker's time left; a name queued and not held has a row of its own.
+    marker's time left; a name queued and not held has a row of its own.  RATE is
+    the state of a lock_rate (shown when any name has one): calls that may start
+    now of its burst, and when the next slot is free; a rated name not held has a
+    row of its own too.
     """
     target = target_of(ctx)
-    infos = {info.key: info for info in target.backend().holds(target.prefix)}
+    backend = target.backend()
+    infos = {info.key: info for info in backend.holds(target.prefix)}
     queued = target.queued() or {}
+    rates = rate_states(backend, target.prefix)
     rows = [_row(name, infos.get(name), queued.get(name))
-            for name in sorted(infos.keys() | queued.keys())]
+            for name in sorted(infos.keys() | queued.keys() | rates.keys())]
+    for row in rows:
+        rate = rates.get(row["key"])
+        row["rate"] = rate.as_dict() if rate is not None else None
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
         click.echo(printable(f"No locks held under prefix {target.prefix!r}."))
         return
-    columns = LS_FIELDS if queued else SUMMARY_FIELDS
-    for line in table_lines(columns, (value_cells(row, columns) for row in rows)):
+    columns = (*SUMMARY_FIELDS, *(QUEUED_FIELDS if queued else ()),
+               *(("rate",) if rates else ()))
+    cells = ({**row, "rate": rate_cell(rates.get(row["key"]))} for row in rows)
+    for line in table_lines(columns, (value_cells(row, columns) for row in cells)):
         click.echo(printable(line))
 
 
@@ -133,19 +144,22 @@ def ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 @reports_redis_errors
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show one lock (KEY is the lock name, as ls shows it) with every field, and
-    the call queued for it (an enqueue-time lock_mode's marker)."""
+    """Show one lock (KEY is the lock name, as ls shows it) with every field, the
+    call queued for it (an enqueue-time lock_mode's marker) and its lock_rate's
+    state."""
     target = target_of(ctx)
     backend = target.backend()
     info = backend.read(target.prefix, key)
     queued = target.queued_one(key)
-    if info is None and queued is None:
+    rate = rate_state(backend, target.prefix, key)
+    if info is None and queued is None and rate is None:
         _not_held(ctx, target, key)
         return
     if as_json:
         full: dict[str, Any] = info.as_dict() if info is not None else {
             **_row(key, None, None), "host": None, "extra": {}}
         full["queued_task_id"], full["queued_ttl"] = queued if queued else (None, None)
+        full["rate"] = rate.as_dict() if rate is not None else None
         click.echo(json.dumps(full, indent=2))
         return
     fields: list[tuple[str, str]] = [] if info is not None else [("key", key),
@@ -162,10 +176,39 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     if info is not None:
         waiting = backend.waiting(target.prefix, [key]).get(key, 0)
         fields.append(("waiting", str(waiting)))
+    if rate is not None:
+        fields.append(("rate", rate_text(rate)))
     fields.append(("redis_key", backend.storage_key(target.prefix, key)))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(printable(f"{name + ':':<{size}} {text}"))
+
+
+def rate_state(backend: Any, prefix: str, key: str) -> RateState | None:
+    """The lock_rate state of ``key`` (None: no call lately, or a backend that keeps
+    no rates)."""
+    rates = getattr(backend, "rates", None)
+    return None if rates is None else rates().state(prefix, key)
+
+
+def rate_states(backend: Any, prefix: str) -> dict[str, RateState]:
+    """Every lock_rate state under ``prefix``, by name (none on a backend that keeps
+    no rates)."""
+    rates = getattr(backend, "rates", None)
+    return {} if rates is None else dict(rates().states(prefix))
+
+
+def rate_cell(rate: RateState | None) -> str | None:
+    """A rate's state in a table cell: free now of its burst, next slot."""
+    if rate is None:
+        return None
+    return f"{rate.available}/{rate.burst} next {rate.next_in:.2f}s"
+
+
+def rate_text(rate: RateState) -> str:
+    """A rate's state in one line."""
+    return (f"{rate.available} of {rate.burst} may start now, next slot in "
+            f"{rate.next_in:.3f}s (one every {rate.interval:.3f}s)")
 
 
 def _not_held(ctx: click.Context, target: Target, key: str) -> None:

@@ -16,6 +16,9 @@ With the default namespace ``dlock``:
     re-queued by the ``retry`` policy starts a new attempt, counted on its own.
 ``dlock_contention_total`` (counter, ``task``, ``policy``)
     Attempts that found their lock held elsewhere (or Redis unreachable).
+``dlock_parked_total`` (counter, ``task``)
+    Calls over their ``lock_rate`` that were parked (re-queued for their slot):
+    ``signals.lock_parked``.
 ``dlock_lost_total`` (counter, ``task``)
     Running tasks whose lock expired or was taken.
 ``dlock_hold_seconds`` (histogram, ``task``)
@@ -50,6 +53,7 @@ _UIDS = {
     "duplicate": "celery_dlock.ops.metrics.duplicate",
     "released": "celery_dlock.ops.metrics.released",
     "lost": "celery_dlock.ops.metrics.lost",
+    "parked": "celery_dlock.ops.metrics.parked",
 }
 
 
@@ -65,6 +69,7 @@ class Metrics:
     lost: Any
     hold: Any
     held: Any
+    parked: Any
 
 
 _metrics: Metrics | None = None
@@ -105,6 +110,12 @@ def _on_duplicate(sender: Any = None, policy: str | None = None, **_: Any) -> No
     m = _metrics
     if m is not None:
         m.duplicates.labels(task=_task(sender), policy=policy or "unknown").inc()
+
+
+def _on_parked(sender: Any = None, **_: Any) -> None:
+    m = _metrics
+    if m is not None:
+        m.parked.labels(task=_task(sender)).inc()
 
 
 def _on_released(sender: Any = None, held_for: float | None = None, **_: Any) -> None:
@@ -166,6 +177,9 @@ def install(registry: Any = None, namespace: str = "dlock") -> Metrics:
             held=prom.Gauge(
                 "held_locks", "Locks held now by running locked tasks", ["task"],
                 namespace=namespace, registry=registry, multiprocess_mode="livesum"),
+            parked=prom.Counter(
+                "parked", "Calls over their lock_rate, parked (re-queued for their "
+                "slot)", ["task"], namespace=namespace, registry=registry),
         )
         signals.lock_acquired.connect(_on_acquired, weak=False,
                                       dispatch_uid=_UIDS["acquired"])
@@ -176,6 +190,8 @@ def install(registry: Any = None, namespace: str = "dlock") -> Metrics:
         signals.lock_released.connect(_on_released, weak=False,
                                       dispatch_uid=_UIDS["released"])
         signals.lock_lost.connect(_on_lost, weak=False, dispatch_uid=_UIDS["lost"])
+        signals.lock_parked.connect(_on_parked, weak=False,
+                                    dispatch_uid=_UIDS["parked"])
         _metrics = metrics
         return metrics
 
@@ -192,10 +208,11 @@ def uninstall() -> None:
         signals.lock_duplicate.disconnect(dispatch_uid=_UIDS["duplicate"])
         signals.lock_released.disconnect(dispatch_uid=_UIDS["released"])
         signals.lock_lost.disconnect(dispatch_uid=_UIDS["lost"])
+        signals.lock_parked.disconnect(dispatch_uid=_UIDS["parked"])
         _metrics = None
         for collector in (metrics.acquire_wait, metrics.contention,
                           metrics.duplicates, metrics.lost,
-                          metrics.hold, metrics.held):
+                          metrics.hold, metrics.held, metrics.parked):
             try:
                 metrics.registry.unregister(collector)
             except KeyError:

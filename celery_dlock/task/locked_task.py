@@ -81,8 +81,9 @@ from .contention import (
 from .handover import free_marker, hand_over
 from .hooks import install
 from .keys import KeyFunction, task_key_function
+from .rate import SLOT_HEADER, park_if_over
 from .request import LockedRequest
-from .settings import check_combination, enabled
+from .settings import check_combination, check_max_hold_option, enabled
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -129,6 +130,14 @@ class LockedTask(Task):  # type: ignore[misc]
     #: Seconds the holder may be frozen at its deadline and still be told first
     #: (app: dlock_pause_budget; default a tenth of lock_ttl, at most 2 s).
     lock_pause_budget: ClassVar[float | None] = None
+    #: Seconds after which a hold is no longer renewed and is lost ("max hold");
+    #: lock_lost_action applies (app: dlock_lock_max_hold; default None: unbounded).
+    lock_max_hold: ClassVar[float | None] = None
+    #: Per lock name, cluster-wide: "5/s", "100/m", "2/h"; a call over it is parked
+    #: (re-queued for its slot; app: dlock_rate) ...
+    lock_rate: ClassVar[str | None] = None
+    #: ... with this many at once after a quiet spell (app: dlock_rate_burst, 1).
+    lock_rate_burst: ClassVar[int | None] = None
     #: Uniqueness at enqueue: "while_running" (default), "until_started",
     #: "until_finished", "queued_and_running" or "throttle" (app: dlock_mode).
     lock_mode: ClassVar[str | None] = None
@@ -160,6 +169,8 @@ class LockedTask(Task):  # type: ignore[misc]
         task_key_function(cls, name)
         check_combination(f"task {name!r}", getattr(cls, "lock_mode", None),
                           getattr(cls, "on_duplicate", None))
+        check_max_hold_option(f"task {name!r}", getattr(cls, "lock_ttl", None),
+                              getattr(cls, "lock_max_hold", None))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -220,7 +231,8 @@ class LockedTask(Task):  # type: ignore[misc]
         return backend_for(self.app).lock(key, settings["lock_ttl"],
                                           prefix=settings["lock_prefix"],
                                           info=hold_info(self.name, request),
-                                          pause_budget=settings["lock_pause_budget"])
+                                          pause_budget=settings["lock_pause_budget"],
+                                          max_hold=settings["lock_max_hold"])
 
     # -- running ----------------------------------------------------------------------
 
@@ -251,6 +263,8 @@ class LockedTask(Task):  # type: ignore[misc]
         error: DLockError | None = None
         lock: Lock | None = None
         try:
+            if requeue and settings["lock_rate"] is not None:
+                park_if_over(self, request, args, kwargs, key, settings)
             lock = self._new_lock(key, settings, request)
             acquired = lock.acquire(blocking=False)
             if not acquired and requeue:
@@ -390,7 +404,8 @@ class LockedTask(Task):  # type: ignore[misc]
         headers = sig.options.get("headers")
         if "headers" not in extra_options and headers:
             sig.options["headers"] = {k: v for k, v in headers.items()
-                                      if k not in (CONTENTION_HEADER, DUPLICATE_HEADER)}
+                                      if k not in (CONTENTION_HEADER, DUPLICATE_HEADER,
+                                                   SLOT_HEADER)}
         return sig
 
     # -- lock lost ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..core.errors import InvalidLockConfig
 from ..core.hold import DEFAULT_PREFIX
+from ..core.rates import Rate, check_burst, parse_rate
 
 __all__ = [
     "CALL_OPTIONS",
@@ -44,6 +45,7 @@ __all__ = [
     "Setting",
     "check_bool",
     "check_combination",
+    "check_max_hold_option",
     "conf_of",
     "conf_value",
     "defaults",
@@ -105,6 +107,14 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     return check
 
 
+def _rate(name: str, value: Any) -> Rate:
+    return parse_rate(value, where=name)
+
+
+def _burst(name: str, value: Any) -> int:
+    return check_burst(value, name)
+
+
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidLockConfig(f"{name} must be True or False, got {value!r}")
@@ -164,6 +174,17 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
     Setting("lock_queue_ttl", "dlock_queue_ttl", 3600.0, _positive,
             "seconds a queue marker outlives its enqueue (plus any countdown/eta): "
             "the longest a lost message keeps its key from being queued again"),
+    Setting("lock_max_hold", "dlock_lock_max_hold", None, _positive,
+            "seconds after which a hold is no longer renewed and is lost with the "
+            "reason 'max hold ... reached' (lock_lost_action applies); at least "
+            "lock_ttl (None: unbounded)"),
+    Setting("lock_rate", "dlock_rate", None, _rate,
+            "per lock name, cluster-wide: at most this many calls start per second, "
+            "minute or hour ('5/s', '100/m', '2/h'); a call over it is parked "
+            "(re-queued for its slot, not counted against max_retries)"),
+    Setting("lock_rate_burst", "dlock_rate_burst", 1, _burst,
+            "calls lock_rate lets start at once after a quiet spell (1: evenly "
+            "spaced)"),
     Setting("lock_lost_action", "dlock_lock_lost_action", "fail", _lost_action,
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
@@ -183,6 +204,9 @@ NOT_PER_CALL = {
         "frees a dead child's lock, and celery dlock) must agree on"),
     "lock_lost_action": "a lost lock is handled outside the call, from the task's "
                         "own settings",
+    **dict.fromkeys(("lock_rate", "lock_rate_burst"),
+                    "a rate is shared by every call of a name: one call cannot have "
+                    "its own"),
 }
 #: Options one call may override in its message headers.
 CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)
@@ -267,3 +291,15 @@ def check_combination(where: str, mode: Any, policy: Any) -> None:
         raise InvalidLockConfig(
             f"{where}: on_duplicate='replace' cannot go with lock_mode='throttle' (the "
             f"window's call may have run already); use drop, raise or return_existing")
+
+
+def check_max_hold_option(where: str, ttl: Any, max_hold: Any) -> None:
+    """Refuse a lock_max_hold shorter than the lock_ttl (the first grant already
+    lasts a ttl)."""
+    if max_hold is None or ttl is None:
+        return
+    if _positive(f"{where} option lock_max_hold", max_hold) < \
+            _positive(f"{where} option lock_ttl", ttl):
+        raise InvalidLockConfig(f"{where}: lock_max_hold ({max_hold:g}s) must be at "
+                                f"least lock_ttl ({ttl:g}s): the first grant already "
+                                f"lasts a ttl")

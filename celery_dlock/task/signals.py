@@ -26,7 +26,7 @@ from typing import Any
 from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_duplicate", "lock_lost",
-           "lock_released", "send"]
+           "lock_parked", "lock_released", "send"]
 
 #: A locked task took its lock. Arguments: ``name``, ``fence``, ``task_id``,
 #: ``wait`` (seconds spent acquiring).
@@ -53,6 +53,11 @@ lock_lost = Signal(name="dlock_lock_lost")
 #: a task), ``mode`` (the lock_mode), ``policy`` (return_existing, raise, drop or
 #: replace: what the new call got).
 lock_duplicate = Signal(name="dlock_lock_duplicate")
+
+#: A call over its ``lock_rate`` was parked: re-queued for its slot (sent from the
+#: worker, before any lock is taken). Arguments: ``name``, ``task_id``, ``delay``
+#: (seconds to its slot), ``rate`` (as written, ``"5/s"``).
+lock_parked = Signal(name="dlock_lock_parked")
 
 
 def send(signal: Signal, sender: Any, name: str, **arguments: Any) -> Any:

@@ -20,6 +20,8 @@ from celery import signals as celery_signals
 from ..core.errors import DLockError
 from .config import SETTINGS, check_conf, read_setting
 from .keys import task_key_function
+from .rate import check_rates_supported
+from .settings import check_max_hold_option, enabled
 
 __all__ = ["check_app", "install"]
 
@@ -40,8 +42,11 @@ def check_app(app: Any) -> None:
     check_conf(app.conf)
     for task in _locked_tasks(app):
         type(task)._dlock_check_options()  # unknown options, annotations included
-        for option in SETTINGS:
-            read_setting(task, option)
+        values = {option: read_setting(task, option) for option in SETTINGS}
+        check_max_hold_option(f"task {task.name!r}", values["lock_ttl"],
+                              values["lock_max_hold"])
+        if values["lock_rate"] is not None and enabled(app):
+            check_rates_supported(app, f"task {task.name!r} option lock_rate")
         task_key_function(type(task), task.name)
 
 

@@ -50,6 +50,19 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
             e.log(kind="reentry-lost", x=x, lost=self.lock.lost, depth=self.lock.depth)
         return "body finished"
 
+    def outlive(self: Any, x: str, after: float) -> str:
+        """Run ``after`` seconds, past the task's lock_max_hold."""
+        deadline = time.monotonic() + after
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+        e.log(kind="body-end", x=x, lost=self.lock.lost)
+        return "body finished"
+
+    for action in ("fail", "warn", "interrupt"):
+        e.tasks[f"max_hold_{action}"] = e.app.task(
+            base=LockedTask, shared=False, bind=True, name=f"max_hold_{action}",
+            lock_key="l:{x}", lock_ttl=1, lock_max_hold=2,
+            lock_lost_action=action)(outlive)
     e.tasks["reenter"] = e.app.task(base=LockedTask, shared=False, bind=True,
                                     name="lost_reenter", lock_key="l:{x}",
                                     lock_ttl=30)(reenter)
@@ -127,3 +140,27 @@ def test_a_reentry_that_finds_the_hold_gone_fails_the_attempt(
     (signal,) = [s for s in lost_signals if s["name"] == f"l:{x}"]
     assert signal["key"] == signal["name"]  # the deprecated spelling, still sent
     assert signal["reason"] == "expired"  # the keys were deleted: nobody holds it
+
+
+@pytest.mark.parametrize("action", ["fail", "warn", "interrupt"])
+def test_max_hold_ends_the_hold_and_lock_lost_action_applies(
+        env: TaskEnv, action: str, lost_signals: list[dict[str, Any]]) -> None:
+    x = _x()
+    started = time.monotonic()
+    res = env.tasks[f"max_hold_{action}"].delay(x, 4.0)
+    if action == "warn":
+        assert res.get(timeout=RESULT_TIMEOUT) == "body finished"
+    else:
+        # An interrupt raises inside the body with its generic words; the reason
+        # travels in the signal.
+        with pytest.raises(LockLost, match="max hold" if action == "fail" else "lost"):
+            res.get(timeout=RESULT_TIMEOUT)
+        assert res.state == states.FAILURE
+    (signal,) = [s for s in lost_signals if s["name"] == f"l:{x}"]
+    assert signal["reason"] == "max hold of 2s reached"
+    ends = env.events(kind="body-end", x=x)
+    if action == "interrupt":
+        assert not ends  # stopped at the bound, not after its 4 s
+        assert time.monotonic() - started < 4.0
+    else:
+        assert [end["lost"] for end in ends] == [True]

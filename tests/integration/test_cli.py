@@ -88,7 +88,8 @@ def test_ls_json_describes_the_running_task(env):
         assert out.exit_code == 0, out.output
         rows = json.loads(out.stdout)
         assert isinstance(rows, list)
-        assert all(list(row) == [*SUMMARY_FIELDS, *QUEUED] for row in rows)
+        assert all(list(row) == [*SUMMARY_FIELDS, *QUEUED, "rate"] for row in rows)
+        assert all(row["rate"] is None for row in rows)  # no lock_rate
         assert all(row["queued_task_id"] is None for row in rows)  # nothing queued
         row = next(row for row in rows if row["key"] == f"cli:{x}")
         assert row["task_id"] == result.id
@@ -148,7 +149,8 @@ def test_show_prints_every_field(env):
         for name in ("task_name", "owner", "count", "fence", "ttl", "held_for"):
             assert fields[name] not in ("", "-"), name
         as_json = json.loads(run_cli("show", f"cli:{x}", "--json").stdout)
-        assert set(as_json) == {*SUMMARY_FIELDS, "host", "extra", *QUEUED}
+        assert set(as_json) == {*SUMMARY_FIELDS, "host", "extra", *QUEUED, "rate"}
+        assert as_json["rate"] is None  # no lock_rate
         assert as_json["task_id"] == result.id
     finally:
         finish(env, x, result)

@@ -60,6 +60,11 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
             time.sleep(0.02)
         return "never noticed"
 
+    @app.task(base=LockedTask, bind=True, name=f"m{tag}.rated", lock_key="m:{x}",
+              lock_rate="2/s", max_retries=0, shared=False)
+    def rated(self: Any, x: str) -> str:
+        return "ran"
+
     def open_gate(x: str) -> None:
         r.rpush(f"{prefix}-data:gate:{x}", 1)
 
@@ -69,7 +74,7 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
             registry=registry, metrics=installed, r=r, prefix=prefix, gates=gates,
             open_gate=open_gate,
             tasks=SimpleNamespace(quick=quick, gated=gated, skipper=skipper,
-                                  loses=loses))
+                                  loses=loses, rated=rated))
         for x in gates:
             open_gate(x)
     metrics.uninstall()
@@ -173,3 +178,13 @@ def test_duplicate_counter_by_task_and_policy(env):
         {"return_existing": 1, "drop": 2, "raise": 1}
     env.open_gate(x)
     assert first.get(timeout=RESULT_TIMEOUT) == "done"
+
+
+def test_parked_counter(env):
+    task = env.tasks.rated.name
+    x = uuid.uuid4().hex
+    before = sample(env, "dlock_parked_total", task=task)
+    # 3 calls at once at 2/s (burst 1): the 2nd and 3rd are parked, then run.
+    results = [env.tasks.rated.delay(x) for _ in range(3)]
+    assert [res.get(timeout=RESULT_TIMEOUT) for res in results] == ["ran"] * 3
+    assert sample(env, "dlock_parked_total", task=task) >= before + 2

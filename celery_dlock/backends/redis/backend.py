@@ -11,6 +11,7 @@ from .inspect import force_release, get_lock, iter_locks, release_matching, wait
 from .keyspace import LockKeys
 from .lock import RedisLock
 from .markers import RedisMarkers
+from .rate import RedisRates
 
 __all__ = ["RedisBackend"]
 
@@ -27,10 +28,11 @@ class RedisBackend:
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None) -> RedisLock:
+             auto_renew: bool = True, pause_budget: float | None = None,
+             max_hold: float | None = None) -> RedisLock:
         return RedisLock(self.client, name, ttl, prefix=prefix, info=info, owner=owner,
                          on_lost=on_lost, auto_renew=auto_renew,
-                         pause_budget=pause_budget)
+                         pause_budget=pause_budget, max_hold=max_hold)
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         return get_lock(self.client, prefix, name)
@@ -57,6 +59,10 @@ class RedisBackend:
     def markers(self) -> RedisMarkers:
         """The queue markers of enqueue-time uniqueness, on the same Redis."""
         return RedisMarkers(self.client)
+
+    def rates(self) -> RedisRates:
+        """Per-name rates (``lock_rate``), on the same Redis."""
+        return RedisRates(self.client)
 
     def __repr__(self) -> str:
         return f"<RedisBackend {self.client!r}>"

@@ -83,6 +83,9 @@ class RedisLock(Hold):
     :param pause_budget: seconds this holder may be frozen at its deadline and still be
         told first (default: a tenth of the ttl, at most 2 s; see
         :mod:`celery_dlock.core.deadline`).
+    :param max_hold: seconds after which the hold is no longer renewed and is reported
+        lost with the reason "max hold of ...s reached" (None: unbounded; at least
+        ``ttl``; see :mod:`celery_dlock.core.max_hold`).
 
     Every Redis failure surfaces as :class:`BackendUnavailable` (connection refused or
     reset, timeouts, a read-only replica after failover, a refused command), and data of
@@ -103,13 +106,14 @@ class RedisLock(Hold):
         blocking_timeout: float | None = None,
         scheduler: RenewalScheduler | None = None,
         pause_budget: float | None = None,
+        max_hold: float | None = None,
     ) -> None:
         info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
                                        pause_budget)
         check_client(client, name)
         super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
                          auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget)
+                         pause_budget=pause_budget, max_hold=max_hold)
         self.client = client
         self.prefix = prefix
         self.keys = LockKeys.for_name(prefix, name)
@@ -145,7 +149,8 @@ class RedisLock(Hold):
         if reentry:
             fence = self._fence
             expect = "*" if fence is None else str(fence)
-        reply = self._run(ACQUIRE, (owner, self.ttl_ms, lease_ms, op, expect,
+        ttl_ms = self._acquire_ttl_ms(reentry)
+        reply = self._run(ACQUIRE, (owner, ttl_ms, lease_ms, op, expect,
                                     "pid", os.getpid(), *self._info_args))
         code = int(reply[0])
         if code == 1:

@@ -31,10 +31,11 @@ class RedlockBackend:
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None) -> RedlockLock:
+             auto_renew: bool = True, pause_budget: float | None = None,
+             max_hold: float | None = None) -> RedlockLock:
         return RedlockLock(self.clients, name, ttl, prefix=prefix, info=info,
                            owner=owner, on_lost=on_lost, auto_renew=auto_renew,
-                         pause_budget=pause_budget)
+                         pause_budget=pause_budget, max_hold=max_hold)
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         holder = RedlockLock(self.clients, name, prefix=prefix, auto_renew=False).holder()

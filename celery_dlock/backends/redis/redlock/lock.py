@@ -106,6 +106,8 @@ class RedlockLock(Hold):
         less the pause budget.
     :param node_timeout: the longest one node may take to answer a call (default
         ``min(0.5, ttl / 10)``): a node that hangs never costs more.
+    :param max_hold: seconds after which the hold is no longer renewed and is reported
+        lost (None: unbounded; see :mod:`celery_dlock.core.max_hold`).
 
     :attr:`fence` raises :class:`FencingUnavailable` (see the module docs).
     """
@@ -128,12 +130,13 @@ class RedlockLock(Hold):
         drift_factor: float = 0.01,
         node_timeout: float | None = None,
         pause_budget: float | None = None,
+        max_hold: float | None = None,
     ) -> None:
         info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
                                        pause_budget)
         super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
                          auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget)
+                         pause_budget=pause_budget, max_hold=max_hold)
         self.clients = check_nodes(clients, name)
         self.quorum = quorum_of(len(self.clients))
         self.drift_factor, self.node_timeout = check_timing(name, self.ttl, drift_factor,
@@ -176,7 +179,8 @@ class RedlockLock(Hold):
 
     def _send_acquire(self, owner: str, op: str, *, queue: bool,
                       reentry: bool) -> Grant | Refused | int:
-        args = [owner, self.ttl_ms, 0, op, "", "pid", os.getpid(), *self._info_args]
+        args = [owner, self._acquire_ttl_ms(reentry), 0, op, "", "pid", os.getpid(),
+                *self._info_args]
         keys = (self.keys.lock,)
         quorum, n = self.quorum, len(self._nodes)
         # A re-entry names, per node, the hold it expects by that node's fence (its

@@ -1,0 +1,142 @@
+"""Per-name rates on Redis (``lock_rate``): GCRA in one script, on the server's clock.
+
+The rule is :mod:`celery_dlock.core.rates`.  ``P:{NAME}:rate`` is a hash beside the
+lock's, sharing its hash tag (one Cluster slot): ``tat`` (the theoretical arrival
+time), ``interval`` and ``tau`` (``(burst - 1) * interval``), all in server
+microseconds.  It expires one second after ``tat``: a name with no calls lately keeps
+nothing.  It is a hash with none of a hold's fields, so ``celery dlock ls`` (which
+lists the lock hashes) never shows it as a lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from redis.exceptions import RedisError, ResponseError
+
+from ...core.errors import BackendUnavailable, LockKeyConflict
+from ...core.rates import Rate, RateDecision, RateState
+from .cluster import node_clients
+from .hashtag import lock_key, name_of_key, scan_pattern
+from .keyspace import UNTOUCHED, decode
+from .scripts import LuaScript
+
+__all__ = ["RATE_SUFFIX", "TAKE", "RedisRates", "rate_key"]
+
+#: The suffix of a name's rate state after its lock's key.
+RATE_SUFFIX = ":rate"
+
+# KEYS[1] the rate state.  ARGV[1] interval (us), ARGV[2] tau (us), ARGV[3] the slot
+# (us) a parked call comes back for, or ''.
+# Replies {code, wait (us), slot (us)}: 1 start now; 0 parked: wait for the slot,
+# reserved; 2 back too early for its slot: wait again (nothing changed).
+TAKE = LuaScript("rate_take", """
+local key = KEYS[1]
+local interval, tau = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+if ARGV[3] ~= '' then
+  local slot = tonumber(ARGV[3])
+  if now < slot then return {2, slot - now, slot} end
+  if now <= slot + interval then return {1, 0, slot} end
+end
+local tat = tonumber(redis.call('HGET', key, 'tat') or '0')
+if tat < now then tat = now end
+local at = tat - tau
+if at < now then at = now end
+local new = tat + interval
+local ms = math.ceil((new - now) / 1000) + 1000
+-- The expiry first (on a missing key it changes nothing): a refused command stops the
+-- script before the write.
+redis.call('PEXPIRE', key, ms)
+redis.call('HSET', key, 'tat', string.format('%.0f', new), 'interval', ARGV[1],
+           'tau', ARGV[2])
+redis.call('PEXPIRE', key, ms)
+if at <= now then return {1, 0, now} end
+return {0, at - now, at}
+""")
+
+# KEYS[1] the rate state.  Replies {tat, interval, tau, now} (us; empty when none).
+READ = LuaScript("rate_read", """
+local tat = redis.call('HGET', KEYS[1], 'tat')
+if not tat then return {} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+return {tat, redis.call('HGET', KEYS[1], 'interval'), redis.call('HGET', KEYS[1], 'tau'),
+        string.format('%.0f', now)}
+""")
+
+
+def rate_key(prefix: str, name: str) -> str:
+    """Where the rate state of ``name`` lives."""
+    return lock_key(prefix, name) + RATE_SUFFIX
+
+
+def _us(seconds: float) -> int:
+    return max(1, round(seconds * 1_000_000))
+
+
+class RedisRates:
+    """The :class:`~celery_dlock.core.protocol.RateStore` of one Redis (any topology
+    one client reaches)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def _run(self, script: LuaScript, key: str, args: tuple[Any, ...], name: str
+             ) -> Any:
+        try:
+            return script(self.client, (key,), args)
+        except ResponseError as exc:
+            if "WRONGTYPE" in str(exc):
+                raise LockKeyConflict(f"{key!r} is not a hash: {UNTOUCHED}",
+                                      lock_name=name) from exc
+            raise BackendUnavailable(f"Redis refused the rate of {name!r}: {exc}",
+                                     lock_name=name) from exc
+        except RedisError as exc:
+            raise BackendUnavailable(f"Redis unavailable during {script.name}: {exc}",
+                                     lock_name=name) from exc
+
+    def take(self, prefix: str, name: str, rate: Rate,
+             slot: int | None = None) -> RateDecision:
+        interval = _us(rate.interval)
+        reply = self._run(TAKE, rate_key(prefix, name),
+                          (interval, interval * (rate.burst - 1),
+                           "" if slot is None else int(slot)), name)
+        code, wait, given = (int(x) for x in reply)
+        if code == 1:
+            return RateDecision(True)
+        return RateDecision(False, wait / 1_000_000, given)
+
+    def state(self, prefix: str, name: str) -> RateState | None:
+        reply = self._run(READ, rate_key(prefix, name), (), name)
+        if not reply:
+            return None
+        tat, interval, tau, now = (int(float(decode(x))) for x in reply)
+        interval = max(1, interval)
+        tat = max(tat, now)
+        # Calls that may start now: the burst left, as GCRA counts it.
+        available = (now + tau - tat) // interval + 1 if tat - tau <= now else 0
+        return RateState(interval=interval / 1_000_000, burst=tau // interval + 1,
+                         available=int(available),
+                         next_in=max(0, tat - tau - now) / 1_000_000)
+
+    def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
+        """Every name under ``prefix`` with a rate state, each once."""
+        seen: set[str] = set()
+        try:
+            nodes = list(node_clients(self.client))
+            keys = [decode(raw) for node in nodes for raw in node.scan_iter(
+                match=scan_pattern(prefix) + RATE_SUFFIX, count=500, _type="hash")]
+        except (RedisError, UnicodeDecodeError) as exc:
+            raise BackendUnavailable(f"Redis unavailable while listing rates: "
+                                     f"{exc}") from exc
+        for key in keys:
+            name = name_of_key(prefix, key[:-len(RATE_SUFFIX)])
+            if name is None or name in seen:
+                continue
+            seen.add(name)
+            state = self.state(prefix, name)
+            if state is not None:
+                yield name, state

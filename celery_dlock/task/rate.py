@@ -1,0 +1,100 @@
+"""``lock_rate``: a per-name rate, cluster-wide, before the lock is taken.
+
+A worker run of a :class:`~celery_dlock.LockedTask` with ``lock_rate="5/s"`` asks the
+backend (:class:`~celery_dlock.core.protocol.RateStore`) whether a call of its lock
+name may start now (GCRA on the server's clock: :mod:`celery_dlock.core.rates`).  One
+that may not is **parked**: its message is published again, with the same task id,
+arguments, headers and ``retries``, a countdown to the slot reserved for it, and the
+slot in a header (:data:`SLOT_HEADER`); the attempt ends in state RETRY, holding
+nothing (no lock was taken).  So a parked call
+
+* never consumes ``max_retries`` (its ``retries`` is unchanged) nor the contention
+  retries (``lock_retry_max``);
+* is never dropped: when it comes back at its slot it starts without asking again;
+  one that comes back more than one interval late asks afresh;
+* keeps its queue marker (``lock_mode``), as a contention retry does.
+
+Direct calls and eager runs (``apply()``) are not counted: they cannot be parked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from celery.exceptions import Retry
+
+from ..core.errors import NotSupported
+from ..core.protocol import RateStore
+from ..core.rates import Rate, RateDecision
+from . import signals
+from .backend import backend_for
+from .connection import redlock_urls
+from .settings import conf_value
+
+__all__ = ["SLOT_HEADER", "check_rates_supported", "park_if_over", "rates_for"]
+
+logger = logging.getLogger("celery_dlock.rate")
+
+#: Message header with the slot (server microseconds) reserved for a parked call.
+SLOT_HEADER = "dlock_rate_slot"
+
+
+def _unsupported(kind: str) -> NotSupported:
+    return NotSupported(
+        f"lock_rate needs per-name rates, which the {kind} backend does not keep (use "
+        f"one Redis, a Cluster or Sentinel for tasks with a lock_rate)")
+
+
+def rates_for(app: Any) -> RateStore:
+    """The rates of ``app``'s backend; :class:`NotSupported` when it keeps none."""
+    backend = backend_for(app)
+    rates = getattr(backend, "rates", None)
+    if rates is None:
+        raise _unsupported(backend.kind)
+    store: RateStore = rates()
+    return store
+
+
+def check_rates_supported(app: Any, where: str) -> None:
+    """At worker start, from the configuration alone (no client is made): refuse
+    ``lock_rate`` with a Redlock ``dlock_url``.  (A ``dlock_client`` returning several
+    clients is found out at the first call, which fails with the same error.)"""
+    if redlock_urls(conf_value(app, "dlock_url")) is not None:
+        raise NotSupported(f"{where}: {_unsupported('redlock')}")
+
+
+def _slot_of(request: Any) -> int | None:
+    raw = (getattr(request, "headers", None) or {}).get(SLOT_HEADER)
+    if raw is None:
+        raw = getattr(request, SLOT_HEADER, None)
+    try:
+        return None if raw is None else int(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+def park_if_over(task: Any, request: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], name: str,
+                 settings: Mapping[str, Any]) -> None:
+    """Return when this call may start now under the task's ``lock_rate``; otherwise
+    re-publish it for its slot and raise :class:`celery.exceptions.Retry`.  Raises
+    :class:`~celery_dlock.BackendUnavailable` when the server cannot be asked."""
+    rate: Rate = settings["lock_rate"]
+    if settings["lock_rate_burst"] != rate.burst:
+        rate = rate._replace(burst=int(settings["lock_rate_burst"]))
+    decision: RateDecision = rates_for(task.app).take(
+        settings["lock_prefix"], name, rate, _slot_of(request))
+    if decision.run:
+        return
+    headers = {**(request.headers or {}), SLOT_HEADER: decision.slot}
+    sig = task.signature_from_request(request, args, kwargs, countdown=decision.delay,
+                                      retries=request.retries, headers=headers)
+    sig.apply_async()
+    signals.send(signals.lock_parked, task, name, task_id=request.id,
+                 delay=decision.delay, rate=str(rate))
+    logger.info("Task %s[%s] parked for %.3fs: lock_rate %s of %r", task.name,
+                request.id, decision.delay, rate, name)
+    raise Retry(f"parked for {decision.delay:.3f}s by lock_rate {rate} of {name!r}",
+                when=decision.delay, sig=sig)

@@ -1,0 +1,201 @@
+"""``lock_rate``: a per-name rate, cluster-wide, on the server's clock (GCRA).
+
+The rule on the Redis backend directly (grants, parked slots, a parked call's return,
+the state ``celery dlock show`` reads), the checks at declaration and worker start, and
+two real worker nodes running 30 calls at 5/s with ``max_retries=0``: all succeed, and
+no one-second window holds more starts than the rate plus the burst.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from celery.bin.base import CLIContext
+from click.testing import CliRunner
+from worker_harness import Harness, open_harness, wait_for
+
+from celery_dlock import InvalidLockConfig, LockedTask
+from celery_dlock.backends.redis.rate import RedisRates, rate_key
+from celery_dlock.core.errors import NotSupported
+from celery_dlock.core.rates import parse_rate
+from celery_dlock.ops.cli import dlock
+from celery_dlock.task.startup import check_app
+
+
+def _body() -> None:
+    """A task body (Celery needs a named function)."""
+
+
+@pytest.fixture
+def rates(r: redis.Redis) -> RedisRates:
+    return RedisRates(r)
+
+
+def test_gcra_grants_at_the_rate_and_parks_in_order(rates, prefix, name):
+    rate = parse_rate("5/s")  # one call every 0.2 s, no burst
+    assert rates.take(prefix, name, rate).run
+    parked = [rates.take(prefix, name, rate) for _ in range(3)]
+    assert not any(d.run for d in parked)
+    slots = [d.slot for d in parked]
+    assert all(s is not None for s in slots)
+    # Successive slots, one interval apart, in the order asked.
+    gaps = [(b - a) / 1e6 for a, b in itertools.pairwise(slots)]  # type: ignore[operator]
+    assert all(abs(g - 0.2) < 0.005 for g in gaps), gaps
+    assert 0.1 < parked[0].delay <= 0.2 and parked[2].delay > parked[1].delay
+    state = rates.state(prefix, name)
+    assert state is not None and state.available == 0
+    assert state.interval == pytest.approx(0.2) and state.burst == 1
+    assert 0.6 < state.next_in <= 0.8
+
+
+def test_a_parked_call_runs_at_its_slot_without_asking_again(rates, r, prefix, name):
+    rate = parse_rate("5/s")
+    assert rates.take(prefix, name, rate).run
+    parked = rates.take(prefix, name, rate)
+    assert not parked.run
+    early = rates.take(prefix, name, rate, parked.slot)
+    assert not early.run and early.slot == parked.slot, "too early: the same slot"
+    before = r.hget(rate_key(prefix, name), "tat")
+    time.sleep(parked.delay + 0.01)
+    assert rates.take(prefix, name, rate, parked.slot).run
+    assert r.hget(rate_key(prefix, name), "tat") == before, "its slot was already counted"
+
+
+def test_a_parked_call_back_late_asks_afresh(rates, prefix, name):
+    rate = parse_rate("5/s")
+    assert rates.take(prefix, name, rate).run
+    parked = rates.take(prefix, name, rate)
+    time.sleep(parked.delay + 0.5)  # more than one interval past its slot
+    assert rates.take(prefix, name, rate, parked.slot).run  # free again: granted
+    again = rates.take(prefix, name, rate, parked.slot)  # the same late slot
+    assert not again.run and again.slot != parked.slot
+
+
+def test_a_burst_lets_that_many_through_at_once(rates, prefix, name):
+    rate = parse_rate("2/s", burst=3)
+    assert [rates.take(prefix, name, rate).run for _ in range(4)] == \
+        [True, True, True, False]
+    assert rates.state(prefix, name).burst == 3  # type: ignore[union-attr]
+
+
+def test_the_state_expires_when_the_name_is_quiet(rates, r, prefix, name):
+    rates.take(prefix, name, parse_rate("50/s"))
+    key = rate_key(prefix, name)
+    assert 0 < r.pttl(key) <= 1100
+    assert rates.state(prefix, name + "-other") is None
+
+
+@pytest.mark.parametrize("bad", ["5", "5/d", "5 / s", "/s", "0/s", "-1/s", "5/sec",
+                                 "1e3/s", 5, None.__class__, "1000000/s"])
+def test_a_bad_rate_is_refused_at_declaration(bad):
+    app = Celery("rate-bad", broker="memory://", set_as_current=False)
+    app.finalize()  # the decorator builds the task class at once
+    with pytest.raises(InvalidLockConfig, match="lock_rate"):
+        app.task(base=LockedTask, name=f"bad_{uuid.uuid4().hex[:6]}",
+                 lock_rate=bad, shared=False)(_body)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_a_bad_burst_is_refused_at_declaration(bad):
+    app = Celery("rate-bad", broker="memory://", set_as_current=False)
+    app.finalize()  # the decorator builds the task class at once
+    with pytest.raises(InvalidLockConfig, match="lock_rate_burst"):
+        app.task(base=LockedTask, name=f"bad_{uuid.uuid4().hex[:6]}",
+                 lock_rate="5/s", lock_rate_burst=bad, shared=False)(_body)
+
+
+def test_a_rate_cannot_be_set_per_call(redis_url):
+    app = Celery("rate-call", broker="memory://", set_as_current=False)
+    app.finalize()
+    task = app.task(base=LockedTask, name="rate_call", shared=False)(_body)
+    with pytest.raises(InvalidLockConfig, match="per call"):
+        task.apply_async(lock_rate="1/s")
+
+
+def test_a_redlock_backend_refuses_lock_rate_at_worker_start(redis_url):
+    urls = ";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3))
+    app = Celery("rate-redlock", broker="memory://", set_as_current=False)
+    app.finalize()
+    app.conf.dlock_url = urls
+    app.task(base=LockedTask, name="rated_redlock", lock_rate="5/s",
+             shared=False)(_body)
+    with pytest.raises(NotSupported, match="lock_rate"):
+        check_app(app)
+
+
+def test_celery_dlock_show_prints_the_rate_state(rates, redis_url, prefix, name):
+    rate = parse_rate("2/s", burst=2)
+    rates.take(prefix, name, rate)
+    app = Celery("rate-cli", broker="memory://", set_as_current=False)
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    args = ["--url", redis_url, "--prefix", prefix, "show", name]
+    out = CliRunner().invoke(dlock, args, obj=obj)
+    assert out.exit_code == 0, out.output
+    line = next(x for x in out.stdout.splitlines() if x.startswith("rate:"))
+    assert "1 of 2 may start now" in line and "one every 0.500s" in line
+    shown = json.loads(CliRunner().invoke(dlock, [*args, "--json"], obj=obj).stdout)
+    assert shown["rate"]["burst"] == 2 and shown["rate"]["available"] == 1
+    assert shown["rate"]["next_in"] == 0
+    rates.take(prefix, name, rate)
+    rates.take(prefix, name, rate)  # parked: the next slot is ahead
+    shown = json.loads(CliRunner().invoke(dlock, [*args, "--json"], obj=obj).stdout)
+    assert shown["rate"]["available"] == 0 and 0.3 < shown["rate"]["next_in"] <= 1.0
+
+
+def test_celery_dlock_ls_lists_rated_names(rates, redis_url, prefix, name):
+    rates.take(prefix, name, parse_rate("1/s"))
+    rates.take(prefix, name, parse_rate("1/s"))  # parked: the next slot is ahead
+    app = Celery("rate-ls", broker="memory://", set_as_current=False)
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    args = ["--url", redis_url, "--prefix", prefix, "ls"]
+    out = CliRunner().invoke(dlock, args, obj=obj)
+    assert out.exit_code == 0, out.output
+    header, *lines = out.stdout.splitlines()
+    assert header.split()[-1] == "RATE"
+    (line,) = [x for x in lines if x.startswith(name)]  # not held: a row of its own
+    assert "0/1 next" in line
+    rows = json.loads(CliRunner().invoke(dlock, [*args, "--json"], obj=obj).stdout)
+    (row,) = [x for x in rows if x["key"] == name]
+    assert row["owner"] is None and row["rate"]["available"] == 0
+    assert 1.0 < row["rate"]["next_in"] <= 2.0
+
+
+# -- real workers ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
+            request: pytest.FixtureRequest) -> Iterator[Harness]:
+    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_two_nodes_keep_the_rate_and_park_without_dropping(harness: Harness) -> None:
+    h = harness
+    h.start_workers(count=2, concurrency=2)
+    key = uuid.uuid4().hex[:8]
+    task = h.app.tasks["pf.rated"]
+    results = [task.delay(key, n) for n in range(30)]
+    # All 30 succeed (max_retries=0: a parked call never counts as a retry).
+    assert sorted(res.get(timeout=60) for res in results) == list(range(30))
+    wait_for(lambda: len(h.records("rated", key)) >= 30, 10, what="30 recorded starts")
+    runs = h.records("rated", key)
+    assert len(runs) == 30, "each call ran once"
+    assert {run["retries"] for run in runs} == {0}
+    starts = sorted(run["start"] for run in runs)
+    # Never more than the rate plus the burst (5 + 1) in any one-second window.
+    worst = max(sum(1 for t in starts if s <= t < s + 1.0) for s in starts)
+    assert worst <= 6, (worst, starts)
+    # Parked, not run at once: 30 calls at 5/s need about 6 s.
+    assert starts[-1] - starts[0] >= 5.0
+    # Both nodes took part.
+    assert len({run["node"] for run in runs}) == 2

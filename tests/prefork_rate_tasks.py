@@ -1,0 +1,28 @@
+"""Tasks for the ``lock_rate`` tests on real workers (tests/integration/test_rate.py),
+registered on the app of :mod:`prefork_app`.
+
+``pf.rated`` records each start (the Redis server's time, its task id, retries and
+node) under ``<prefix>-data:rated:<key>``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from celery import Celery
+
+from celery_dlock import LockedTask
+
+
+def register(app: Celery, dp: str, record: Callable[..., None],
+             data: Callable[[], Any]) -> None:
+    @app.task(shared=False, name="pf.rated", base=LockedTask, bind=True,
+              lock_key="rated:{key}", lock_rate="5/s", max_retries=0)
+    def rated(self: Any, key: str, n: int) -> int:
+        secs, usecs = data().time()
+        record(f"{dp}:rated:{key}", n=n, start=secs + usecs / 1e6,
+               task_id=self.request.id, retries=self.request.retries,
+               node=self.request.hostname or socket.gethostname())
+        return n
