@@ -38,6 +38,7 @@ from redis.retry import Retry
 from ..backends.redis import topology
 from ..core import urls
 from ..core.errors import BackendUnavailable, InvalidLockConfig
+from .schemes import check_known
 from .settings import conf_value
 
 __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "redlock_urls",
@@ -191,9 +192,7 @@ def resolve_url(conf: Any) -> str:
     if url:
         found = redis_url_of(url)
         if found is None:
-            raise InvalidLockConfig(
-                f"app.conf.dlock_url must be a redis://, rediss://, unix://, "
-                f"redis+cluster:// or sentinel:// URL, got {mask_url(url)!r}")
+            check_known(url, "app.conf.dlock_url")
         return _each_unambiguous(found, "app.conf.dlock_url")
     broker = _conf_value(conf, "broker_url")
     found = redis_url_of(broker)

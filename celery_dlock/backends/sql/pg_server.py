@@ -99,6 +99,7 @@ class PgServer:
         self.table = sql.Identifier(*table_name.split("."))
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
+        self._pid = os.getpid()
         self._checked = False
 
     # -- connections ----------------------------------------------------------------
@@ -122,6 +123,10 @@ class PgServer:
 
     def _connection(self) -> tuple[psycopg.Connection[Any], bool]:
         """The shared connection, and whether it was just opened."""
+        if self._pid != os.getpid():
+            # A forked child: the parent's connection is not its own (psycopg leaves
+            # it open for the parent when it is collected here).
+            self._pid, self._conn, self._lock = os.getpid(), None, threading.Lock()
         with self._lock:
             conn = self._conn
             if conn is not None and not conn.closed and not conn.broken:

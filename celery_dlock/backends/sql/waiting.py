@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -47,6 +48,7 @@ class Listener:
         self.server = server
         self.channel = channel
         self._conn: psycopg.Connection[Any] | None = None
+        self._pid = os.getpid()
 
     def wait(self, seconds: float) -> None:
         """Sleep until the channel is notified, at most ``seconds``.  The first call
@@ -54,6 +56,8 @@ class Listener:
         covered)."""
         if seconds <= 0:
             return
+        if self._conn is not None and self._pid != os.getpid():
+            self._conn = None  # a forked child: the parent's connection
         if self._conn is None:
             try:
                 conn = self.server.connect()
@@ -62,7 +66,7 @@ class Listener:
                 logger.debug("cannot listen on %s: %s", self.channel, exc)
                 time.sleep(min(seconds, WAIT_SLICE))
                 return
-            self._conn = conn
+            self._conn, self._pid = conn, os.getpid()
             return
         try:
             for _ in self._conn.notifies(timeout=seconds, stop_after=1):
