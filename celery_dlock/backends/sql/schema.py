@@ -10,6 +10,7 @@ must never repeat), see docs/backends.md::
     fence               the last fencing token given for this name
     acquired_at         when the current hold was taken (the server's clock)
     expires_at          when it lapses unless renewed ('-infinity' while free)
+    ttl_ms              the longest ttl the hold was taken or extended with (ms)
     info                the hold's metadata (task id, worker, host, pid), JSON
     ops                 the latest operation ids (a re-sent call is answered alike)
     forced              who released the last hold by force and why, JSON
@@ -31,6 +32,7 @@ COLUMNS: dict[str, str] = {
     "fence": "bigint",
     "acquired_at": "timestamp with time zone",
     "expires_at": "timestamp with time zone",
+    "ttl_ms": "bigint",
     "info": "jsonb",
     "ops": "text[]",
     "forced": "jsonb",
@@ -46,6 +48,7 @@ def create_sql(table: str) -> str:
             "prefix text NOT NULL, name text NOT NULL, owner text, "
             "count integer NOT NULL DEFAULT 0, fence bigint NOT NULL, "
             "acquired_at timestamptz, expires_at timestamptz NOT NULL, "
+            "ttl_ms bigint NOT NULL DEFAULT 0, "
             "info jsonb NOT NULL DEFAULT '{}', ops text[] NOT NULL DEFAULT '{}', "
             "forced jsonb, PRIMARY KEY (prefix, name))")
 

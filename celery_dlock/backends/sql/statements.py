@@ -30,10 +30,10 @@ _SAME = "(l.owner = EXCLUDED.owner AND l.expires_at > EXCLUDED.acquired_at)"
 ACQUIRE = sql.SQL(
     "WITH c AS (SELECT clock_timestamp() AS now) "
     "INSERT INTO {t} AS l (prefix, name, owner, count, fence, acquired_at, expires_at,"
-    " info, ops) "
+    " ttl_ms, info, ops) "
     "SELECT %(prefix)s, %(name)s, %(owner)s, 1,"
     " floor(extract(epoch FROM c.now) * 1000000)::bigint, c.now,"
-    f" c.now + {_TTL}, %(info)s::jsonb, ARRAY[%(op)s]::text[] FROM c "
+    f" c.now + {_TTL}, %(ttl)s, %(info)s::jsonb, ARRAY[%(op)s]::text[] FROM c "
     "ON CONFLICT (prefix, name) DO UPDATE SET "
     f"count = CASE WHEN {_SAME} THEN l.count + "
     "(CASE WHEN %(op)s = ANY(l.ops) THEN 0 ELSE 1 END) ELSE 1 END, "
@@ -42,6 +42,8 @@ ACQUIRE = sql.SQL(
     f"acquired_at = CASE WHEN {_SAME} THEN l.acquired_at ELSE EXCLUDED.acquired_at END, "
     f"expires_at = CASE WHEN {_SAME} THEN GREATEST(l.expires_at, EXCLUDED.expires_at) "
     "ELSE EXCLUDED.expires_at END, "
+    f"ttl_ms = CASE WHEN {_SAME} THEN GREATEST(l.ttl_ms, EXCLUDED.ttl_ms) "
+    "ELSE EXCLUDED.ttl_ms END, "
     f"info = CASE WHEN {_SAME} THEN l.info ELSE EXCLUDED.info END, "
     f"owner = EXCLUDED.owner, ops = {_OPS} "
     "WHERE l.owner IS NULL OR l.expires_at <= EXCLUDED.acquired_at "
@@ -54,7 +56,8 @@ REENTER = sql.SQL(
     "WITH c AS (SELECT clock_timestamp() AS now) "
     "UPDATE {t} l SET count = l.count + "
     "(CASE WHEN %(op)s = ANY(l.ops) THEN 0 ELSE 1 END), "
-    f"expires_at = GREATEST(l.expires_at, c.now + {_TTL}), ops = {_OPS} "
+    f"expires_at = GREATEST(l.expires_at, c.now + {_TTL}), ops = {_OPS}, "
+    "ttl_ms = GREATEST(l.ttl_ms, %(ttl)s) "
     f"FROM c WHERE {_KEY} AND l.owner = %(owner)s AND l.expires_at > c.now "
     "AND (%(fence)s::bigint IS NULL OR l.fence = %(fence)s::bigint) "
     "RETURNING l.fence, l.count")
@@ -81,7 +84,8 @@ STATUS = sql.SQL(
 #: Make ``owner``'s live hold expire no sooner than ttl from now: one row when held.
 EXTEND = sql.SQL(
     "WITH c AS (SELECT clock_timestamp() AS now) "
-    f"UPDATE {{t}} l SET expires_at = GREATEST(l.expires_at, c.now + {_TTL}) "
+    f"UPDATE {{t}} l SET expires_at = GREATEST(l.expires_at, c.now + {_TTL}), "
+    "ttl_ms = GREATEST(l.ttl_ms, %(ttl)s) "
     f"FROM c WHERE {_KEY} AND l.owner = %(owner)s AND l.expires_at > c.now "
     "RETURNING 1")
 
