@@ -1,7 +1,9 @@
-"""Fenced writes under a real ``RedisLock``, from several processes.
+"""Fenced writes under a real ``RedisLock`` (and a PostgreSQL lock), from several
+processes.
 
 Writer processes (``fencing_writer.py``) take one lock name on the suite's
-redis-server and increment a fenced counter row in SQLite or PostgreSQL.  One holder
+redis-server (or, for ``sigstop-postgres-lock``, in the PostgreSQL server's lease
+table) and increment a fenced counter row in SQLite or PostgreSQL.  One holder
 is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or simply
 idle with ``auto_renew=False``); the others take the lock in turn meanwhile.  When the
 paused holder resumes and writes with its old fence, the database refuses it and the
@@ -115,6 +117,7 @@ def snapshot(db: Db, table: str) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]
 # pausing runs on SQLite only, to keep the suite short.
 @pytest.mark.parametrize(("db", "pause"), [("sqlite", "sigstop"),
                                            ("postgresql", "sigstop"),
+                                           ("postgresql", "sigstop-postgres-lock"),
                                            ("sqlite", "idle-without-renewal")],
                          indirect=["db"])
 def test_holder_paused_past_its_ttl_is_refused_by_the_database(
@@ -123,6 +126,8 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
     table, _ = prepare(db)
     common = ["--redis-url", redis_url, "--prefix", prefix, "--name", name,
               "--ttl", str(TTL), "--db", db.kind, "--dsn", db.dsn, "--table", table]
+    if pause == "sigstop-postgres-lock":
+        common += ["--lock-url", db.dsn]
     paused_argv = [*common, "--who", "paused"]
     if pause == "idle-without-renewal":
         paused_argv.append("--no-renew")
@@ -142,7 +147,7 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
         first = paused.send("write")
         assert first == {"ok": True, "fence": fence, "value": 1}
 
-        if pause == "sigstop":  # frozen whole: body, scheduler and watchdog
+        if pause.startswith("sigstop"):  # frozen whole: body, scheduler and watchdog
             os.kill(paused.proc.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         for w in others:
@@ -150,7 +155,7 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
         loops = [w.read(60) for w in others]
         assert time.monotonic() - stopped > TTL  # the paused hold has expired
         before = snapshot(db, table)
-        if pause == "sigstop":
+        if pause.startswith("sigstop"):
             os.kill(paused.proc.pid, signal.SIGCONT)
 
         late = paused.send("write")
