@@ -113,13 +113,15 @@ class PostgresServer:
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
                   str(self.log), "-o", options, "-w", "-t", "60", "start")
 
-    def kill(self) -> None:
-        """Stop the server at once (``-m immediate``: a crash; the data stays)."""
+    def halt(self, mode: str = "fast") -> None:
+        """Stop the server, its data kept (``fast``: a clean shutdown that closes
+        every connection; ``immediate``: a crash, which loses the commits not yet
+        flushed, as ``synchronous_commit=off`` here allows)."""
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m",
-                  "immediate", "-w", "-t", "30", "stop")
+                  mode, "-w", "-t", "30", "stop")
 
     def restart(self) -> None:
-        """Start it again, on the same port, after :meth:`kill`."""
+        """Start it again, on the same port, after :meth:`halt`."""
         self._pg_start()
 
     def stop(self) -> None:

@@ -154,6 +154,12 @@ class PgServer:
             try:
                 cur = conn.execute(query, params)
                 return cur.fetchall() if fetch and cur.description is not None else []
+            except pg_errors.UndefinedTable as exc:
+                # The table went away (a restore, a new server): make it again once.
+                self._checked = False
+                if attempt == 2:
+                    raise self.refused(exc, what, lock_name) from None
+                self.ensure_table(lock_name)
             except psycopg.Error as exc:
                 if not is_unavailable(exc):
                     raise self.refused(exc, what, lock_name) from None
