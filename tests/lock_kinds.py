@@ -28,7 +28,7 @@ import redis
 from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "NO_PG_LINE", "LockKind", "PgView",
+__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "PgView",
            "lose_lock_data", "postgres_server", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
@@ -40,11 +40,6 @@ NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence 
 #: Why a test of the line of waiters is skipped on Redlock (docs/deployments.md).
 NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
            "delay, not woken in turn by a release: docs/deployments.md, Redlock")
-
-
-#: Why a test of the line of waiters is skipped on PostgreSQL (docs/backends.md).
-NO_PG_LINE = ("the PostgreSQL backend keeps no line of waiters: a release NOTIFYs every "
-              "waiter and the first statement to land wins: docs/backends.md, Waiters")
 
 
 @dataclass

@@ -44,6 +44,6 @@ def check_known(url: Any, where: str) -> NoReturn:
     if scheme in NOT_YET:
         raise InvalidLockConfig(f"{where}: {scheme}:// locks are not supported yet "
                                 f"(known: {KNOWN_SCHEMES})")
-    raise InvalidLockConfig(f"{where}: no backend reads the URL "
-                            f"{mask_url(url) if isinstance(url, str) else type(url)!r}; "
-                            f"known schemes: {KNOWN_SCHEMES}")
+    shown = mask_url(url) if isinstance(url, str) else f"a {type(url).__name__}"
+    raise InvalidLockConfig(f"{where} must be a URL of a known scheme (known schemes: "
+                            f"{KNOWN_SCHEMES}), got {shown!r}")

@@ -74,8 +74,12 @@ def _conninfo(url: str) -> tuple[str, str]:
         extra["connect_timeout"] = CONNECT_TIMEOUT
     if "options" not in given:
         extra["options"] = f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"
-    if "tcp_user_timeout" not in given and not str(given.get("host", "")).startswith("/"):
-        extra["tcp_user_timeout"] = TCP_USER_TIMEOUT_MS
+    if not str(given.get("host", "")).startswith("/"):  # TCP, not a unix socket
+        if "tcp_user_timeout" not in given:
+            extra["tcp_user_timeout"] = TCP_USER_TIMEOUT_MS
+        if "keepalives" not in given:  # a peer gone silent while idle: ~20 s
+            extra.update(keepalives=1, keepalives_idle=10, keepalives_interval=3,
+                         keepalives_count=3)
     if "application_name" not in given:
         extra["application_name"] = "celery-dlock"
     return make_conninfo(url, **extra), table
