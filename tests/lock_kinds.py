@@ -28,7 +28,7 @@ import redis
 from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "PgView",
+__all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "LockKind", "PgView",
            "lose_lock_data", "postgres_server", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
@@ -40,6 +40,14 @@ NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence 
 #: Why a test of the line of waiters is skipped on Redlock (docs/deployments.md).
 NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
            "delay, not woken in turn by a release: docs/deployments.md, Redlock")
+
+#: Why a test of foreign data at a lock's key is skipped on PostgreSQL: its locks are
+#: rows of one table; another application's data there is a table of another shape
+#: (docs/backends.md, Errors; tests/faults/test_postgres_faults.py).
+NO_KEYS = ("PostgreSQL keeps no key per lock: another application's data is a table "
+           "at the lease table's name, tested in tests/faults/test_postgres_faults.py::"
+           "test_another_applications_table_at_our_name_is_a_conflict "
+           "(docs/backends.md, Errors)")
 
 
 @dataclass
