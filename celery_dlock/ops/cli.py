@@ -162,7 +162,8 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     if info is not None:
         waiting = backend.waiting(target.prefix, [key]).get(key, 0)
         fields.append(("waiting", str(waiting)))
-    fields.append(("redis_key", backend.storage_key(target.prefix, key)))
+    label = "redis_key" if backend.kind in ("redis", "redlock") else "stored_at"
+    fields.append((label, backend.storage_key(target.prefix, key)))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(printable(f"{name + ':':<{size}} {text}"))
