@@ -154,7 +154,7 @@ def backend_for(app: Any) -> Backend:
         cached = None
     if cached is not None and cached[0] is _BY_URL:
         return cached[1]  # a SQL backend: the path every task run takes
-    sql_backend = _sql_backend_of(app)
+    sql_backend = _sql_backend_of(app) if cached is None else None
     if sql_backend is not None:
         with contextlib.suppress(TypeError):
             _by_app[app] = (_BY_URL, sql_backend)
