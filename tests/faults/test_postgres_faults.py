@@ -258,3 +258,30 @@ def test_threads_waiting_on_one_name_all_get_it_in_turn(own_pg):
     for t in threads:
         t.join(30)
     assert sorted(got) == ["w0", "w1", "w2", "w3"]
+
+
+def test_processes_making_the_table_at_once_all_get_it(own_pg):
+    """``CREATE TABLE IF NOT EXISTS`` run at the same moment by several connections
+    can fail in one of them (PostgreSQL's catalog); none of the locks may."""
+    from celery_dlock.backends.sql.pg_server import PgServer
+
+    url = own_pg.url + "?dlock_table=made_at_once"
+    servers = [PgServer(url) for _ in range(8)]
+    barrier = threading.Barrier(len(servers))
+    errors: list[BaseException] = []
+
+    def make(server: PgServer) -> None:
+        try:
+            barrier.wait(10)
+            server.ensure_table()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    with lock_from_url(url, _name(), ttl=5) as lock:
+        assert lock.owned()

@@ -214,6 +214,8 @@ class PgServer:
             if found is None:
                 try:
                     conn.execute(create_sql(self.table.as_string(conn)))
+                except (pg_errors.UniqueViolation, pg_errors.DuplicateTable):
+                    pass  # another process made it at the same moment: read it
                 except pg_errors.InsufficientPrivilege as exc:
                     raise InvalidLockConfig(
                         f"the lease table {self.table_name} does not exist at "
