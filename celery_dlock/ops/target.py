@@ -18,7 +18,7 @@ from ..core.hold import DEFAULT_PREFIX
 from ..core.protocol import Backend
 from ..task.backend import backend_for, backend_from_url, backend_of_client, markers_for
 from ..task.config import mask_url, redis_url_of, resolve_url
-from ..task.connection import client_for_url
+from ..task.connection import client_for_url, sql_url_of
 from ..task.markers import MarkerStore
 from ..task.schemes import sql_kind
 from ..task.settings import conf_of, conf_value
@@ -126,9 +126,9 @@ class Target:
         if self.url:
             return mask_url(self.url)
         conf = conf_of(self.app)
-        if sql_kind(conf_value(conf, "dlock_url")) and not conf_value(conf,
-                                                                       "dlock_client"):
-            return mask_url(conf_value(conf, "dlock_url"))
+        sql_url = sql_url_of(conf)
+        if sql_url is not None:
+            return mask_url(sql_url)
         if conf_value(conf, "dlock_client"):
             client = getattr(self._backend, "client", None)
             kwargs = getattr(getattr(client, "connection_pool", None),

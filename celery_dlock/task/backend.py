@@ -28,7 +28,6 @@ from . import connection
 from .config import check_conf, get_client
 from .markers import MarkerStore
 from .schemes import check_known, sql_kind
-from .settings import conf_value
 
 __all__ = ["backend_for", "backend_from_url", "backend_of_client", "lock_from_url",
            "markers_for"]
@@ -122,8 +121,8 @@ def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
 def _sql_backend_of(app: Any) -> Backend | None:
     """The SQL backend ``app``'s ``dlock_url`` names (None: a Redis one)."""
     conf = app.conf
-    url = conf_value(conf, "dlock_url")
-    if sql_kind(url) is None or conf_value(conf, "dlock_client"):
+    url = connection.sql_url_of(conf)
+    if url is None:
         return None
     if not _weakable(app) or app not in _checked_apps:
         check_conf(conf)

@@ -24,7 +24,6 @@ from ..backends.redis.topology import is_cluster_url
 from ..core.errors import InvalidLockConfig
 from . import connection
 from .connection import mask_url, redis_url_of, resolve_url
-from .schemes import sql_kind
 from .settings import (
     CALL_OPTIONS,
     CONF_KEYS,
@@ -203,12 +202,12 @@ def check_conf(conf: Any) -> None:
             raise InvalidLockConfig("app.conf.dlock_client must be a callable returning "
                                     f"a Redis client, got a {type(factory).__name__}")
         return
-    url = conf_value(conf, "dlock_url")
-    if sql_kind(url) is not None:
+    sql_url = connection.sql_url_of(conf)
+    if sql_url is not None:
         if record:
             raise InvalidLockConfig("app.conf.dlock_record_events needs a Redis "
                                     "dlock_url (the history is a Redis list)")
-        connection.check_unambiguous(url, "app.conf.dlock_url")
+        connection.check_unambiguous(sql_url, "app.conf.dlock_url")
         return  # parsed as it is first used: the server may be down now
     options = connection.client_options(conf)
     redlock = connection.redlock_urls(conf_value(conf, "dlock_url"))

@@ -8,12 +8,14 @@ other backends are named here, so that the configuration check and the door
 
 from __future__ import annotations
 
+import re
 from typing import Any, NoReturn
 
 from ..core.errors import InvalidLockConfig
 from ..core.urls import mask_url
 
-__all__ = ["KNOWN_SCHEMES", "NOT_YET", "SQL_SCHEMES", "check_known", "sql_kind"]
+__all__ = ["KNOWN_SCHEMES", "NOT_YET", "SQL_SCHEMES", "celery_sql_url", "check_known",
+           "sql_kind"]
 
 #: The URL schemes of the SQL backends, and the backend each names.
 SQL_SCHEMES = {"postgresql": "postgres", "postgres": "postgres"}
@@ -23,6 +25,22 @@ NOT_YET = ("mysql", "mariadb", "zookeeper")
 KNOWN_SCHEMES = ("redis://, rediss://, unix://, redis+cluster://, sentinel://, "
                  "redlock://a;redlock://b;redlock://c (or a list of 3+ Redis URLs), "
                  "postgresql://, postgres://")
+
+
+# Celery's spellings of a PostgreSQL broker (kombu's SQLAlchemy transport) and result
+# backend, with an optional SQLAlchemy driver: sqla+postgresql+psycopg://...
+_CELERY_SQL = re.compile(r"^(?:db|sqla)\+(?:postgresql|postgres)(?:\+[A-Za-z0-9_]+)?://",
+                         re.IGNORECASE)
+
+
+def celery_sql_url(value: Any) -> str | None:
+    """A Celery broker or result backend URL naming PostgreSQL
+    (``db+postgresql://``, ``sqla+postgresql+psycopg://``, ...) as the lock backend
+    reads it (``postgresql://...``); None for anything else."""
+    if not isinstance(value, str):
+        return None
+    found = _CELERY_SQL.match(value)
+    return None if found is None else "postgresql://" + value[found.end():]
 
 
 def _scheme(url: Any) -> str | None:

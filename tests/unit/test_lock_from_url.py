@@ -81,3 +81,20 @@ def test_a_postgresql_dlock_url_is_accepted_and_record_events_refused():
         check_conf({"dlock_url": "postgresql://u@h/db", "dlock_record_events": True})
     with pytest.raises(InvalidLockConfig, match="known schemes"):
         check_conf({"dlock_url": "ftp://h/x"})
+
+
+@pytest.mark.parametrize(("conf", "found"), [
+    ({"dlock_url": "postgresql://u@h/db"}, "postgresql://u@h/db"),
+    ({"broker_url": "amqp://h//", "result_backend": "db+postgresql://u@h/db"},
+     "postgresql://u@h/db"),
+    ({"broker_url": "sqla+postgresql+psycopg://u@h/db"}, "postgresql://u@h/db"),
+    # a Redis is found first, as before
+    ({"broker_url": "redis://h:6379/0", "result_backend": "db+postgresql://u@h/db"},
+     None),
+    ({"dlock_url": "redis://h:6379/0"}, None),
+    ({"broker_url": "amqp://h//", "result_backend": "rpc://"}, None),
+])
+def test_postgresql_is_found_as_redis_is(conf, found):
+    from celery_dlock.task.connection import sql_url_of
+
+    assert sql_url_of(conf) == found
