@@ -20,7 +20,7 @@ from ..task.backend import backend_for, backend_from_url, backend_of_client, mar
 from ..task.config import mask_url, redis_url_of, resolve_url
 from ..task.connection import client_for_url, sql_url_of
 from ..task.markers import MarkerStore
-from ..task.schemes import sql_kind
+from ..task.schemes import check_known, sql_kind
 from ..task.settings import conf_of, conf_value
 from .formatting import printable
 
@@ -53,7 +53,8 @@ class Target:
         one line: give --url with one of its servers)."""
         if self._backend is None:
             if self.url and (sql_kind(self.url) or redis_url_of(self.url) is None):
-                # a SQL backend, or a scheme none reads (the error lists them)
+                if not sql_kind(self.url):  # a scheme none reads: name --url
+                    check_known(self.url, "--url")
                 backend = backend_from_url(self.url)
             else:
                 backend = (backend_of_client(self._url_client()) if self.url

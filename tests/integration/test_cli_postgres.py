@@ -79,6 +79,6 @@ def test_ls_show_release_and_top_on_postgres(postgres_server):
 def test_an_unknown_scheme_is_one_line_naming_the_known_ones(postgres_server):
     out = _dlock(postgres_server.url, "--url", "mysql://u:secret@db/x", "ls")
     assert out.returncode != 0
-    assert "mysql:// locks are not supported yet" in out.stderr
+    assert "--url: mysql:// locks are not supported yet" in out.stderr
     assert "postgresql://" in out.stderr and "secret" not in out.stderr
     assert "Traceback" not in out.stderr
