@@ -214,7 +214,8 @@ class PgServer:
             if found is None:
                 try:
                     conn.execute(create_sql(self.table.as_string(conn)))
-                except (pg_errors.UniqueViolation, pg_errors.DuplicateTable):
+                except (pg_errors.UniqueViolation, pg_errors.DuplicateTable,
+                        pg_errors.DuplicateObject):
                     pass  # another process made it at the same moment: read it
                 except pg_errors.InsufficientPrivilege as exc:
                     raise InvalidLockConfig(
