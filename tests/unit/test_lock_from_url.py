@@ -98,3 +98,12 @@ def test_postgresql_is_found_as_redis_is(conf, found):
     from celery_dlock.task.connection import sql_url_of
 
     assert sql_url_of(conf) == found
+
+
+def test_enqueue_time_modes_are_refused_on_postgresql_in_one_line():
+    pytest.importorskip("psycopg")
+    from celery_dlock.core.errors import NotSupported
+    from celery_dlock.task.backend import backend_from_url, markers_for
+
+    with pytest.raises(NotSupported, match="postgres backend does not keep"):
+        markers_for(None, backend_from_url("postgresql://u@127.0.0.1:1/db"))
