@@ -31,6 +31,7 @@ from .core.errors import (
 )
 from .core.owner import owner_context
 from .task import signals
+from .task.backend import lock_from_url
 from .task.contention import ACQUIRED, Contention, is_skipped
 from .task.duplicates import DROPPED, AlreadyQueued, DroppedResult
 from .task.locked_task import LockedTask, LockLostInterrupt
@@ -59,6 +60,7 @@ __all__ = [
     "UnkeyableArgument",
     "__version__",
     "is_skipped",
+    "lock_from_url",
     "owner_context",
     "signals",
 ]

@@ -16,7 +16,12 @@ from typing import Any
 
 import pytest
 import redis
-from lock_kinds import KINDS, make_kind, redlock_servers  # noqa: F401 (a fixture)
+from lock_kinds import (  # noqa: F401 (fixtures)
+    KINDS,
+    make_kind,
+    postgres_server,
+    redlock_servers,
+)
 
 from celery_dlock.ops.embedded import EmbeddedRedis, find_redis_server
 

@@ -18,7 +18,7 @@ import redis
 import redis.backoff
 import redis.retry
 
-from celery_dlock import RedisLock, RedlockLock
+from celery_dlock import RedisLock, RedlockLock, lock_from_url
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 5.0,
@@ -80,9 +80,13 @@ def counter_worker(redis_url: str, prefix: str, name: str, counter: str, n: int,
     """
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
     urls = lock_urls or [redis_url]
-    nodes = [redis.Redis.from_url(u, socket_timeout=30) for u in urls]
+    nodes = [redis.Redis.from_url(u, socket_timeout=30) for u in urls
+             if u.startswith(("redis://", "unix://"))]
 
     def make_lock() -> Any:
+        if urls[0].startswith("postgresql://"):
+            return lock_from_url(urls[0], name, ttl=10, prefix=prefix,
+                                 blocking_timeout=60)
         if len(nodes) == 1:
             return RedisLock(nodes[0], name, ttl=10, prefix=prefix, blocking_timeout=60)
         return RedlockLock(nodes, name, ttl=10, prefix=prefix, blocking_timeout=60)
@@ -101,10 +105,14 @@ def counter_worker(redis_url: str, prefix: str, name: str, counter: str, n: int,
 
 
 def hold_until_killed(redis_url: str, prefix: str, name: str, ttl: float,
-                      ready: Any) -> None:
-    """Take the lock (renewed by this process's scheduler) and never release it."""
-    client = redis.Redis.from_url(redis_url, socket_timeout=30)
-    lock = RedisLock(client, name, ttl=ttl, prefix=prefix)
+                      ready: Any, lock_url: str | None = None) -> None:
+    """Take the lock (renewed by this process's scheduler) and never release it (on
+    ``lock_url``'s backend when given, else on ``redis_url``)."""
+    if lock_url is not None:
+        lock = lock_from_url(lock_url, name, ttl=ttl, prefix=prefix)
+    else:
+        client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        lock = RedisLock(client, name, ttl=ttl, prefix=prefix)
     lock.acquire()
     ready.set()
     time.sleep(120)

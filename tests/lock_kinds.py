@@ -5,12 +5,18 @@ A :class:`LockKind` makes locks (``kind.make(name, ttl=..., **options)``) and gi
 tests the handles a fault needs: the clients of every server that keeps the lock,
 ``lose_data(lock)`` (every server forgets the lock, as an empty restart would) and
 ``force_release(name)`` (what an operator's ``celery dlock release --force`` does).
+
+The tests read a lock's state with Redis commands on ``kind.server`` and
+``lock.keys``; a kind whose server is not a Redis answers the same reads from its own
+storage (:class:`PgView`: a PostgreSQL lease row seen as the lock's hash), so every
+contract test runs on it unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,11 +28,11 @@ import redis
 from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "lose_lock_data",
-           "redlock_servers"]
+__all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "LockKind", "PgView",
+           "lose_lock_data", "postgres_server", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
-KINDS = ("redis", "redlock")
+KINDS = ("redis", "redlock", "postgres")
 
 #: Why a fencing test is skipped on a kind without fencing tokens (docs/deployments.md).
 NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence raises "
@@ -34,6 +40,14 @@ NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence 
 #: Why a test of the line of waiters is skipped on Redlock (docs/deployments.md).
 NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
            "delay, not woken in turn by a release: docs/deployments.md, Redlock")
+
+#: Why a test of foreign data at a lock's key is skipped on PostgreSQL: its locks are
+#: rows of one table; another application's data there is a table of another shape
+#: (docs/backends.md, Errors; tests/faults/test_postgres_faults.py).
+NO_KEYS = ("PostgreSQL keeps no key per lock: another application's data is a table "
+           "at the lease table's name, tested in tests/faults/test_postgres_faults.py::"
+           "test_another_applications_table_at_our_name_is_a_conflict "
+           "(docs/backends.md, Errors)")
 
 
 @dataclass
@@ -107,8 +121,126 @@ class LockKind:
                 not all(c.exists(key) for c in self.clients):
             time.sleep(0.01)
 
+    @property
+    def has_line(self) -> bool:
+        """Whether blocked acquirers of this kind keep a FIFO line in the server."""
+        return self.name == "redis"
+
     def __str__(self) -> str:
         return self.name
+
+
+@dataclass(frozen=True)
+class PgKeys:
+    """A PostgreSQL lock's "keys" as the tests name them: ``lock`` is its row; the
+    line's keys name nothing (the backend keeps no line)."""
+
+    lock: str
+
+    @classmethod
+    def for_name(cls, prefix: str, name: str) -> PgKeys:
+        return cls(json.dumps([prefix, name]))
+
+    @property
+    def queue(self) -> str:
+        return self.lock + ":queue"
+
+    @property
+    def leases(self) -> str:
+        return self.lock + ":leases"
+
+    def doorbell(self, owner: str) -> str:
+        return self.lock + ":doorbell:" + owner
+
+
+class PgView:
+    """The Redis reads the tests make, answered from the PostgreSQL lease table: a
+    live hold's row is the lock's hash (``owner``, ``count``, ``fence`` and its info
+    fields), its ``expires_at`` its pttl; the line's keys never exist."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        self.url = url
+        self.conn = psycopg.connect(url, autocommit=True)
+
+    @staticmethod
+    def _row_key(key: str) -> tuple[str, str] | None:
+        try:
+            prefix, name = json.loads(key)
+        except ValueError:
+            return None
+        return str(prefix), str(name)
+
+    def _hold(self, key: str) -> dict[str, Any] | None:
+        found = self._row_key(key)
+        if found is None:
+            return None
+        row = self.conn.execute(
+            "SELECT owner, count, fence, info, ttl_ms, "
+            "floor(extract(epoch FROM acquired_at) * 1000)::bigint, "
+            "floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint "
+            "FROM dlock_locks WHERE prefix = %s AND name = %s AND owner IS NOT NULL "
+            "AND expires_at > clock_timestamp()", found).fetchone()
+        if row is None:
+            return None
+        owner, count, fence, info, ttl, acquired_at, pttl = row
+        return {"owner": owner, "count": count, "fence": fence, "ttl": ttl,
+                "acquired_at": acquired_at, **(info or {}), "pttl": max(int(pttl), 1)}
+
+    def exists(self, *keys: str) -> int:
+        return sum(self._hold(k) is not None for k in keys)
+
+    def hget(self, key: str, field: str) -> bytes | None:
+        hold = self._hold(key)
+        if hold is None or field not in hold or field == "pttl":
+            return None
+        return str(hold[field]).encode()
+
+    def hgetall(self, key: str) -> dict[bytes, bytes]:
+        hold = self._hold(key) or {}
+        return {k.encode(): str(v).encode() for k, v in hold.items() if k != "pttl"}
+
+    def pttl(self, key: str) -> int:
+        hold = self._hold(key)
+        return -2 if hold is None else int(hold["pttl"])
+
+    def zrange(self, key: str, start: int, end: int) -> list[bytes]:
+        return []
+
+    def delete(self, *keys: str) -> int:
+        """Forget the holds (their fence counters stay, as a deleted hash's do)."""
+        done = 0
+        for key in keys:
+            found = self._row_key(key)
+            if found is not None:
+                done += self.conn.execute(
+                    "UPDATE dlock_locks SET owner = NULL, count = 0, "
+                    "expires_at = '-infinity' WHERE prefix = %s AND name = %s "
+                    "AND owner IS NOT NULL", found).rowcount
+        return done
+
+    def lose(self, key: str) -> None:
+        """Forget the row, fence counter and all (an empty restart of the server)."""
+        found = self._row_key(key)
+        if found is not None:
+            self.conn.execute("DELETE FROM dlock_locks WHERE prefix = %s AND name = %s",
+                              found)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class PgKind(LockKind):
+    """The PostgreSQL kind: its one "client" is a :class:`PgView`."""
+
+    def lose_data(self, lock: Any) -> None:
+        self.clients[0].lose(lock.keys.lock)  # type: ignore[attr-defined]
+
+    def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
+        from celery_dlock.backends.sql.backend import PostgresBackend
+
+        PostgresBackend(self.urls[0]).force_release(prefix, lock_name)
 
 
 class QuorumView:
@@ -179,9 +311,38 @@ def redlock_servers() -> Iterator[list[EmbeddedRedis]]:
                 s.stop()
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Any]:
+    """A throwaway PostgreSQL server for the postgres kind (started once), else a skip
+    with the reason (no server binaries, no driver)."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"no PostgreSQL driver: {exc} (pip install 'celery-dlock[postgres]')")
+    from fencing.pg_server import PostgresServer, Unavailable
+
+    try:
+        server = PostgresServer().start()
+    except Unavailable as exc:
+        pytest.skip(f"no PostgreSQL server: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def make_lock_postgres(url: str, name: str, ttl: float, **options: Any) -> Any:
+    """A PostgreSQL lock with the ``keys`` the tests read it by."""
+    from celery_dlock.backends.sql.postgres import PostgresLock
+
+    lock = PostgresLock(url, name, ttl, **options)
+    lock.keys = PgKeys.for_name(lock.prefix, name)  # type: ignore[attr-defined]
+    return lock
+
+
 def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
     """The :class:`LockKind` named ``kind`` (for the ``lock_kind`` fixture)."""
-    clients: list[redis.Redis]
+    clients: list[Any]
     if kind == "redis":
         url = request.getfixturevalue("redis_url")
         clients = [redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)]
@@ -196,6 +357,12 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         yield LockKind("redlock", clients,
                        lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False,
                        [s.url for s in servers])
+    elif kind == "postgres":
+        url = request.getfixturevalue("postgres_server").url
+        clients = [PgView(url)]
+        yield PgKind("postgres", clients,
+                     lambda n, ttl, **kw: make_lock_postgres(url, n, ttl, **kw), True,
+                     [url])
     else:  # pragma: no cover - a typo in KINDS
         raise ValueError(kind)
     for c in clients:

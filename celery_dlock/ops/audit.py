@@ -49,6 +49,8 @@ def record_release(client: Any, prefix: str, key: str, freed: LockInfo,
     """Record that ``freed`` (the hold on ``key``) was released by hand.
 
     Redis errors propagate (the command reports them); the log line is written first.
+    With no Redis (``client`` None: a backend that keeps no history), only the log
+    line.
     """
     event = Event(at=time.time(), kind="released", key=key, worker=operator(),
                   holder_task_name=freed.task_name, holder_task_id=freed.task_id,
@@ -58,6 +60,8 @@ def record_release(client: Any, prefix: str, key: str, freed: LockInfo,
                    key, *(printable(str(x)) for x in (
                        event.worker, event.detail, freed.task_name or "?",
                        freed.task_id or "?", freed.worker or "?")))
+    if client is None:
+        return event
     pipe = client.pipeline(transaction=False)
     pipe.lpush(events_key(prefix), json.dumps(event.as_dict(), separators=(",", ":")))
     pipe.ltrim(events_key(prefix), 0, EVENTS_MAX - 1)

@@ -178,7 +178,8 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
         fields.append(("waiting", str(waiting)))
     if rate is not None:
         fields.append(("rate", rate_text(rate)))
-    fields.append(("redis_key", backend.storage_key(target.prefix, key)))
+    label = "redis_key" if backend.kind in ("redis", "redlock") else "stored_at"
+    fields.append((label, backend.storage_key(target.prefix, key)))
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(printable(f"{name + ':':<{size}} {text}"))

@@ -16,10 +16,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..core.errors import BackendUnavailable, InvalidLockConfig, NotSupported
 from ..core.hold import DEFAULT_PREFIX
 from ..core.protocol import Backend
-from ..task.backend import backend_for, backend_of_client, markers_for
-from ..task.config import mask_url, resolve_url
-from ..task.connection import client_for_url
+from ..task.backend import backend_for, backend_from_url, backend_of_client, markers_for
+from ..task.config import mask_url, redis_url_of, resolve_url
+from ..task.connection import client_for_url, sql_url_of
 from ..task.markers import MarkerStore
+from ..task.schemes import check_known, sql_kind
 from ..task.settings import conf_of, conf_value
 from .formatting import printable
 
@@ -51,8 +52,13 @@ class Target:
         """The backend the locks are read from (one Redis; a Redlock is refused in
         one line: give --url with one of its servers)."""
         if self._backend is None:
-            backend = (backend_of_client(self._url_client()) if self.url
-                       else backend_for(self.app))
+            if self.url and (sql_kind(self.url) or redis_url_of(self.url) is None):
+                if not sql_kind(self.url):  # a scheme none reads: name --url
+                    check_known(self.url, "--url")
+                backend = backend_from_url(self.url)
+            else:
+                backend = (backend_of_client(self._url_client()) if self.url
+                           else backend_for(self.app))
             if backend.kind == "redlock":
                 backend.holds(self.prefix)  # raises NotSupported, in one line
             self._backend = backend
@@ -121,6 +127,9 @@ class Target:
         if self.url:
             return mask_url(self.url)
         conf = conf_of(self.app)
+        sql_url = sql_url_of(conf)
+        if sql_url is not None:
+            return mask_url(sql_url)
         if conf_value(conf, "dlock_client"):
             client = getattr(self._backend, "client", None)
             kwargs = getattr(getattr(client, "connection_pool", None),

@@ -65,7 +65,7 @@ def _top_screen(target: Target, max_events: int) -> list[str]:
     client = target.client()
     infos = list(backend.holds(target.prefix))
     infos.sort(key=lambda i: -1.0 if i.held_for is None else i.held_for, reverse=True)
-    events = recent_events(client, target.prefix, max_events)
+    events = [] if client is None else recent_events(client, target.prefix, max_events)
     queued = target.queued()
     queue_lines = _queued_lines(queued)
     size = shutil.get_terminal_size()
@@ -90,6 +90,9 @@ def _top_screen(target: Target, max_events: int) -> list[str]:
     lines += ["", "Recent contention (newest first):"]
     if events:
         lines += ["  " + _event_line(e) for e in events]
+    elif client is None:
+        lines.append(f"  not kept by the {target.backend().kind} backend yet "
+                     f"(docs/backends.md)")
     elif recording_enabled(target.app):
         lines.append("  none recorded")
     else:

@@ -3,24 +3,34 @@
 The backend is chosen from the app's configuration in this one place (one Redis, a
 Cluster, Sentinel or a unix socket: a :class:`RedisBackend`; several servers, from a
 list ``dlock_url``, ``redlock://a;redlock://b;...`` or a ``dlock_client`` returning a
-list: a :class:`RedlockBackend`).  Everything else in ``task/`` and ``ops/`` speaks
+list: a :class:`RedlockBackend`; a ``postgresql://`` URL: the PostgreSQL backend,
+whose driver is imported only then).  Everything else in ``task/`` and ``ops/`` speaks
 :mod:`celery_dlock.core.protocol` only.
+
+:func:`lock_from_url` is the same door for code without a Celery app.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..backends.redis.backend import RedisBackend
 from ..backends.redis.redlock.backend import RedlockBackend
-from ..core.errors import NotSupported
-from ..core.protocol import Backend
-from .config import get_client
+from ..core.errors import InvalidLockConfig, NotSupported
+from ..core.hold import DEFAULT_PREFIX
+from ..core.protocol import Backend, Lock
+from . import connection
+from .config import check_conf, get_client
 from .markers import MarkerStore
+from .schemes import check_known, sql_kind
 
-__all__ = ["backend_for", "backend_of_client", "markers_for"]
+__all__ = ["backend_for", "backend_from_url", "backend_of_client", "lock_from_url",
+           "markers_for"]
 
 _lock = threading.Lock()
 _by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDictionary()
@@ -34,9 +44,120 @@ def backend_of_client(client: Any) -> Backend:
     return RedisBackend(client)
 
 
+def _sql_backend(kind: str, url: str) -> Backend:
+    """The SQL backend ``kind`` for ``url`` (its driver imported now)."""
+    connection.check_unambiguous(url, "the lock URL")
+    if kind == "postgres":
+        try:
+            # Imported only now: ``import celery_dlock`` imports no SQL driver.
+            from ..backends.sql.backend import PostgresBackend  # noqa: PLC0415
+        except ImportError as exc:  # the extra is not installed
+            raise InvalidLockConfig(f"postgresql:// locks need psycopg 3: pip install "
+                                    f"'celery-dlock[postgres]' ({exc})") from None
+        return PostgresBackend(url)
+    raise AssertionError(kind)  # pragma: no cover - a scheme without a backend
+
+
+_by_url: dict[str, Backend] = {}
+_by_url_lock = threading.Lock()
+
+
+def backend_from_url(url: Any) -> Backend:
+    """This process's backend for a lock URL: ``redis://``, ``rediss://``,
+    ``unix://``, ``redis+cluster://``, ``sentinel://``, a Redlock list (3 or more
+    ``redlock://`` URLs separated by ``;``, or a list of Redis URLs), ``postgresql://``
+    or ``postgres://``.  :class:`InvalidLockConfig` for any other, naming the known
+    schemes (the URL masked)."""
+    key = ";".join(url) if isinstance(url, (list, tuple)) else url
+    if not isinstance(key, str):
+        check_known(url, "lock URL")
+    with _by_url_lock:
+        found = _by_url.get(key)
+        if found is not None:
+            return found
+        kind = sql_kind(url)
+        backend: Backend
+        if kind is not None:
+            backend = _sql_backend(kind, url)
+        else:
+            redlock = connection.redlock_urls(url)
+            if redlock is not None:
+                options = connection.client_options({})
+                backend = RedlockBackend(tuple(
+                    connection.client_from_url(u, options) for u in redlock))
+            else:
+                one = connection.redis_url_of(url)
+                if one is None:
+                    check_known(url, "lock URL")
+                connection.check_unambiguous(one, "the lock URL")
+                backend = RedisBackend(connection.client_for_url(one))
+        _by_url[key] = backend
+        return backend
+
+
+def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
+                  prefix: str = DEFAULT_PREFIX, info: Mapping[str, object] | None = None,
+                  owner: str | None = None,
+                  on_lost: Callable[[Any], object] | None = None,
+                  auto_renew: bool = True, pause_budget: float | None = None,
+                  blocking_timeout: float | None = None) -> Lock:
+    """A lock named ``name`` on the backend ``url`` names (see
+    :func:`backend_from_url`): a :class:`~celery_dlock.RedisLock`,
+    :class:`~celery_dlock.RedlockLock` or PostgreSQL lock, each with the same surface
+    (``acquire``, ``release``, ``extend``, ``owned``, ``ensure_held``, ``holder``,
+    ``depth``, ``fence``, ``on_lost``, the context manager).  No server call."""
+    lock = backend_from_url(url).lock(name, ttl, prefix=prefix, info=info, owner=owner,
+                                      on_lost=on_lost, auto_renew=auto_renew,
+                                      pause_budget=pause_budget)
+    if blocking_timeout is not None:
+        if isinstance(blocking_timeout, bool) or not isinstance(
+                blocking_timeout, (int, float)) or not blocking_timeout >= 0:
+            raise InvalidLockConfig(f"blocking_timeout must be a number >= 0 or None, "
+                                    f"got {blocking_timeout!r}", lock_name=name)
+        lock.blocking_timeout = blocking_timeout  # type: ignore[attr-defined]
+    return lock
+
+
+def _sql_backend_of(app: Any) -> Backend | None:
+    """The SQL backend ``app``'s ``dlock_url`` names (None: a Redis one)."""
+    conf = app.conf
+    url = connection.sql_url_of(conf)
+    if url is None:
+        return None
+    if not _weakable(app) or app not in _checked_apps:
+        check_conf(conf)
+        if _weakable(app):
+            _checked_apps[app] = True
+    return backend_from_url(url)
+
+
+def _weakable(app: Any) -> bool:
+    try:
+        weakref.ref(app)
+    except TypeError:
+        return False
+    return True
+
+
+_checked_apps: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: The mark, in place of a client, of an app whose backend was chosen by its URL.
+_BY_URL = object()
+
+
 def backend_for(app: Any) -> Backend:
     """This process's backend for ``app`` (made with its client, which is cached per
     app and process; the app's settings are checked when it is first made)."""
+    try:
+        cached = _by_app.get(app)
+    except TypeError:
+        cached = None
+    if cached is not None and cached[0] is _BY_URL:
+        return cached[1]  # a SQL backend: the path every task run takes
+    sql_backend = _sql_backend_of(app) if cached is None else None
+    if sql_backend is not None:
+        with contextlib.suppress(TypeError):
+            _by_app[app] = (_BY_URL, sql_backend)
+        return sql_backend
     client = get_client(app)
     try:
         cached = _by_app.get(app)
@@ -69,3 +190,12 @@ def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:
             f"Sentinel for tasks with an enqueue-time lock_mode)")
     store: MarkerStore = markers()
     return store
+
+
+def _after_fork_in_child() -> None:
+    global _by_url_lock
+    _by_url.clear()  # the parent's clients and connections are not the child's
+    _by_url_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

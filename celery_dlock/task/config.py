@@ -202,6 +202,13 @@ def check_conf(conf: Any) -> None:
             raise InvalidLockConfig("app.conf.dlock_client must be a callable returning "
                                     f"a Redis client, got a {type(factory).__name__}")
         return
+    sql_url = connection.sql_url_of(conf)
+    if sql_url is not None:
+        if record:
+            raise InvalidLockConfig("app.conf.dlock_record_events needs a Redis "
+                                    "dlock_url (the history is a Redis list)")
+        connection.check_unambiguous(sql_url, "app.conf.dlock_url")
+        return  # parsed as it is first used: the server may be down now
     options = connection.client_options(conf)
     redlock = connection.redlock_urls(conf_value(conf, "dlock_url"))
     if redlock is not None:

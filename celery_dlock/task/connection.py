@@ -38,10 +38,11 @@ from redis.retry import Retry
 from ..backends.redis import topology
 from ..core import urls
 from ..core.errors import BackendUnavailable, InvalidLockConfig
+from .schemes import celery_sql_url, check_known, sql_kind
 from .settings import conf_value
 
 __all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "redlock_urls",
-           "resolve_url"]
+           "resolve_url", "sql_url_of"]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Celery's and kombu's spellings of a Redis unix socket.
@@ -191,9 +192,7 @@ def resolve_url(conf: Any) -> str:
     if url:
         found = redis_url_of(url)
         if found is None:
-            raise InvalidLockConfig(
-                f"app.conf.dlock_url must be a redis://, rediss://, unix://, "
-                f"redis+cluster:// or sentinel:// URL, got {mask_url(url)!r}")
+            check_known(url, "app.conf.dlock_url")
         return _each_unambiguous(found, "app.conf.dlock_url")
     broker = _conf_value(conf, "broker_url")
     found = redis_url_of(broker)
@@ -208,6 +207,29 @@ def resolve_url(conf: Any) -> str:
         "'redis://localhost:6379/0'), or dlock_client to a function returning a client; "
         f"neither the broker URL {mask_url(broker)!r} nor the result backend "
         f"{mask_url(backend)!r} is one Redis URL it can use")
+
+
+def sql_url_of(conf: Any) -> str | None:
+    """The SQL URL the locks live at, or None (they live in Redis, or nowhere yet):
+    ``dlock_url`` when it names a SQL backend; without ``dlock_url`` and
+    ``dlock_client``, and when no Redis is found as :func:`resolve_url` finds it, a
+    PostgreSQL broker (``sqla+postgresql://``) or result backend
+    (``db+postgresql://``), as PostgreSQL is found as Redis is."""
+    if conf_value(conf, "dlock_client"):
+        return None
+    url = conf_value(conf, "dlock_url")
+    if url:
+        return url if sql_kind(url) else None
+    try:
+        resolve_url(conf)
+        return None
+    except InvalidLockConfig:
+        pass
+    for setting in ("broker_url", "result_backend"):
+        found = celery_sql_url(_conf_value(conf, setting))
+        if found is not None:
+            return found
+    return None
 
 
 def _each_unambiguous(url: str, where: str) -> str:

@@ -1,4 +1,5 @@
-"""A writer process for the fenced-write tests: takes a real ``RedisLock`` and
+"""A writer process for the fenced-write tests: takes a real ``RedisLock`` (or, with
+``--lock-url``, the lock that URL names: ``lock_from_url``) and
 increments a fenced counter row in SQLite, PostgreSQL or MariaDB, as the test tells it.
 
 Commands arrive on stdin, one JSON object a line; each gets one JSON line back:
@@ -28,7 +29,7 @@ from typing import Any
 
 import redis
 
-from celery_dlock import DLockError, RedisLock
+from celery_dlock import DLockError, RedisLock, lock_from_url
 from celery_dlock.fencing import StaleFence, claim, fenced_update
 
 THINK = 0.005  # seconds between reading the counter and writing it
@@ -77,6 +78,7 @@ def main() -> int:
     parser.add_argument("--name", required=True)
     parser.add_argument("--ttl", type=float, default=1.0)
     parser.add_argument("--no-renew", action="store_true")
+    parser.add_argument("--lock-url", default=None)
     parser.add_argument("--db", choices=("sqlite", "postgresql", "mariadb"),
                         required=True)
     # the database's path or URL; else $DLOCK_FENCING_DSN (a URL with a password)
@@ -87,9 +89,14 @@ def main() -> int:
     if not args.dsn:
         parser.error("--dsn or $DLOCK_FENCING_DSN is required")
 
-    client = redis.Redis.from_url(args.redis_url, socket_timeout=10)
-    lock = RedisLock(client, args.name, ttl=args.ttl, prefix=args.prefix,
-                     auto_renew=not args.no_renew)
+    lock: Any
+    if args.lock_url:
+        lock = lock_from_url(args.lock_url, args.name, ttl=args.ttl, prefix=args.prefix,
+                             auto_renew=not args.no_renew)
+    else:
+        client = redis.Redis.from_url(args.redis_url, socket_timeout=10)
+        lock = RedisLock(client, args.name, ttl=args.ttl, prefix=args.prefix,
+                         auto_renew=not args.no_renew)
     conn = connect(args.db, args.dsn)
 
     def reply(obj: dict[str, Any]) -> None:

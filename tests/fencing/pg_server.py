@@ -96,12 +96,8 @@ class PostgresServer:
         error: Unavailable | None = None
         for _ in range(3):  # another process may take the free port before we do
             self.port = _free_port()
-            options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                       f"-c fsync=off -c synchronous_commit=off "
-                       f"-c full_page_writes=off -c max_connections=50")
             try:
-                self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
-                          str(self.log), "-o", options, "-w", "-t", "60", "start")
+                self._pg_start()
             except Unavailable as exc:
                 error = exc
                 continue
@@ -109,6 +105,24 @@ class PostgresServer:
             return self
         log = self.log.read_text(errors="replace") if self.log.exists() else ""
         raise Unavailable(f"{error}; {log.strip().splitlines()[-1:] or ''}")
+
+    def _pg_start(self) -> None:
+        options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                   f"-c fsync=off -c synchronous_commit=off "
+                   f"-c full_page_writes=off -c max_connections=80")
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
+                  str(self.log), "-o", options, "-w", "-t", "60", "start")
+
+    def halt(self, mode: str = "fast") -> None:
+        """Stop the server, its data kept (``fast``: a clean shutdown that closes
+        every connection; ``immediate``: a crash, which loses the commits not yet
+        flushed, as ``synchronous_commit=off`` here allows)."""
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m",
+                  mode, "-w", "-t", "30", "stop")
+
+    def restart(self) -> None:
+        """Start it again, on the same port, after :meth:`halt`."""
+        self._pg_start()
 
     def stop(self) -> None:
         if (self.data / "postmaster.pid").exists():

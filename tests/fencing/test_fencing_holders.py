@@ -1,12 +1,14 @@
-"""Fenced writes under a real ``RedisLock``, from several processes.
+"""Fenced writes under a real ``RedisLock`` (and a PostgreSQL lock), from several
+processes.
 
 Writer processes (``fencing_writer.py``) take one lock name on the suite's
-redis-server and increment a fenced counter row in SQLite, PostgreSQL or MariaDB.  One
-holder is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or
-simply idle with ``auto_renew=False``); the others take the lock in turn meanwhile.
-When the paused holder resumes and writes with its old fence, the database refuses it
-and the row stays as the newer holders left it; no increment is lost and the log of
-accepted writes never goes back in fence order.
+redis-server (or, for ``sigstop-postgres-lock``, in the PostgreSQL server's lease
+table) and increment a fenced counter row in SQLite, PostgreSQL or MariaDB.  One holder
+is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or simply
+idle with ``auto_renew=False``); the others take the lock in turn meanwhile.  When the
+paused holder resumes and writes with its old fence, the database refuses it and the
+row stays as the newer holders left it; no increment is lost and the log of accepted
+writes never goes back in fence order.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def snapshot(db: Db, table: str) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]
 @pytest.mark.parametrize(("db", "pause"), [("sqlite", "sigstop"),
                                            ("postgresql", "sigstop"),
                                            ("mariadb", "sigstop"),
+                                           ("postgresql", "sigstop-postgres-lock"),
                                            ("sqlite", "idle-without-renewal")],
                          indirect=["db"])
 def test_holder_paused_past_its_ttl_is_refused_by_the_database(
@@ -126,6 +129,8 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
     table, _ = prepare(db)
     common = ["--redis-url", redis_url, "--prefix", prefix, "--name", name,
               "--ttl", str(TTL), "--db", db.kind, "--table", table]
+    if pause == "sigstop-postgres-lock":
+        common += ["--lock-url", db.dsn]
     paused_argv = [*common, "--who", "paused"]
     if pause == "idle-without-renewal":
         paused_argv.append("--no-renew")
@@ -145,7 +150,7 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
         first = paused.send("write")
         assert first == {"ok": True, "fence": fence, "value": 1}
 
-        if pause == "sigstop":  # frozen whole: body, scheduler and watchdog
+        if pause.startswith("sigstop"):  # frozen whole: body, scheduler and watchdog
             os.kill(paused.proc.pid, signal.SIGSTOP)
         stopped = time.monotonic()
         for w in others:
@@ -153,7 +158,7 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
         loops = [w.read(60) for w in others]
         assert time.monotonic() - stopped > TTL  # the paused hold has expired
         before = snapshot(db, table)
-        if pause == "sigstop":
+        if pause.startswith("sigstop"):
             os.kill(paused.proc.pid, signal.SIGCONT)
 
         late = paused.send("write")

@@ -12,6 +12,7 @@ each worker's log is written to the terminal.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -23,6 +24,7 @@ import pytest
 import redis
 from celery.exceptions import TimeLimitExceeded
 from celery.result import AsyncResult, ResultSet
+from prefork_app import ENV_CONF
 from worker_harness import (
     PROMPT,
     Harness,
@@ -35,6 +37,11 @@ from worker_harness import (
 
 from celery_dlock.backends.redis.keyspace import LockKeys
 
+try:
+    from psycopg import connect as psycopg_connect
+except ImportError:  # the postgres case is skipped (postgres_server)
+    psycopg_connect = None  # type: ignore[assignment]
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
@@ -46,7 +53,19 @@ def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
 # -- 1. inventory ----------------------------------------------------------------------
 
 
-def test_inventory_no_oversell_with_lock_and_oversell_without(harness: Harness) -> None:
+@pytest.fixture(params=["redis", "postgres"])
+def lock_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the workers' locks live: the suite's Redis (``prefork_app``'s default),
+    or PostgreSQL (``dlock_url=postgresql://...`` in the workers' configuration)."""
+    if request.param == "postgres":
+        url: str = request.getfixturevalue("postgres_server").url
+        monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
+        return url
+    return ""
+
+
+def test_inventory_no_oversell_with_lock_and_oversell_without(harness: Harness,
+                                                              lock_store: str) -> None:
     h = harness
     h.start_workers(count=2, concurrency=4)
     buyers, stock = 400, 200
@@ -77,6 +96,15 @@ def test_inventory_no_oversell_with_lock_and_oversell_without(harness: Harness) 
     assert outcome["locked"] == {**outcome["locked"], "sold": stock, "left": 0,
                                  "bought": stock, "overlaps": 0}
     assert h.lock_keys_left() == []
+    if lock_store:
+        from celery_dlock.backends.sql.backend import PostgresBackend
+
+        assert list(PostgresBackend(lock_store).holds(h.prefix)) == []
+        # the locks were taken there: every name has a fence row
+        with psycopg_connect(lock_store) as conn:
+            rows = conn.execute("SELECT count(*) FROM dlock_locks WHERE prefix = %s",
+                                (h.prefix,)).fetchone()
+        assert rows is not None and rows[0] >= 1
 
 
 # -- 2. a 1 s lock renewed for a 3.5 s run ---------------------------------------------

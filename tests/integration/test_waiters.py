@@ -1,5 +1,9 @@
 """Blocked acquirers: woken by the release (not by expiry or polling), served in
-arrival order, leaving the line when they give up, and let in when a holder dies."""
+arrival order, leaving the line when they give up, and let in when a holder dies.
+
+The tests of waking and of a dead holder run on every kind whose waiters are woken by
+the server (``lock_kind``: Redis doorbells, PostgreSQL LISTEN/NOTIFY); the tests of the
+line itself on Redis, the only kind that keeps one (docs/backends.md)."""
 
 from __future__ import annotations
 
@@ -49,11 +53,21 @@ def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
     return waiter
 
 
-def test_blocked_acquirer_wakes_promptly_after_release(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+#: The kinds whose blocked acquirers the server wakes (Redlock's retry after a delay).
+WOKEN = pytest.mark.parametrize("lock_kind", ["redis", "postgres"], indirect=True)
+
+
+@WOKEN
+def test_blocked_acquirer_wakes_promptly_after_release(lock_kind, prefix, name):
+    r = lock_kind.server
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    waiter = _start_in_line(r, Waiter(RedisLock(r, name, owner="w", prefix=prefix)))
-    time.sleep(0.3)
+    waiter = Waiter(lock_kind.make(name, owner="w", prefix=prefix))
+    if lock_kind.has_line:
+        _start_in_line(r, waiter)
+    else:
+        waiter.start()
+    time.sleep(0.5)  # blocked, past its first try (and on PostgreSQL, listening)
     assert waiter.result is None  # still blocked while held
     released_at = time.monotonic()
     holder.release()
@@ -165,11 +179,14 @@ def test_single_waiter_timing_out_leaves_no_queue_keys(r, prefix, name):
     holder.release()
 
 
-def test_holder_without_renewal_that_never_releases_lets_waiter_in(r, prefix, name):
-    dead = RedisLock(r, name, ttl=0.5, auto_renew=False, owner="dead", prefix=prefix)
+@WOKEN
+def test_holder_without_renewal_that_never_releases_lets_waiter_in(lock_kind, prefix,
+                                                                   name):
+    r = lock_kind.server
+    dead = lock_kind.make(name, ttl=0.5, auto_renew=False, owner="dead", prefix=prefix)
     dead.acquire()
     started = time.monotonic()
-    waiter = RedisLock(r, name, ttl=30, owner="w", prefix=prefix)
+    waiter = lock_kind.make(name, ttl=30, owner="w", prefix=prefix)
     assert waiter.acquire(timeout=10) is True
     waited = time.monotonic() - started
     assert waited >= 0.4  # it had to wait for the ttl
@@ -181,16 +198,19 @@ def test_holder_without_renewal_that_never_releases_lets_waiter_in(r, prefix, na
 
 
 @pytest.mark.slow
-def test_killed_holder_process_frees_the_lock_within_its_ttl(redis_url, r, prefix,
-                                                              name):
+@WOKEN
+def test_killed_holder_process_frees_the_lock_within_its_ttl(redis_url, lock_kind,
+                                                              prefix, name):
+    r = lock_kind.server
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
+    lock_url = lock_kind.urls[0] if lock_kind.name != "redis" else None
     proc = ctx.Process(target=hold_until_killed,
-                       args=(redis_url, prefix, name, 1.0, ready), daemon=True)
+                       args=(redis_url, prefix, name, 1.0, ready, lock_url), daemon=True)
     proc.start()
     try:
         assert ready.wait(30)
-        lock = RedisLock(r, name, ttl=30, owner="survivor", prefix=prefix)
+        lock = lock_kind.make(name, ttl=30, owner="survivor", prefix=prefix)
         assert r.hget(lock.keys.lock, "pid") == str(proc.pid).encode()
         time.sleep(1.5)  # longer than its ttl: its scheduler keeps it alive
         assert lock.acquire(blocking=False) is False

@@ -1,0 +1,273 @@
+"""One PostgreSQL server as this process sees it: :class:`PgServer`.
+
+A server is named by its URL; each process keeps one :class:`PgServer` per URL
+(:func:`server_for`), rebuilt after a fork, with
+
+* one connection for the locks' calls (autocommit; psycopg serialises the threads
+  that share it), opened on first use and opened again after a failure;
+* the lease table checked (or created) once.
+
+No call depends on session state: every operation is one autocommitted statement
+(two on the rare paths), so the server may be reached through PgBouncer in
+transaction mode.  A call that fails on a connection that was already open is sent
+once more on a fresh one (every operation is idempotent under its operation id): a
+server restart costs the caller nothing but that round trip.
+
+Errors: a server that does not answer, or a connection that breaks, is
+:class:`BackendUnavailable`; a table at our name with other columns is
+:class:`LockKeyConflict` (nothing changed); a user who may not create the table is
+:class:`InvalidLockConfig` naming the GRANTs it needs (docs/backends.md).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from ...core.errors import (
+    BackendUnavailable,
+    DLockError,
+    InvalidLockConfig,
+    LockKeyConflict,
+)
+from ...core.urls import mask_url
+from .schema import DEFAULT_TABLE, GRANTS, create_sql, missing_columns
+
+__all__ = ["CONNECT_TIMEOUT", "STATEMENT_TIMEOUT_MS", "PgServer", "server_for"]
+
+#: Seconds to wait for a connection.
+CONNECT_TIMEOUT = 3
+#: The longest a statement may run on the server (ms; the URL's ``options`` may set
+#: another ``statement_timeout``).
+STATEMENT_TIMEOUT_MS = 5000
+#: How long a reply may be outstanding before the connection counts as dead (ms).
+TCP_USER_TIMEOUT_MS = 5000
+
+
+def _conninfo(url: str) -> tuple[str, str]:
+    """The libpq connection string of ``url`` with this backend's defaults, and the
+    table named by ``dlock_table=`` in its query (removed from what libpq sees)."""
+    base, question, query = url.partition("?")
+    table = DEFAULT_TABLE
+    kept: list[str] = []
+    for part in query.split("&") if question else []:
+        key, _, value = part.partition("=")
+        if key == "dlock_table":
+            table = value
+        elif part:
+            kept.append(part)
+    url = base + ("?" + "&".join(kept) if kept else "")
+    try:
+        given = conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise InvalidLockConfig(f"cannot read the PostgreSQL URL {mask_url(url)!r}: "
+                                f"{str(exc).splitlines()[0]}") from None
+    extra: dict[str, Any] = {}
+    if "connect_timeout" not in given:
+        extra["connect_timeout"] = CONNECT_TIMEOUT
+    if "options" not in given:
+        extra["options"] = f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"
+    if not str(given.get("host", "")).startswith("/"):  # TCP, not a unix socket
+        if "tcp_user_timeout" not in given:
+            extra["tcp_user_timeout"] = TCP_USER_TIMEOUT_MS
+        if "keepalives" not in given:  # a peer gone silent while idle: ~20 s
+            extra.update(keepalives=1, keepalives_idle=10, keepalives_interval=3,
+                         keepalives_count=3)
+    if "application_name" not in given:
+        extra["application_name"] = "celery-dlock"
+    return make_conninfo(url, **extra), table
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server could not be reached or did not answer (rather
+    than refusing a statement)."""
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and \
+        not isinstance(exc, pg_errors.InsufficientPrivilege)
+
+
+class PgServer:
+    """One server's connection and table, shared by the locks of a process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.shown = mask_url(url)
+        self.conninfo, table_name = _conninfo(url)
+        self.table_name = table_name
+        self.table = sql.Identifier(*table_name.split("."))
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._pid = os.getpid()
+        self._checked = False
+
+    # -- connections ----------------------------------------------------------------
+
+    def connect(self) -> psycopg.Connection[Any]:
+        """A new autocommit connection (:class:`BackendUnavailable` when refused)."""
+        try:
+            # No prepared statements: they are session state a pooler may not keep.
+            return psycopg.connect(self.conninfo, autocommit=True,
+                                   prepare_threshold=None)
+        except psycopg.Error as exc:
+            raise self.unavailable(exc, "connect") from None
+
+    def unavailable(self, exc: BaseException, what: str,
+                    lock_name: str | None = None) -> DLockError:
+        lines = str(exc).strip().splitlines()
+        text = lines[0] if lines else type(exc).__name__
+        return BackendUnavailable(f"PostgreSQL unavailable at {self.shown} during "
+                                  f"{what}: {text.replace(self.url, self.shown)}",
+                                  lock_name=lock_name)
+
+    def _connection(self) -> tuple[psycopg.Connection[Any], bool]:
+        """The shared connection, and whether it was just opened."""
+        if self._pid != os.getpid():
+            # A forked child: the parent's connection is not its own (psycopg leaves
+            # it open for the parent when it is collected here).
+            self._pid, self._conn, self._lock = os.getpid(), None, threading.Lock()
+        with self._lock:
+            conn = self._conn
+            if conn is not None and not conn.closed and not conn.broken:
+                return conn, False
+            conn = self._conn = self.connect()
+            return conn, True
+
+    def _drop(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        try:
+            conn.close()
+        except psycopg.Error:
+            pass
+
+    def run(self, query: sql.Composed, params: Any, what: str,
+            lock_name: str | None = None, *, fetch: bool = True) -> list[tuple[Any, ...]]:
+        """``query`` with ``params`` on the shared connection (the table checked
+        first): its rows.  Sent once more on a fresh connection when a reused one
+        failed (every statement sent here may be sent twice)."""
+        self.ensure_table(lock_name)
+        for attempt in (1, 2):
+            conn, fresh = self._connection()
+            try:
+                cur = conn.execute(query, params)
+                return cur.fetchall() if fetch and cur.description is not None else []
+            except pg_errors.UndefinedTable as exc:
+                # The table went away (a restore, a new server): make it again once.
+                self._checked = False
+                if attempt == 2:
+                    raise self.refused(exc, what, lock_name) from None
+                self.ensure_table(lock_name)
+            except psycopg.Error as exc:
+                if not is_unavailable(exc):
+                    raise self.refused(exc, what, lock_name) from None
+                self._drop(conn)
+                if fresh or attempt == 2:
+                    raise self.unavailable(exc, what, lock_name) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def refused(self, exc: psycopg.Error, what: str,
+                lock_name: str | None = None) -> DLockError:
+        """The DLockError for a statement the server refused."""
+        if isinstance(exc, pg_errors.InsufficientPrivilege):
+            return InvalidLockConfig(
+                f"PostgreSQL at {self.shown} refused {what}: {exc.diag.message_primary}; "
+                f"the user needs {GRANTS.format(table=self.table_name)} "
+                f"(docs/backends.md, least-privilege setup)", lock_name=lock_name)
+        if isinstance(exc, (pg_errors.InvalidColumnReference, pg_errors.UndefinedColumn,
+                            pg_errors.DatatypeMismatch, pg_errors.NotNullViolation)):
+            return LockKeyConflict(
+                f"the table {self.table_name} at {self.shown} is not celery-dlock's "
+                f"lease table ({exc.diag.message_primary}); nothing was changed: name "
+                f"another with ?dlock_table=", lock_name=lock_name)
+        return BackendUnavailable(f"PostgreSQL at {self.shown} refused {what}: "
+                                  f"{exc.diag.message_primary or exc}",
+                                  lock_name=lock_name)
+
+    # -- the table ------------------------------------------------------------------
+
+    def _columns(self, conn: psycopg.Connection[Any]) -> dict[str, str] | None:
+        row = conn.execute("SELECT to_regclass(%s)::oid", (self.table.as_string(conn),)
+                           ).fetchone()
+        if row is None or row[0] is None:
+            return None
+        rows = conn.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", (row[0],)
+        ).fetchall()
+        return {str(name): str(kind) for name, kind in rows}
+
+    def ensure_table(self, lock_name: str | None = None) -> None:
+        """Check the lease table once per process (create it when missing):
+        :class:`LockKeyConflict` when a table of another shape is at its name."""
+        if self._checked:
+            return
+        conn = self.connect()
+        try:
+            found = self._columns(conn)
+            if found is None:
+                try:
+                    conn.execute(create_sql(self.table.as_string(conn)))
+                except (pg_errors.UniqueViolation, pg_errors.DuplicateTable,
+                        pg_errors.DuplicateObject):
+                    pass  # another process made it at the same moment: read it
+                except pg_errors.InsufficientPrivilege as exc:
+                    raise InvalidLockConfig(
+                        f"the lease table {self.table_name} does not exist at "
+                        f"{self.shown} and this user may not create it "
+                        f"({exc.diag.message_primary}): create it once as in "
+                        f"docs/backends.md and {GRANTS.format(table=self.table_name)}",
+                        lock_name=lock_name) from None
+                found = self._columns(conn) or {}
+            missing = missing_columns(found)
+            if missing:
+                raise LockKeyConflict(
+                    f"a table {self.table_name} at {self.shown} is not celery-dlock's "
+                    f"lease table (it lacks {', '.join(missing)}); nothing was changed: "
+                    f"name another with ?dlock_table=", lock_name=lock_name)
+        except psycopg.Error as exc:
+            if is_unavailable(exc):
+                raise self.unavailable(exc, "the table check", lock_name) from None
+            raise self.refused(exc, "the table check", lock_name) from None
+        finally:
+            conn.close()
+        self._checked = True
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+_servers: dict[str, PgServer] = {}
+_servers_lock = threading.Lock()
+
+
+def server_for(url: str) -> PgServer:
+    """This process's :class:`PgServer` for ``url``."""
+    with _servers_lock:
+        server = _servers.get(url)
+        if server is None:
+            server = _servers[url] = PgServer(url)
+        return server
+
+
+def servers() -> Sequence[PgServer]:
+    with _servers_lock:
+        return list(_servers.values())
+
+
+def _after_fork_in_child() -> None:
+    global _servers_lock
+    _servers.clear()  # the parent's connections are not the child's
+    _servers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

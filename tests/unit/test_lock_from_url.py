@@ -1,0 +1,109 @@
+"""``lock_from_url``: one entry point that picks the backend from the URL's scheme;
+``import celery_dlock`` imports no SQL driver; an unknown scheme is one clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from celery_dlock import InvalidLockConfig, RedisLock, RedlockLock, lock_from_url
+
+
+def _python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_import_celery_dlock_imports_no_sql_driver():
+    code = ("import sys, celery_dlock\n"
+            "celery_dlock.lock_from_url('redis://127.0.0.1:1/0', 'n')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'psycopg'"
+            " or m.startswith('celery_dlock.backends.sql')))")
+    assert _python(code) == "[]"
+
+
+def test_a_postgresql_url_imports_the_driver_only_then():
+    pytest.importorskip("psycopg")
+    code = ("import sys, celery_dlock\n"
+            "lock = celery_dlock.lock_from_url('postgresql://u@127.0.0.1:1/db', 'n')\n"
+            "print(type(lock).__name__, 'psycopg' in sys.modules)")
+    assert _python(code) == "PostgresLock True"
+
+
+def test_without_the_driver_the_error_names_the_extra():
+    code = ("import sys\n"
+            "sys.modules['psycopg'] = None\n"
+            "import celery_dlock\n"
+            "try:\n"
+            "    celery_dlock.lock_from_url('postgres://u:secret@h/db', 'n')\n"
+            "except celery_dlock.InvalidLockConfig as exc:\n"
+            "    print(exc)\n")
+    said = _python(code)
+    assert "pip install 'celery-dlock[postgres]'" in said and "secret" not in said
+
+
+def test_redis_urls_give_the_redis_kinds():
+    assert isinstance(lock_from_url("redis://127.0.0.1:1/0", "n"), RedisLock)
+    assert isinstance(lock_from_url("unix:///tmp/nothing.sock", "n"), RedisLock)
+    trio = ";".join(f"redlock://127.0.0.1:{p}/0" for p in (1, 2, 3))
+    assert isinstance(lock_from_url(trio, "n"), RedlockLock)
+    assert isinstance(lock_from_url([f"redis://127.0.0.1:{p}/0" for p in (1, 2, 3)],
+                                    "n"), RedlockLock)
+
+
+def test_options_reach_the_lock():
+    lock = lock_from_url("redis://127.0.0.1:1/0", "n", ttl=7, prefix="p", owner="o",
+                         blocking_timeout=3)
+    assert lock.ttl == 7 and lock.blocking_timeout == 3  # type: ignore[attr-defined]
+    with pytest.raises(InvalidLockConfig):
+        lock_from_url("redis://127.0.0.1:1/0", "n", blocking_timeout=-1)
+
+
+@pytest.mark.parametrize("url", ["ftp://u:secret@host/x", "nonsense", "mysql://u:secret@h/x",
+                                 "zookeeper://h:2181/locks", 42])
+def test_an_unknown_scheme_names_the_known_ones(url):
+    with pytest.raises(InvalidLockConfig) as info:
+        lock_from_url(url, "n")
+    text = str(info.value)
+    assert "postgresql://" in text and "redis://" in text
+    assert "secret" not in text
+
+
+def test_a_postgresql_dlock_url_is_accepted_and_record_events_refused():
+    from celery_dlock.task.config import check_conf
+
+    check_conf({"dlock_url": "postgresql://u@h/db"})  # no server call
+    with pytest.raises(InvalidLockConfig, match="dlock_record_events needs a Redis"):
+        check_conf({"dlock_url": "postgresql://u@h/db", "dlock_record_events": True})
+    with pytest.raises(InvalidLockConfig, match="known schemes"):
+        check_conf({"dlock_url": "ftp://h/x"})
+
+
+@pytest.mark.parametrize(("conf", "found"), [
+    ({"dlock_url": "postgresql://u@h/db"}, "postgresql://u@h/db"),
+    ({"broker_url": "amqp://h//", "result_backend": "db+postgresql://u@h/db"},
+     "postgresql://u@h/db"),
+    ({"broker_url": "sqla+postgresql+psycopg://u@h/db"}, "postgresql://u@h/db"),
+    # a Redis is found first, as before
+    ({"broker_url": "redis://h:6379/0", "result_backend": "db+postgresql://u@h/db"},
+     None),
+    ({"dlock_url": "redis://h:6379/0"}, None),
+    ({"broker_url": "amqp://h//", "result_backend": "rpc://"}, None),
+])
+def test_postgresql_is_found_as_redis_is(conf, found):
+    from celery_dlock.task.connection import sql_url_of
+
+    assert sql_url_of(conf) == found
+
+
+def test_enqueue_time_modes_are_refused_on_postgresql_in_one_line():
+    pytest.importorskip("psycopg")
+    from celery_dlock.core.errors import NotSupported
+    from celery_dlock.task.backend import backend_from_url, markers_for
+
+    with pytest.raises(NotSupported, match="postgres backend does not keep"):
+        markers_for(None, backend_from_url("postgresql://u@127.0.0.1:1/db"))
