@@ -1,15 +1,17 @@
 """Draw the benchmark PNGs from the JSON results (needs matplotlib).
 
     python benchmarks/plot.py                       # results/*.json -> benchmarks/*.png
+                                                    # and results/growth.png
     python benchmarks/plot.py --results DIR --out DIR
 
 ``handoff.png``: (c) delay from a release to the next acquire in another process
 (distribution), hand-offs/s and fairness.  ``core.png``: (b) cost of one uncontended
 acquire+release, (d) renewal round trips and CPU per pass, (e) Redis commands per
 hand-off.  ``e2e.png``: (a) tasks/s and CPU ms per task on a real prefork worker.
-``growth.png``: (d) renewal cost against held locks, (g) Redis memory per lock, (a)
-tasks/s against pool processes, (h) hand-off delay, fairness and rate against waiting
-processes.  A missing result file leaves its panels empty.
+``growth.png``, in the results folder beside its JSON files: (d) renewal cost against
+held locks, (g) Redis memory per lock, (a) tasks/s against pool processes, (h) hand-off
+delay, fairness and rate against waiting processes.  A missing result file leaves its
+panels empty.
 """
 
 from __future__ import annotations
@@ -348,7 +350,9 @@ def _growth_contention(axes: Any, data: dict[str, Any]) -> None:
     for ax in axes:
         ax.set_xscale("log", base=2)
         ws = sorted({r["waiters"] for r in data["rows"]})
-        ax.set_xticks(ws, [str(w) for w in ws])
+        # Neighbours closer than 10% (31 and 32) share one tick label.
+        ticks = [w for i, w in enumerate(ws) if i + 1 == len(ws) or ws[i + 1] > w * 1.1]
+        ax.set_xticks(ticks, [str(w) for w in ticks])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("waiting processes (P - 1)")
         ax.grid(True, which="both", alpha=0.3)
@@ -385,8 +389,9 @@ def plot_growth(renewal: dict[str, Any] | None, memory: dict[str, Any] | None,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(HERE / "results"),
-                        help="folder with the bench_*.json files")
-    parser.add_argument("--out", default=str(HERE), help="folder for the PNGs")
+                        help="folder with the bench_*.json files (and growth.png)")
+    parser.add_argument("--out", default=str(HERE),
+                        help="folder for the other PNGs")
     args = parser.parse_args(argv)
     results, out = Path(args.results), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -396,9 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     plot_e2e(load(results, "bench_e2e"), out / "e2e.png")
     plot_growth(load(results, "bench_renewal"), load(results, "bench_memory"),
                 load(results, "bench_e2e_scaling"), load(results, "bench_contention"),
-                out / "growth.png")
+                results / "growth.png")
     print(f"wrote {out / 'handoff.png'}, {out / 'core.png'}, {out / 'e2e.png'} and "
-          f"{out / 'growth.png'}")
+          f"{results / 'growth.png'}")
     return 0
 
 
