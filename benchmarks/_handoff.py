@@ -10,7 +10,9 @@ process by ``t_acq`` gives the lock's history:
   ``t_acq(next) - t_rel(previous)``;
 * an *overlap* is a next hold that starts before the previous one released: a broken
   lock.  It must be 0;
-* *fairness* is min/max of the acquisitions per process inside the window.
+* *fairness* is min/max of the acquisitions per process inside the window; *Jain's
+  index* of the same counts, (sum x)^2 / (n sum x^2), is 1 when every process got as
+  many and 1/n when one got them all.
 
 The parent takes ``INFO commandstats`` at the start and at the end of the window (Redis
 commands, including those run inside Lua scripts); each child counts the commands its
@@ -148,6 +150,12 @@ def _worker(index: int, variant: str, url: str, key: str, start_at: float,
     client.close()
 
 
+def jain(counts: Sequence[int]) -> float:
+    """Jain's fairness index of ``counts``: 1 when all are equal, 1/n at worst."""
+    squares = sum(x * x for x in counts)
+    return sum(counts) ** 2 / (len(counts) * squares) if squares else 0.0
+
+
 def analyse(per_proc: Sequence[Sequence[tuple[float, float, float | None]]],
             start: float, end: float) -> dict[str, Any]:
     merged = sorted((t_acq, t_rel, proc, t_rang) for proc, events in enumerate(per_proc)
@@ -180,6 +188,7 @@ def analyse(per_proc: Sequence[Sequence[tuple[float, float, float | None]]],
         "overlaps": overlaps,
         "per_process": counts,
         "fairness": (min(counts) / max(counts)) if max(counts) else 0.0,
+        "jain": jain(counts),
         "acq_per_s": acquisitions / duration,
         "handoffs_per_s": len(delays) / duration,
         "delays": delays,
@@ -260,6 +269,7 @@ def summarise(variant: str, procs: int, rounds: list[dict[str, Any]]) -> dict[st
         "acq_per_s": med("acq_per_s"),
         "fairness": med("fairness"),
         "fairness_min": min(r["fairness"] for r in rounds),
+        "jain": med("jain"),
         "handoffs": handoffs,
         "acquisitions": acquisitions,
         "handoff_share": handoffs / acquisitions if acquisitions else 0.0,

@@ -32,6 +32,8 @@ machine may be shared: a batch during which other work kept more than
 
     python benchmarks/bench_e2e.py          # full run -> results/bench_e2e.json
     python benchmarks/bench_e2e.py --smoke  # 3 rounds x 60 tasks, no JSON
+    python benchmarks/bench_e2e.py --concurrency 1,4,16 --tasks 1500 --rounds 3
+                                            # -> results/bench_e2e_scaling.json
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ import psutil
 import redis
 
 NAME = "bench_e2e"
+#: The result file of a run over several pool sizes (``--concurrency 1,4,16``).
+SCALING = "bench_e2e_scaling"
 TITLE = "### a. End to end on a real prefork worker: no-op tasks, distinct arguments"
 COLUMNS = [
     ("variant", "variant", ""),
@@ -317,27 +321,85 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- main ----------------------------------------------------------------------------
 
 
+def run_workers(url: str, server: Any, concurrency: int, variants: dict[str, Any],
+                count: int, rounds: int, warmup: int, numbers: Iterator[int],
+                budget: c.RetryBudget, prefix: str, app: Any, e2e: Any,
+                log_dir: str) -> dict[str, Any]:
+    """Every round on one ``prefork -c concurrency`` worker; per-round samples."""
+    control = redis.Redis.from_url(url)
+    redis_pid = local_redis_pid(control, server)
+    out: dict[str, Any] = {"concurrency": concurrency}
+    try:
+        with worker(url, prefix, concurrency, log_dir) as (proc, name, log):
+            wait_ready(app, name, proc, log)
+            meter = CpuMeter(proc.pid, redis_pid)
+            out["pool_children"] = len(meter.children())
+
+            def batch(task: Any, n: int) -> dict[str, Any]:
+                return run_batch(task, n, numbers, control, meter, proc, log,
+                                 e2e.COUNTER, e2e.MARKER, e2e.DONE_AT)
+
+            if warmup:  # imports, connections, script loading: not measured
+                for task in variants.values():
+                    batch(task, warmup)
+            names = list(variants)
+            per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+            orders = []
+            for r in range(rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                orders.append(order)
+                for variant in order:
+                    while True:
+                        time.sleep(0.1)  # let the worker's last acks settle, unmeasured
+                        sample = batch(variants[variant], count)
+                        # Per batch, not LoadMonitor: the worker is not a waited child.
+                        if budget.keep(sample, f"-c {concurrency} round {r + 1}, "
+                                               f"{variant}"):
+                            break
+                    per_round[variant].append(sample)
+                print(f"-c {concurrency} round {r + 1}/{rounds}: " + ", ".join(
+                    f"{v} {per_round[v][-1]['tasks_per_s']:,.0f}/s" for v in order),
+                    file=sys.stderr)
+    finally:
+        control.close()
+    out["per_round"] = per_round
+    out["orders"] = orders
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = c.base_parser(__doc__.split("\n\n")[0], NAME)
     parser.add_argument("--tasks", type=int, default=None,
-                        help="tasks per variant per round (default 3000; smoke 60)")
+                        help="tasks per variant per round (default 2500; smoke 60)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds (default 5; smoke 3)")
+                        help="rounds (default 7; smoke 3)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="unmeasured tasks per variant before round 1 "
                              "(default 300; smoke 20)")
-    parser.add_argument("--concurrency", type=int, default=2,
-                        help="prefork pool processes (default 2)")
+    parser.add_argument("--concurrency", default="2",
+                        help="prefork pool processes (default 2); a comma-separated "
+                             "list (1,4,16) runs every count on a worker of its own, "
+                             "one after the other, and writes "
+                             f"results/{SCALING}.json by default")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset (plain task is always run)")
     args = parser.parse_args(argv)
     count = args.tasks or (60 if args.smoke else 2500)
     rounds = args.rounds or (3 if args.smoke else 7)
     warmup = args.warmup if args.warmup is not None else (20 if args.smoke else 300)
+    try:
+        concurrencies = [int(n) for n in args.concurrency.split(",")]
+    except ValueError:
+        parser.error(f"--concurrency: not a list of integers: {args.concurrency!r}")
+    if any(n < 1 for n in concurrencies):
+        parser.error("--concurrency: every count must be at least 1")
+    scaling = len(concurrencies) > 1
 
-    results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke, "rounds": rounds,
+    results: dict[str, Any] = {"benchmark": SCALING if scaling else NAME,
+                               "smoke": args.smoke, "rounds": rounds,
                                "tasks": count, "warmup": warmup,
-                               "concurrency": args.concurrency}
+                               "concurrency": concurrencies if scaling
+                               else concurrencies[0]}
     prefix = f"{c.run_id()}-e2e"
     c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, server), \
@@ -357,60 +419,65 @@ def main(argv: list[str] | None = None) -> int:
         control = redis.Redis.from_url(url)
         results["machine"] = c.machine_info(control)
         c.print_machine(results["machine"])
-        redis_pid = local_redis_pid(control, server)
         monitor = c.LoadMonitor(control)
         budget = c.RetryBudget(args)
         # Distinct arguments across variants, rounds and runs on a shared Redis.
         numbers = itertools.count(secrets.randbelow(1 << 30) << 22)
-        with worker(url, prefix, args.concurrency, log_dir) as (proc, name, log):
-            wait_ready(e2e_app.app, name, proc, log)
-            meter = CpuMeter(proc.pid, redis_pid)
-            results["pool_children"] = len(meter.children())
-
-            def batch(task: Any, n: int) -> dict[str, Any]:
-                return run_batch(task, n, numbers, control, meter, proc, log,
-                                 e2e_app.COUNTER, e2e_app.MARKER, e2e_app.DONE_AT)
-
-            if warmup:  # imports, connections, script loading: not measured
-                for task in variants.values():
-                    batch(task, warmup)
-            names = list(variants)
-            per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-            orders = []
-            for r in range(rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                orders.append(order)
-                for variant in order:
-                    while True:
-                        time.sleep(0.1)  # let the worker's last acks settle, unmeasured
-                        sample = batch(variants[variant], count)
-                        # Per batch, not LoadMonitor: the worker is not a waited child.
-                        if budget.keep(sample, f"round {r + 1}, {variant}"):
-                            break
-                    per_round[variant].append(sample)
-                print(f"round {r + 1}/{rounds}: " + ", ".join(
-                    f"{v} {per_round[v][-1]['tasks_per_s']:,.0f}/s" for v in order),
-                    file=sys.stderr)
-        # After the worker has exited: its CPU time counts as this process's children.
+        runs = [run_workers(url, server, n, variants, count, rounds, warmup, numbers,
+                            budget, prefix, e2e_app.app, e2e_app, log_dir)
+                for n in concurrencies]
+        # After the workers have exited: their CPU time counts as this process's
+        # children.
         results["load"] = monitor.stop() | budget.as_dict()
         control.close()
-    rows = summarise(per_round)
-    results["rows"] = rows
-    results["orders"] = orders
-    results["targets"] = targets = check_targets(rows)
+    all_rows = []
+    for run in runs:
+        rows = summarise(run["per_round"])
+        for row in rows:
+            row["workers"] = run["concurrency"]
+        all_rows += rows
+        run["rows"] = rows
+        run["targets"] = check_targets(rows)
+        del run["per_round"]
+    if scaling:
+        results["runs"] = runs
+        results["rows"] = all_rows
+    else:
+        run = runs[0]
+        results["pool_children"] = run["pool_children"]
+        results["rows"] = run["rows"]
+        results["orders"] = run["orders"]
+        results["targets"] = run["targets"]
     print(f"\n{TITLE}\n")
-    print(f"{rounds} rounds x {count} tasks per variant, variants alternated (order "
-          f"rotates per round); `celery worker --pool=prefork -c {args.concurrency}`, "
-          "prefetch 64, results ignored; median over rounds. CPU columns: ms per "
-          "task.\n")
-    print(c.markdown_table(COLUMNS, rows))
-    if targets and not args.smoke:  # smoke numbers mean nothing
+    for run in runs:
+        print(f"{rounds} rounds x {count} tasks per variant, variants alternated (order "
+              f"rotates per round); `celery worker --pool=prefork "
+              f"-c {run['concurrency']}`, prefetch 64, results ignored; median over "
+              "rounds. CPU columns: ms per task.\n")
+        print(c.markdown_table(COLUMNS, run["rows"]))
+        if run["targets"] and not args.smoke and not scaling:  # smoke: meaningless
+            print()
+            for t in run["targets"]:
+                print(f"- {'met' if t['met'] else 'MISSED'}: {t['target']} "
+                      f"({t['value']})")
         print()
-        for t in targets:
-            print(f"- {'met' if t['met'] else 'MISSED'}: {t['target']} "
-                  f"({t['value']})")
+    if scaling:
+        print("#### tasks/s by pool processes (x plain)\n")
+        names = list(dict.fromkeys(r["variant"] for r in all_rows))
+        cols = [("variant", "variant", "")] + [
+            (f"-c {run['concurrency']}", f"c{run['concurrency']}", "")
+            for run in runs]
+        table = []
+        for name in names:
+            row: dict[str, Any] = {"variant": name}
+            for run in runs:
+                r = next(x for x in run["rows"] if x["variant"] == name)
+                row[f"c{run['concurrency']}"] = (f"{r['tasks_per_s']:,.0f} "
+                                                 f"({r['ratio']:.2f}x)")
+            table.append(row)
+        print(c.markdown_table(cols, table))
     c.print_load(results["load"])
-    c.write_json(c.json_path(args, NAME), results)
+    c.write_json(c.json_path(args, SCALING if scaling else NAME), results)
     return 0
 
 

@@ -1,10 +1,11 @@
-"""(d) Renewal cost against the number of held locks (1, 10, 100, 1000 in one process).
+"""(d) Renewal cost against the number of held locks (1 to 10,000 in one process).
 
 The holds are ``RedisLock(r, name, ttl=30, scheduler=hb)`` on one client, with
 ``hb = RenewalScheduler(start_thread=False)``: no thread, each renewal pass is one
 ``hb.renew_due(now)`` call with ``now`` moved on by one renewal interval (ttl/3), so
 every hold is due in every pass.  Per pass the table gives the round trips the client
-sent (counted on the client), the ``EVALSHA`` calls and all Redis commands the server
+sent (counted on the client; renewal goes through a connection pool of its own, whose
+commands are counted too), the ``EVALSHA`` calls and all Redis commands the server
 ran (``INFO commandstats`` deltas; commands inside the script count too), the client
 CPU time (``time.process_time()``), the wall time, and the server's time
 (``commandstats`` ``usec``).
@@ -12,9 +13,12 @@ CPU time (``time.process_time()``), the wall time, and the server's time
 For comparison, ``per-lock extend`` renews the same number of redis-py ``Lock``
 objects the way one renewal thread per lock does it (python-redis-lock's
 ``auto_renewal``, or a loop calling ``Lock.reacquire()``): one round trip per hold.
+Its passes are capped at 30,000 / holds (at least 3), so that 10,000 holds take
+seconds, not minutes.
 
     python benchmarks/bench_renewal.py          # full run -> results/bench_renewal.json
     python benchmarks/bench_renewal.py --smoke  # 1 and 10 holds, 3 passes, no JSON
+    python benchmarks/plot.py                   # -> core.png (d), growth.png
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import _common as c
 
 from celery_dlock import RedisLock
+from celery_dlock.backends.redis.renewal import renew_target
 from celery_dlock.core.scheduler import RenewalScheduler
 
 NAME = "bench_renewal"
@@ -71,8 +76,24 @@ def measure_passes(client: c.CountingRedis, passes: int,
     return {k: float(statistics.median(s[k] for s in samples)) for k in samples[0]}
 
 
+def count_renewals(client: c.CountingRedis) -> None:
+    """Count in ``client.sent`` the commands of its renew target (a pool of its own)."""
+    target = renew_target(client)
+    if getattr(target, "counted", False):
+        return
+    send = target.client.execute_command
+
+    def counting(*args: Any, **options: Any) -> Any:
+        client.sent += 1
+        return send(*args, **options)
+
+    target.client.execute_command = counting
+    target.counted = True
+
+
 def bench_dlock(client: c.CountingRedis, prefix: str, holds: int,
                 passes: int) -> dict[str, Any]:
+    count_renewals(client)
     hb = RenewalScheduler(start_thread=False)
     locks = [RedisLock(client, f"{prefix}:d{holds}:{i}", ttl=30, scheduler=hb)
              for i in range(holds)]
@@ -142,7 +163,7 @@ def bench_per_lock(client: c.CountingRedis, prefix: str, holds: int,
         for lock in locks:
             lock.reacquire()
 
-    row = measure_passes(client, passes, one_pass)
+    row = measure_passes(client, min(passes, max(3, 30000 // holds)), one_pass)
     for lock in locks:
         lock.release()
     return row
@@ -151,13 +172,13 @@ def bench_per_lock(client: c.CountingRedis, prefix: str, holds: int,
 def main(argv: list[str] | None = None) -> int:
     parser = c.base_parser(__doc__.split("\n\n")[0], NAME)
     parser.add_argument("--holds", default=None,
-                        help="comma-separated hold counts (default 1,10,100,1000; "
+                        help="comma-separated hold counts (default 1,10,100,1000,10000; "
                              "smoke 1,10)")
     parser.add_argument("--passes", type=int, default=None,
                         help="renewal passes per count (default 30; smoke 3)")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in
-              (args.holds or ("1,10" if args.smoke else "1,10,100,1000")).split(",")]
+    default = "1,10" if args.smoke else "1,10,100,1000,10000"
+    counts = [int(n) for n in (args.holds or default).split(",")]
     passes = args.passes or (3 if args.smoke else 30)
 
     results: dict[str, Any] = {"benchmark": NAME, "smoke": args.smoke,

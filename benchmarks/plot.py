@@ -1,13 +1,17 @@
 """Draw the benchmark PNGs from the JSON results (needs matplotlib).
 
     python benchmarks/plot.py                       # results/*.json -> benchmarks/*.png
+                                                    # and results/growth.png
     python benchmarks/plot.py --results DIR --out DIR
 
 ``handoff.png``: (c) delay from a release to the next acquire in another process
 (distribution), hand-offs/s and fairness.  ``core.png``: (b) cost of one uncontended
 acquire+release, (d) renewal round trips and CPU per pass, (e) Redis commands per
-hand-off.  ``e2e.png``: (a) tasks/s and CPU ms per task on a real prefork worker.  A
-missing result file leaves its panels empty.
+hand-off.  ``e2e.png``: (a) tasks/s and CPU ms per task on a real prefork worker.
+``growth.png``, in the results folder beside its JSON files: (d) renewal cost against
+held locks, (g) Redis memory per lock, (a) tasks/s against pool processes, (h) hand-off
+delay, fairness and rate against waiting processes.  A missing result file leaves its
+panels empty.
 """
 
 from __future__ import annotations
@@ -221,11 +225,173 @@ def plot_e2e(data: dict[str, Any] | None, out: Path) -> None:
     plt.close(fig)
 
 
+#: Colours of the growth curves' variants beyond the lock core's.
+GROWTH_COLORS = {
+    **COLORS,
+    "celery_dlock RenewalScheduler": "tab:blue",
+    "per-lock extend (redis-py)": "tab:orange",
+    "celery_dlock RedisLock": "tab:blue",
+    "celery_dlock LockedTask": "tab:cyan",
+    "redis-py Lock": "tab:orange",
+    "celery-once": "tab:purple",
+    "celery-singleton": "tab:brown",
+    "plain task": "black",
+    "LockedTask (hashed args)": "tab:blue",
+    "LockedTask (template key)": "tab:cyan",
+    "celery-once QueueOnce": "tab:purple",
+    "celery-singleton Singleton": "tab:brown",
+}
+
+
+def _by_variant(rows: list[dict[str, Any]], x: str) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault(row["variant"], []).append(row)
+    return {v: sorted(rs, key=lambda r: r[x]) for v, rs in out.items()}
+
+
+def _growth_renewal(ax: Any, data: dict[str, Any]) -> None:
+    for variant, rows in _by_variant(data["rows"], "holds").items():
+        color = GROWTH_COLORS.get(variant)
+        holds = [r["holds"] for r in rows]
+        ax.plot(holds, [r["cpu_ms"] for r in rows], "o-", color=color,
+                label=f"{variant}: client CPU ms")
+        ax.plot(holds, [r["server_ms"] for r in rows], "^:", color=color,
+                label=f"{variant}: server ms")
+        ax.plot(holds, [r["round_trips"] for r in rows], "s--", color=color,
+                label=f"{variant}: round trips")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("locks held by one process")
+    ax.set_ylabel("per renewal interval (one pass)")
+    ax.set_title("(d) renewal cost per interval")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6)
+
+
+def _growth_memory(ax: Any, data: dict[str, Any]) -> None:
+    top = max(r["locks"] for r in data["rows"])
+    rows = [r for r in data["rows"] if r["locks"] == top]
+    xs = list(range(len(rows)))
+    held = [r["held_bytes_per_lock"] for r in rows]
+    kept = [r["left_persistent_bytes_per_name"] for r in rows]
+    expiring = [r["left_bytes_per_name"] - r["left_persistent_bytes_per_name"]
+                for r in rows]
+    ax.bar([x - 0.2 for x in xs], held, 0.4, color="tab:blue", label="held, per lock")
+    ax.bar([x + 0.2 for x in xs], kept, 0.4, color="tab:red",
+           label="after release, per name: no expiry")
+    ax.bar([x + 0.2 for x in xs], expiring, 0.4, bottom=kept, color="tab:pink",
+           label="after release, per name: expiring (<= 60 s)")
+    for x, value in zip(xs, held, strict=True):
+        ax.annotate(f"{value:.0f}", (x - 0.2, value), ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_xticks(xs, [r["variant"].replace(" ", "\n", 1) for r in rows], fontsize=7)
+    ax.set_ylabel("bytes (MEMORY USAGE, all keys)")
+    ax.set_title(f"(g) Redis memory, {top:,} locks")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _growth_workers(ax: Any, data: dict[str, Any]) -> None:
+    for variant, rows in _by_variant(data["rows"], "workers").items():
+        ax.plot([r["workers"] for r in rows], [r["tasks_per_s"] for r in rows], "o-",
+                color=GROWTH_COLORS.get(variant), label=variant)
+    ax.set_xscale("log", base=2)
+    workers = sorted({r["workers"] for r in data["rows"]})
+    ax.set_xticks(workers, [str(w) for w in workers])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("prefork pool processes (-c)")
+    ax.set_ylabel("tasks/s (median over rounds)")
+    ax.set_title("(a) tasks/s against worker processes")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _growth_contention(axes: Any, data: dict[str, Any]) -> None:
+    groups = _by_variant(data["rows"], "waiters")
+    ax = axes[0]
+    for variant, rows in groups.items():
+        color = GROWTH_COLORS.get(variant)
+        timed = [r for r in rows if r["p50_ms"] is not None]
+        ws = [r["waiters"] for r in timed]
+        ax.plot(ws, [r["p50_ms"] for r in timed], "o-", color=color,
+                label=f"{variant} p50")
+        ax.plot(ws, [r["p99_ms"] for r in timed], "s--", color=color,
+                label=f"{variant} p99")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.axhline(2.0, color="grey", lw=0.8, ls="-.")
+    ax.set_yscale("log")
+    ax.set_ylabel("release -> next acquire elsewhere (ms)")
+    ax.set_title("(h) hand-off delay (targets: p50 1 ms, p99 2 ms)")
+    ax = axes[1]
+    for variant, rows in groups.items():
+        color = GROWTH_COLORS.get(variant)
+        ws = [r["waiters"] for r in rows]
+        ax.plot(ws, [r["fairness"] for r in rows], "o-", color=color,
+                label=f"{variant} min/max")
+        ax.plot(ws, [r.get("jain") for r in rows], "x:", color=color,
+                label=f"{variant} Jain")
+    ax.axhline(0.9, color="grey", lw=0.8, ls=":")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("fairness over processes")
+    ax.set_title("(h) fairness (target 0.9)")
+    ax = axes[2]
+    for variant, rows in groups.items():
+        color = GROWTH_COLORS.get(variant)
+        ws = [r["waiters"] for r in rows]
+        ax.plot(ws, [r["handoffs_per_s"] for r in rows], "o-", color=color,
+                label=f"{variant} hand-offs/s")
+        ax.plot(ws, [r["acq_per_s"] for r in rows], "s--", color=color,
+                label=f"{variant} acquisitions/s")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("per second (median over rounds)")
+    ax.set_title(f"(h) rate, hold {data['hold'] * 1000:g} ms")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ws = sorted({r["waiters"] for r in data["rows"]})
+        # Neighbours closer than 10% (31 and 32) share one tick label.
+        ticks = [w for i, w in enumerate(ws) if i + 1 == len(ws) or ws[i + 1] > w * 1.1]
+        ax.set_xticks(ticks, [str(w) for w in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("waiting processes (P - 1)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+
+
+def plot_growth(renewal: dict[str, Any] | None, memory: dict[str, Any] | None,
+                scaling: dict[str, Any] | None, contention: dict[str, Any] | None,
+                out: Path) -> None:
+    """``growth.png``: (d) renewal, (g) memory, (a) tasks/s by pool size, (h) hand-off
+    delay, fairness and rate by waiting processes."""
+    fig, axes = plt.subplots(2, 3, figsize=(17, 9.5))
+    for ax, data, what, draw in (
+            (axes[0][0], renewal, "bench_renewal", _growth_renewal),
+            (axes[0][1], memory, "bench_memory", _growth_memory),
+            (axes[0][2], scaling, "bench_e2e_scaling", _growth_workers)):
+        if data is None:
+            _empty(ax, what)
+        else:
+            draw(ax, data)
+    if contention is None:
+        for ax in axes[1]:
+            _empty(ax, "bench_contention")
+    else:
+        _growth_contention(axes[1], contention)
+    source = renewal or memory or scaling or contention
+    if source is not None:
+        fig.suptitle(f"Growth ({_subtitle(source)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=str(HERE / "results"),
-                        help="folder with the bench_*.json files")
-    parser.add_argument("--out", default=str(HERE), help="folder for the PNGs")
+                        help="folder with the bench_*.json files (and growth.png)")
+    parser.add_argument("--out", default=str(HERE),
+                        help="folder for the other PNGs")
     args = parser.parse_args(argv)
     results, out = Path(args.results), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -233,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     plot_core(load(results, "bench_core"), load(results, "bench_renewal"),
               load(results, "bench_waiters"), out / "core.png")
     plot_e2e(load(results, "bench_e2e"), out / "e2e.png")
-    print(f"wrote {out / 'handoff.png'}, {out / 'core.png'} and {out / 'e2e.png'}")
+    plot_growth(load(results, "bench_renewal"), load(results, "bench_memory"),
+                load(results, "bench_e2e_scaling"), load(results, "bench_contention"),
+                results / "growth.png")
+    print(f"wrote {out / 'handoff.png'}, {out / 'core.png'}, {out / 'e2e.png'} and "
+          f"{results / 'growth.png'}")
     return 0
 
 

@@ -27,7 +27,13 @@ SCRIPTS = {
     "bench_waiters.py": "| variant | waiters | hand-offs | acquisitions |",
     "bench_e2e.py": "| variant | tasks/s | x plain | CPU ms/task | +CPU ms/task |",
     "bench_send.py": "| variant | sends/s | us/send | x plain |",
+    "bench_memory.py": "| variant | locks | keys/lock held | bytes/lock held |",
+    "bench_contention.py": "| variant | waiting | P | hand-offs | hand-offs/s |",
 }
+#: The pool sizes of the e2e scaling smoke run: two small workers, one after the other.
+SCALING_ARGS = ["bench_e2e.py", "--smoke", "--concurrency", "1,2", "--tasks", "20",
+                "--rounds", "1", "--warmup", "0", "--variants",
+                "LockedTask (hashed args)"]
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -58,18 +64,34 @@ def test_smoke_mode_runs_and_prints_its_table(script: str, results_dir: Path) ->
     assert data["machine"]["redis_server"]
 
 
+def test_e2e_runs_one_worker_per_pool_size(results_dir: Path) -> None:
+    out = results_dir / "bench_e2e_scaling.json"
+    proc = _run([*SCALING_ARGS, "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| variant | -c 1 | -c 2 |" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["concurrency"] == [1, 2]
+    assert [run["pool_children"] for run in data["runs"]] == [1, 2]
+    assert {(r["workers"], r["variant"]) for r in data["rows"]} == {
+        (n, v) for n in (1, 2) for v in ("plain task", "LockedTask (hashed args)")}
+
+
 def test_plot_draws_the_smoke_results(results_dir: Path) -> None:
     pytest.importorskip("matplotlib")
-    for script in ("bench_core.py", "bench_handoff.py", "bench_e2e.py"):
+    for script in ("bench_core.py", "bench_handoff.py", "bench_e2e.py",
+                   "bench_renewal.py", "bench_memory.py", "bench_contention.py"):
         out = results_dir / script.replace(".py", ".json")
         if not out.exists():
             proc = _run([script, "--smoke", "--json", str(out)])
             assert proc.returncode == 0, proc.stdout + proc.stderr
+    scaling = results_dir / "bench_e2e_scaling.json"
+    if not scaling.exists():
+        proc = _run([*SCALING_ARGS, "--json", str(scaling)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = _run(["plot.py", "--results", str(results_dir), "--out", str(results_dir)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (results_dir / "handoff.png").stat().st_size > 0
-    assert (results_dir / "core.png").stat().st_size > 0
-    assert (results_dir / "e2e.png").stat().st_size > 0
+    for png in ("handoff.png", "core.png", "e2e.png", "growth.png"):
+        assert (results_dir / png).stat().st_size > 0
 
 
 def test_profile_parts_runs_and_prints_its_table() -> None:
