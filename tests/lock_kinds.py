@@ -19,14 +19,15 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
+from celery_dlock import FencingUnavailable, RedisLock, RedisSemaphore, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 __all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "lose_lock_data",
            "redlock_servers"]
 
-#: The kinds of lock every lock-contract test runs on.
-KINDS = ("redis", "redlock")
+#: The kinds of lock every lock-contract test runs on ("semaphore": a RedisSemaphore
+#: of one slot, which behaves as a lock).
+KINDS = ("redis", "redlock", "semaphore")
 
 #: Why a fencing test is skipped on a kind without fencing tokens (docs/deployments.md).
 NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence raises "
@@ -48,12 +49,18 @@ class LockKind:
     #: The servers' URLs, for a child process to make its own locks of this kind.
     urls: list[str] = dataclasses.field(default_factory=list)
 
+    #: Wraps a client of one of its servers for the reads a test makes (a
+    #: semaphore keeps its holds beside its key: :class:`SemaphoreView`).
+    view: Callable[[Any], Any] = lambda client: client
+
     @property
     def server(self) -> Any:
         """Where a test reads the lock's keys: the one server, or on a kind with
         several, what a majority of them says (a Redlock call returns once a quorum
         confirmed it; the other nodes follow a moment later)."""
-        return self.clients[0] if len(self.clients) == 1 else QuorumView(self.clients)
+        if len(self.clients) == 1:
+            return self.view(self.clients[0])
+        return QuorumView(self.clients)
 
     def make(self, lock_name: str, ttl: float = 30.0, **options: Any) -> Any:
         return self.factory(lock_name, ttl, **options)
@@ -156,6 +163,36 @@ class QuorumView:
         return values[len(values) // 2]
 
 
+class SemaphoreView:
+    """A client of a semaphore's server, answering the reads the lock tests make of
+    ``lock.keys.lock`` (a lock's hash) from the hash of the semaphore's only holder
+    (its key is a sorted set of holders; each hold is a hash beside it)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.client, attr)
+
+    def _hold_key(self, key: str) -> str | None:
+        if self.client.type(key) != b"zset":
+            return key
+        from celery_dlock.backends.redis.semaphore import SemaphoreKeys
+
+        members = self.client.zrange(key, 0, -1)
+        if len(members) != 1:
+            return None
+        return SemaphoreKeys(key, "", "", "", "", "").holder(members[0].decode())
+
+    def hget(self, key: str, field: str) -> Any:
+        hold = self._hold_key(key)
+        return None if hold is None else self.client.hget(hold, field)
+
+    def hgetall(self, key: str) -> Any:
+        hold = self._hold_key(key)
+        return {} if hold is None else self.client.hgetall(hold)
+
+
 def lose_lock_data(clients: list[redis.Redis], lock_key: str) -> None:
     """Delete the hash ``lock_key`` and every helper key of it on each client."""
     pattern = lock_key.replace("[", "\\[").replace("*", "\\*").replace("?", "\\?")
@@ -196,6 +233,12 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         yield LockKind("redlock", clients,
                        lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False,
                        [s.url for s in servers])
+    elif kind == "semaphore":
+        url = request.getfixturevalue("redis_url")
+        clients = [redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)]
+        yield LockKind("semaphore", clients,
+                       lambda n, ttl, **kw: RedisSemaphore(clients[0], n, 1, ttl, **kw),
+                       True, [url], view=SemaphoreView)
     else:  # pragma: no cover - a typo in KINDS
         raise ValueError(kind)
     for c in clients:
