@@ -22,8 +22,8 @@ import redis
 from celery_dlock import FencingUnavailable, RedisLock, RedisSemaphore, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "lose_lock_data",
-           "redlock_servers"]
+__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "ONE_SERVER_KINDS", "LockKind",
+           "OneServerKind", "lose_lock_data", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on ("semaphore": a RedisSemaphore
 #: of one slot, which behaves as a lock).
@@ -191,6 +191,39 @@ class SemaphoreView:
     def hgetall(self, key: str) -> Any:
         hold = self._hold_key(key)
         return {} if hold is None else self.client.hgetall(hold)
+
+
+@dataclass(frozen=True)
+class OneServerKind:
+    """A kind of lock on one Redis, made on any client: for tests that put a fault
+    proxy between a lock and its server (and match its scripts by their SHA1)."""
+
+    name: str
+    #: ``make(client, name, ttl=..., **options)``
+    make: Callable[..., Any]
+    acquire: Any
+    release: Any
+    #: Wraps a direct client for the reads a test makes of ``lock.keys.lock``.
+    view: Callable[[Any], Any]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _one_server_kinds() -> dict[str, OneServerKind]:
+    from celery_dlock.backends.redis.scripts import ACQUIRE, RELEASE
+    from celery_dlock.backends.redis.semaphore_scripts import SEM_ACQUIRE, SEM_RELEASE
+
+    return {
+        "redis": OneServerKind("redis", RedisLock, ACQUIRE, RELEASE, lambda c: c),
+        "semaphore": OneServerKind(
+            "semaphore", lambda c, n, **kw: RedisSemaphore(c, n, 1, **kw),
+            SEM_ACQUIRE, SEM_RELEASE, SemaphoreView),
+    }
+
+
+#: The kinds of lock that live on one Redis, by name.
+ONE_SERVER_KINDS = _one_server_kinds()
 
 
 def lose_lock_data(clients: list[redis.Redis], lock_key: str) -> None:
