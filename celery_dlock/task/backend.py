@@ -14,13 +14,15 @@ import weakref
 from typing import Any
 
 from ..backends.redis.backend import RedisBackend
-from ..backends.redis.redlock.backend import RedlockBackend
-from ..core.errors import NotSupported
+from ..backends.redis.redlock.backend import RedlockBackend, check_redlock_limit
+from ..core.errors import InvalidLockConfig, NotSupported
 from ..core.protocol import Backend
 from .config import get_client
+from .connection import redlock_urls
 from .markers import MarkerStore
+from .settings import conf_value
 
-__all__ = ["backend_for", "backend_of_client", "markers_for"]
+__all__ = ["backend_for", "backend_of_client", "check_limit_supported", "markers_for"]
 
 _lock = threading.Lock()
 _by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDictionary()
@@ -53,6 +55,18 @@ def backend_for(app: Any) -> Backend:
             cached = (client, backend_of_client(client))
             _by_app[app] = cached
         return cached[1]
+
+
+def check_limit_supported(app: Any, limit: Any, where: str) -> None:
+    """InvalidLockConfig when ``limit`` > 1 (a semaphore) and ``app``'s
+    ``dlock_url`` is a Redlock (several servers), which keeps no semaphores.  (A
+    ``dlock_client`` returning several clients is refused at the first lock.)"""
+    if limit in (None, 1) or redlock_urls(conf_value(app, "dlock_url")) is None:
+        return
+    try:
+        check_redlock_limit(limit)
+    except InvalidLockConfig as exc:
+        raise InvalidLockConfig(f"{where}: {exc}") from None
 
 
 def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:

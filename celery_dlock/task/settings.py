@@ -82,6 +82,13 @@ def _count(name: str, value: Any) -> int:
     return value
 
 
+def _limit(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidLockConfig(f"{name} must be a whole number >= 1 (how many calls "
+                                f"of one key may run at once; 1: a lock), got {value!r}")
+    return value
+
+
 def _policy(name: str, value: Any) -> Any:
     if callable(value) or value in POLICIES:
         return value
@@ -168,6 +175,9 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
             "the task; FAILURE) or warn (signal + log; the result stands)"),
+    Setting("lock_limit", "dlock_lock_limit", 1, _limit,
+            "how many calls of one key may run at once: 1 a lock, N a semaphore of N "
+            "leased slots (one Redis, Cluster or Sentinel; not Redlock)"),
 )}
 
 
@@ -183,6 +193,7 @@ NOT_PER_CALL = {
         "frees a dead child's lock, and celery dlock) must agree on"),
     "lock_lost_action": "a lost lock is handled outside the call, from the task's "
                         "own settings",
+    "lock_limit": "every call of one key must count its holders against one limit",
 }
 #: Options one call may override in its message headers.
 CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)

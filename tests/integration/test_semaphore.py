@@ -11,8 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
+import redis
+from celery import Celery
 from dlock_helpers import wait_until
 
 from celery_dlock import (
@@ -236,3 +239,70 @@ def test_the_backend_shows_slots_and_holders(r, name, prefix):
     assert backend.read(prefix, name) is None
     for s in holders:
         assert not s.owned()
+
+
+# -- LockedTask(lock_limit=N): checks ---------------------------------------------------
+
+
+def _declare(app, **options):
+    from celery_dlock import LockedTask
+
+    @app.task(base=LockedTask, shared=False, name=f"t{uuid.uuid4().hex[:6]}",
+              lock_key="k:{x}", **options)
+    def t(x: str) -> str:
+        return x
+
+    return t
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True])
+def test_a_bad_lock_limit_is_refused_at_declaration(bad):
+    app = Celery("limits", broker="memory://", set_as_current=False)
+    app.finalize()
+    with pytest.raises(InvalidLockConfig, match="lock_limit must be a whole number"):
+        _declare(app, lock_limit=bad)
+
+
+def test_lock_limit_cannot_be_set_per_call():
+    app = Celery("limits", broker="memory://", set_as_current=False)
+    app.finalize()
+    t = _declare(app, lock_limit=2)
+    with pytest.raises(InvalidLockConfig, match="lock_limit cannot be set per call"):
+        t.apply_async(("x",), headers={"lock_limit": 5})
+
+
+def _redlock_url(servers) -> str:
+    return ";".join(s.url.replace("redis://", "redlock://") for s in servers)
+
+
+def test_redlock_refuses_lock_limit_at_worker_start(redlock_servers):
+    from celery_dlock.task.startup import check_app
+
+    app = Celery("limits", broker="memory://", set_as_current=False)
+    app.finalize()
+    _declare(app, lock_limit=3)
+    app.conf.dlock_url = _redlock_url(redlock_servers)  # configured after the tasks
+    with pytest.raises(InvalidLockConfig, match="not supported with Redlock"):
+        check_app(app)
+
+
+def test_redlock_refuses_lock_limit_at_declaration_on_a_configured_app(
+        redlock_servers):
+    app = Celery("limits", broker="memory://", set_as_current=False)
+    app.conf.dlock_url = _redlock_url(redlock_servers)
+    app.finalize()
+    with pytest.raises(InvalidLockConfig, match="each node would count"):
+        _declare(app, lock_limit=2)
+    _declare(app, lock_limit=1)  # a lock is fine
+
+
+def test_the_redlock_backend_refuses_a_limit(redlock_servers):
+    from celery_dlock.backends.redis.redlock.backend import RedlockBackend
+
+    clients = [redis.Redis.from_url(s.url) for s in redlock_servers]
+    backend = RedlockBackend(clients)
+    with pytest.raises(InvalidLockConfig, match="lock_limit > 1"):
+        backend.lock("x", 5, prefix="p", limit=2)
+    assert backend.lock("x", 5, prefix="p", limit=1) is not None
+    for c in clients:
+        c.close()

@@ -11,6 +11,7 @@ from .inspect import force_release, get_lock, iter_locks, release_matching, wait
 from .keyspace import LockKeys
 from .lock import RedisLock
 from .markers import RedisMarkers
+from .semaphore import RedisSemaphore
 
 __all__ = ["RedisBackend"]
 
@@ -27,7 +28,12 @@ class RedisBackend:
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None) -> RedisLock:
+             auto_renew: bool = True, pause_budget: float | None = None,
+             limit: int = 1) -> RedisLock | RedisSemaphore:
+        if limit != 1:
+            return RedisSemaphore(self.client, name, limit, ttl, prefix=prefix,
+                                  info=info, owner=owner, on_lost=on_lost,
+                                  auto_renew=auto_renew, pause_budget=pause_budget)
         return RedisLock(self.client, name, ttl, prefix=prefix, info=info, owner=owner,
                          on_lost=on_lost, auto_renew=auto_renew,
                          pause_budget=pause_budget)

@@ -107,7 +107,8 @@ end
 # KEYS[1] the semaphore's sorted set
 # ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
 # ARGV[4] operation id, ARGV[5] re-entry ('' plain, '*' or a fence: as ACQUIRE),
-# ARGV[6] limit, ARGV[7..] metadata field/value pairs
+# ARGV[6] limit, ARGV[7..] metadata field/value pairs (a ``task_id`` among them: one
+# slot per task id, so that a redelivered running task contends with itself)
 # Returns what ACQUIRE returns: {1, fence, count}, {2, code} (a re-entry whose hold is
 # gone: code 0, or -1 when the owner holds another hold), or
 # {0, pttl, now_ms, field, value, ...}: not acquired; pttl the soonest holder's
@@ -149,6 +150,25 @@ reap(main, now)
 local queue, leases = main .. QUEUE_SUFFIX, main .. LEASES_SUFFIX
 local free = limit - call('ZCARD', main)
 local pttl
+-- A call whose task id already holds a slot (a redelivery of a running task) is
+-- refused, with that holder's hash: one slot per task id.
+local task_id
+for i = 7, #ARGV - 1, 2 do
+  if ARGV[i] == 'task_id' then task_id = ARGV[i + 1] end
+end
+local twin
+if task_id and free > 0 then
+  local live = call('ZRANGE', main, 0, -1, 'WITHSCORES')
+  for i = 1, #live - 1, 2 do
+    if call('HGET', holder_key(main, live[i]), 'task_id') == task_id then
+      twin = {live[i], tonumber(live[i + 1])}
+      break
+    end
+  end
+end
+if twin then
+  free = 0
+end
 if free > 0 then
   local ahead = 0
   if call('EXISTS', queue) == 1 then
@@ -175,6 +195,7 @@ if free > 0 then
   pttl = -1
 end
 local first = call('ZRANGE', main, 0, 0, 'WITHSCORES')
+if twin then first = twin end
 local fields = {}
 if first[1] then
   if not pttl then pttl = tonumber(first[2]) - now end
