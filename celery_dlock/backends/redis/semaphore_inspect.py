@@ -56,8 +56,14 @@ def _hold(name: str, flat: Sequence[Any], pttl_ms: int | None,
         fence=_int(fields.get("fence")),
         ttl=pttl_ms / 1000.0 if pttl_ms is not None and pttl_ms >= 0 else None,
         held_for=held_for, host=fields.get("host"),
-        extra={k: v for k, v in sorted(fields.items()) if k not in _KNOWN},
-        limit=_int(fields.get("limit")))
+        extra={k: v for k, v in sorted(fields.items()) if k not in _KNOWN})
+
+
+def _limit_of(flat: Sequence[Any]) -> int:
+    for i in range(0, len(flat) - 1, 2):
+        if _text(flat[i]) == "limit":
+            return _int(_text(flat[i + 1])) or 1
+    return 1
 
 
 def semaphore_info(name: str, now_ms: int,
@@ -67,7 +73,7 @@ def semaphore_info(name: str, now_ms: int,
     holds = tuple(_hold(name, fields, pttl, now_ms) for pttl, fields in live if fields)
     if not holds:
         return None
-    limit = max((h.limit or 1) for h in holds)
+    limit = max(_limit_of(fields) for _, fields in live)
     return dataclasses.replace(holds[0], limit=limit, holders=holds)
 
 
