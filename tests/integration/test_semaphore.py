@@ -306,3 +306,16 @@ def test_the_redlock_backend_refuses_a_limit(redlock_servers):
     assert backend.lock("x", 5, prefix="p", limit=1) is not None
     for c in clients:
         c.close()
+
+
+def test_a_slot_released_by_force_is_told_who_and_why(r, name, prefix):
+    told: list[object] = []
+    a = _sem(r, name, prefix, "a", limit=2, on_lost=told.append)
+    a.acquire()
+    fence = a.fence
+    RedisBackend(r).force_release(prefix, name, fence=fence, by="ops@host",
+                                  reason="disk full")
+    assert not a.owned()
+    assert told == [a]
+    assert a.lost_reason is not None and "ops@host" in a.lost_reason \
+        and "disk full" in a.lost_reason

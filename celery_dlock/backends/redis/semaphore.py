@@ -54,7 +54,8 @@ from .keyspace import (
     parse_holder,
 )
 from .refusals import refusal
-from .renewal import _dedicated_client
+from .released import read_loss_reason
+from .renewal import _dedicated_client, with_loss_reasons
 from .semaphore_scripts import (
     HOLDER_SUFFIX,
     SEM_ACQUIRE,
@@ -245,6 +246,11 @@ class RedisSemaphore(Hold):
     def _renew_key(self) -> str:
         return self.keys.lock
 
+    def _explain_loss(self, default: str, owner: str, fence: int | None) -> str:
+        """``default``, or who released this hold by force and why (the marker a
+        force release of one hold leaves, as a lock's)."""
+        return read_loss_reason(self.client, self.keys.lock, owner, fence) or default
+
     # -- reading --------------------------------------------------------------------
 
     def holders(self) -> list[Holder]:
@@ -280,7 +286,7 @@ class SemaphoreRenewTarget:
         for i, (key, _, _) in enumerate(items):
             slot = int(self._keyslot(key)) if self._keyslot is not None else 0
             groups.setdefault(slot, []).append(i)
-        out: list[int | LossNote] = [0] * len(items)
+        codes = [0] * len(items)
         for indexes in groups.values():
             keys = [items[i][0] for i in indexes]
             args: list[Any] = []
@@ -288,8 +294,8 @@ class SemaphoreRenewTarget:
                 args += (items[i][1], items[i][2])
             for i, reply in zip(indexes, SEM_RENEW_MANY(self.client, keys, args),
                                 strict=True):
-                out[i] = int(reply)
-        return out
+                codes[i] = int(reply)
+        return with_loss_reasons(self.client, items, codes)
 
     def close(self) -> None:
         if self.client is not None and hasattr(self.client, "connection_pool"):
