@@ -4,7 +4,8 @@
 
 ``pf.slot_wait`` and ``pf.slot_retry`` take one of ``lock_limit=3`` slots of one key
 (contention policy ``wait``, ``retry``), count the bodies running at once in Redis
-(``<prefix>-data:slots:<key>:inside``, the peak in ``...:peak``) and record each run.
+(``<prefix>-data:slots:<key>:inside``, the peak in ``...:peak``) and record each run;
+``pf.slot_hold`` holds one of 2 slots (ttl 10 s) for a while, to be killed.
 """
 
 from __future__ import annotations
@@ -50,3 +51,12 @@ def register(app: Celery, dp: str, record: Callable[..., None],
               lock_key="slots:{key}", lock_limit=3, lock_ttl=5, on_contention="retry")
     def slot_retry(self: Any, key: str, seconds: float) -> int:
         return body(self, key, seconds)
+
+    @app.task(shared=False, name="pf.slot_hold", base=LockedTask, bind=True,
+              lock_key="slots:{key}", lock_limit=2, lock_ttl=10, on_contention="wait",
+              lock_wait=60)
+    def slot_hold(self: Any, key: str, seconds: float) -> int:
+        record(f"{dp}:slots:{key}:holding", task_id=self.request.id, pid=os.getpid(),
+               fence=self.lock.fence)
+        time.sleep(seconds)
+        return os.getpid()
