@@ -61,7 +61,7 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
         return "never noticed"
 
     @app.task(base=LockedTask, bind=True, name=f"m{tag}.slots", lock_key="s:{x}",
-              lock_limit=3)
+              lock_limit=3, shared=False)
     def slots(self: Any, x: str, gate: str) -> str:
         r.blpop([f"{prefix}-data:gate:{gate}"], timeout=RESULT_TIMEOUT)
         return "done"
