@@ -169,16 +169,30 @@ class RedisSemaphore(Hold):
 
     def _error(self, exc: RedisError, what: str) -> DLockError:
         if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
-            return LockKeyConflict(
-                f"a key of semaphore {self.keys.lock!r} holds another kind of data "
-                f"(a lock of the same name, or another application's): {UNTOUCHED}",
-                lock_name=self.name)
+            return LockKeyConflict(self._foreign_keys(), lock_name=self.name)
         lock_keys = LockKeys(*self.keys)
         refused = refusal(exc, self.client, lock_keys, self.name)
         if refused is not None:
             return refused
         return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
                                   lock_name=self.name)
+
+    def _foreign_keys(self) -> str:
+        """A sentence naming the keys of this semaphore that hold another kind of
+        data (a lock's hash of the same name, another application's)."""
+        found = []
+        for key, expected in ((self.keys.lock, "zset"), (self.keys.fence, "string"),
+                              (self.keys.queue, "zset"), (self.keys.leases, "zset")):
+            try:
+                kind = decode(self.client.type(key))
+            except RedisError:
+                continue
+            if kind not in ("none", expected):
+                found.append(f"{key!r} holds a {kind}, not a {expected}")
+        what = "; ".join(found) or \
+            f"a key of semaphore {self.keys.lock!r} holds another kind of data"
+        return f"{what} (a lock of the same name, or another application's): " \
+            f"{UNTOUCHED}"
 
     def _run(self, script: Any, args: Sequence[Any]) -> Any:
         try:
