@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .backends.redis.lock import RedisLock
 from .backends.redis.redlock.lock import RedlockLock
+from .backends.redis.semaphore import RedisSemaphore
 from .core.errors import (
     BackendUnavailable,
     DLockError,
@@ -56,6 +57,7 @@ __all__ = [
     "LockNotOwned",
     "LockedTask",
     "RedisLock",
+    "RedisSemaphore",
     "RedlockLock",
     "UnkeyableArgument",
     "__version__",

@@ -118,9 +118,17 @@ def hold_until_killed(redis_url: str, prefix: str, name: str, ttl: float,
     time.sleep(120)
 
 
-def wait_in_line(redis_url: str, prefix: str, name: str, owner: str) -> None:
-    """Block in ``acquire`` (joining the line) until killed."""
+def wait_in_line(redis_url: str, prefix: str, name: str, owner: str,
+                 limit: int | None = None) -> None:
+    """Block in ``acquire`` (joining the line) until killed; with ``limit``, of a
+    ``RedisSemaphore`` of that many slots."""
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
+    if limit is not None:
+        from celery_dlock import RedisSemaphore
+
+        RedisSemaphore(client, name, limit, owner=owner, prefix=prefix).acquire(
+            timeout=120)
+        return
     RedisLock(client, name, owner=owner, prefix=prefix).acquire(timeout=120)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,14 +26,20 @@ from typing import Any
 import pytest
 import redis
 
-from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
+from celery_dlock import FencingUnavailable, RedisLock, RedisSemaphore, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "LockKind", "PgView",
-           "lose_lock_data", "postgres_server", "redlock_servers"]
+__all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "ONE_SERVER_KINDS", "LockKind",
+           "OneServerKind", "PgView", "lose_lock_data", "postgres_server",
+           "redlock_servers"]
 
-#: The kinds of lock every lock-contract test runs on.
-KINDS = ("redis", "redlock", "postgres")
+#: The kinds of lock every lock-contract test runs on ("semaphore": a RedisSemaphore
+#: of one slot, which behaves as a lock).  ``$DLOCK_LOCK_KINDS`` (comma-separated)
+#: narrows them: CI's reruns of the lock core on other Redis servers name only the
+#: kinds those servers keep.
+KINDS = tuple(k for k in ("redis", "redlock", "semaphore", "postgres")
+              if k in (os.environ.get("DLOCK_LOCK_KINDS")
+                       or "redis,redlock,semaphore,postgres").split(","))
 
 #: Why a fencing test is skipped on a kind without fencing tokens (docs/deployments.md).
 NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence raises "
@@ -62,12 +69,18 @@ class LockKind:
     #: The servers' URLs, for a child process to make its own locks of this kind.
     urls: list[str] = dataclasses.field(default_factory=list)
 
+    #: Wraps a client of one of its servers for the reads a test makes (a
+    #: semaphore keeps its holds beside its key: :class:`SemaphoreView`).
+    view: Callable[[Any], Any] = lambda client: client
+
     @property
     def server(self) -> Any:
         """Where a test reads the lock's keys: the one server, or on a kind with
         several, what a majority of them says (a Redlock call returns once a quorum
         confirmed it; the other nodes follow a moment later)."""
-        return self.clients[0] if len(self.clients) == 1 else QuorumView(self.clients)
+        if len(self.clients) == 1:
+            return self.view(self.clients[0])
+        return QuorumView(self.clients)
 
     def make(self, lock_name: str, ttl: float = 30.0, **options: Any) -> Any:
         return self.factory(lock_name, ttl, **options)
@@ -124,7 +137,7 @@ class LockKind:
     @property
     def has_line(self) -> bool:
         """Whether blocked acquirers of this kind keep a FIFO line in the server."""
-        return self.name == "redis"
+        return self.name in ("redis", "semaphore")
 
     def __str__(self) -> str:
         return self.name
@@ -288,6 +301,69 @@ class QuorumView:
         return values[len(values) // 2]
 
 
+class SemaphoreView:
+    """A client of a semaphore's server, answering the reads the lock tests make of
+    ``lock.keys.lock`` (a lock's hash) from the hash of the semaphore's only holder
+    (its key is a sorted set of holders; each hold is a hash beside it)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.client, attr)
+
+    def _hold_key(self, key: str) -> str | None:
+        if self.client.type(key) != b"zset":
+            return key
+        from celery_dlock.backends.redis.semaphore import SemaphoreKeys
+
+        members = self.client.zrange(key, 0, -1)
+        if len(members) != 1:
+            return None
+        return SemaphoreKeys(key, "", "", "", "", "").holder(members[0].decode())
+
+    def hget(self, key: str, field: str) -> Any:
+        hold = self._hold_key(key)
+        return None if hold is None else self.client.hget(hold, field)
+
+    def hgetall(self, key: str) -> Any:
+        hold = self._hold_key(key)
+        return {} if hold is None else self.client.hgetall(hold)
+
+
+@dataclass(frozen=True)
+class OneServerKind:
+    """A kind of lock on one Redis, made on any client: for tests that put a fault
+    proxy between a lock and its server (and match its scripts by their SHA1)."""
+
+    name: str
+    #: ``make(client, name, ttl=..., **options)``
+    make: Callable[..., Any]
+    acquire: Any
+    release: Any
+    #: Wraps a direct client for the reads a test makes of ``lock.keys.lock``.
+    view: Callable[[Any], Any]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _one_server_kinds() -> dict[str, OneServerKind]:
+    from celery_dlock.backends.redis.scripts import ACQUIRE, RELEASE
+    from celery_dlock.backends.redis.semaphore_scripts import SEM_ACQUIRE, SEM_RELEASE
+
+    return {
+        "redis": OneServerKind("redis", RedisLock, ACQUIRE, RELEASE, lambda c: c),
+        "semaphore": OneServerKind(
+            "semaphore", lambda c, n, **kw: RedisSemaphore(c, n, 1, **kw),
+            SEM_ACQUIRE, SEM_RELEASE, SemaphoreView),
+    }
+
+
+#: The kinds of lock that live on one Redis, by name.
+ONE_SERVER_KINDS = _one_server_kinds()
+
+
 def lose_lock_data(clients: list[redis.Redis], lock_key: str) -> None:
     """Delete the hash ``lock_key`` and every helper key of it on each client."""
     pattern = lock_key.replace("[", "\\[").replace("*", "\\*").replace("?", "\\?")
@@ -363,6 +439,12 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         yield PgKind("postgres", clients,
                      lambda n, ttl, **kw: make_lock_postgres(url, n, ttl, **kw), True,
                      [url])
+    elif kind == "semaphore":
+        url = request.getfixturevalue("redis_url")
+        clients = [redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)]
+        yield LockKind("semaphore", clients,
+                       lambda n, ttl, **kw: RedisSemaphore(clients[0], n, 1, ttl, **kw),
+                       True, [url], view=SemaphoreView)
     else:  # pragma: no cover - a typo in KINDS
         raise ValueError(kind)
     for c in clients:

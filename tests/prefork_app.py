@@ -31,12 +31,14 @@ try:  # the worker imports this module as tests.prefork_app, pytest as prefork_a
     from tests.prefork_fault_tasks import register as _register_fault_tasks
     from tests.prefork_mode_tasks import register as _register_mode_tasks
     from tests.prefork_rate_tasks import register as _register_rate_tasks
+    from tests.prefork_semaphore_tasks import register as _register_semaphore_tasks
 except ImportError:
     from celery_helpers import test_app
     from prefork_compat_tasks import register as _register_compat_tasks
     from prefork_fault_tasks import register as _register_fault_tasks
     from prefork_mode_tasks import register as _register_mode_tasks
     from prefork_rate_tasks import register as _register_rate_tasks
+    from prefork_semaphore_tasks import register as _register_semaphore_tasks
 
 ENV_URL = "DLOCK_PF_REDIS_URL"
 ENV_PREFIX = "DLOCK_PF_PREFIX"
@@ -185,6 +187,7 @@ def make_app(url: str, prefix: str, queue: str) -> Celery:
     _register_mode_tasks(app, dp, _record)
     _register_compat_tasks(app, dp, _record)
     _register_rate_tasks(app, dp, _record, data)
+    _register_semaphore_tasks(app, dp, _record, data)
     return app
 
 

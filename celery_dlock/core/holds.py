@@ -39,6 +39,15 @@ class HoldInfo:
     held_for: float | None
     host: str | None = None
     extra: Mapping[str, str] = field(default_factory=dict, hash=False)
+    #: A semaphore's slots (None: a lock); its other fields are then those of the
+    #: holder whose slot frees first, and ``holders`` has every live holder.
+    limit: int | None = None
+    holders: tuple[HoldInfo, ...] = field(default=(), hash=False)
+
+    @property
+    def slots(self) -> str | None:
+        """``used/limit`` for a semaphore (None for a lock)."""
+        return None if self.limit is None else f"{len(self.holders)}/{self.limit}"
 
     @classmethod
     def matched(cls, name: str, conditions: Mapping[str, str]) -> HoldInfo:
@@ -65,12 +74,20 @@ class HoldInfo:
             "held_for": self.held_for,
             "host": self.host,
             "extra": dict(self.extra),
+            **({} if self.limit is None else {
+                "limit": self.limit,
+                "slots": self.slots,
+                "holders": [h.as_dict() for h in self.holders],
+            }),
         }
 
     def summary(self) -> dict[str, Any]:
         """The :data:`SUMMARY_FIELDS` only (one row of ``celery dlock ls``)."""
         full = self.as_dict()
-        return {name: full[name] for name in SUMMARY_FIELDS}
+        out = {name: full[name] for name in SUMMARY_FIELDS}
+        if self.limit is not None:
+            out["slots"] = self.slots
+        return out
 
     def describe(self) -> str:
         """A short human phrase: which task (or owner) holds it, where."""

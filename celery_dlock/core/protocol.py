@@ -129,9 +129,11 @@ class Backend(Protocol):
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
              auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None) -> Lock:
+             max_hold: float | None = None, limit: int = 1) -> Lock:
         """A lock object for ``name`` (no server call); ``max_hold``: see
-        :mod:`celery_dlock.core.max_hold`."""
+        :mod:`celery_dlock.core.max_hold`; with ``limit`` > 1 a semaphore: that many
+        owners may hold it at once, each hold with the whole surface of a lock (a
+        backend that cannot raises InvalidLockConfig)."""
         ...
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:

@@ -47,8 +47,10 @@ from .formatting import (
     holder_text,
     printable,
     queued_text,
+    slot_text,
     table_lines,
     value_cells,
+    with_slots,
 )
 from .inspect import (
     SUMMARY_FIELDS,
@@ -131,8 +133,8 @@ def ls(ctx: click.Context, as_json: bool) -> None:
     if not rows:
         click.echo(printable(f"No locks held under prefix {target.prefix!r}."))
         return
-    columns = (*SUMMARY_FIELDS, *(QUEUED_FIELDS if queued else ()),
-               *(("rate",) if rates else ()))
+    columns = with_slots((*SUMMARY_FIELDS, *(QUEUED_FIELDS if queued else ()),
+                          *(("rate",) if rates else ())), infos.values())
     cells = ({**row, "rate": rate_cell(rates.get(row["key"]))} for row in rows)
     for line in table_lines(columns, (value_cells(row, columns) for row in cells)):
         click.echo(printable(line))
@@ -167,6 +169,10 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     for name, value in (info.as_dict() if info is not None else {}).items():
         if name == "extra":
             fields += [(f"extra.{k}", v) for k, v in value.items()]
+        elif name == "holders":  # a semaphore's: one line each
+            assert info is not None
+            fields += [(f"holder.{i}", slot_text(h))
+                       for i, h in enumerate(info.holders, 1)]
         elif name in ("ttl", "held_for"):
             fields.append((name, "-" if value is None else f"{value:.3f}s"))
         else:
@@ -240,13 +246,22 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
         if info is None:
             _not_held(ctx, target, key)
             return
-        click.confirm(
-            f"Lock {key!r} is held by {printable(info.describe())} for "
-            f"{duration_text(info.held_for)} "
-            f"(owner {printable(info.owner)}, fence {cell_text(info.fence)}).\n"
-            "Releasing it lets another run take it while this one may still be "
-            "running.\n(to skip this prompt use --force)\nRelease it?", abort=True)
-        expected = info.fence
+        if info.limit is not None:
+            click.confirm(
+                f"Semaphore {key!r} has {info.slots} slots held, by "
+                + "; ".join(printable(h.describe()) for h in info.holders)
+                + ".\nReleasing frees every slot while their holders may still be "
+                "running.\n(to skip this prompt use --force)\nRelease them?",
+                abort=True)
+        else:
+            click.confirm(
+                f"Lock {key!r} is held by {printable(info.describe())} for "
+                f"{duration_text(info.held_for)} "
+                f"(owner {printable(info.owner)}, fence {cell_text(info.fence)}).\n"
+                "Releasing it lets another run take it while this one may still be "
+                "running.\n(to skip this prompt use --force)\nRelease it?",
+                abort=True)
+            expected = info.fence
     try:
         freed = backend.force_release(target.prefix, key, fence=expected,
                                       by=released_by(force), reason=reason)
@@ -262,6 +277,11 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
         _not_held(ctx, target, key)
         return
     record_release(target.client(), target.prefix, key, freed, reason)
+    if freed.limit is not None:
+        click.echo(printable(f"Released {len(freed.holders)} slot(s) of semaphore "
+                             f"{key!r}: "
+                             + "; ".join(holder_text(h) for h in freed.holders) + "."))
+        return
     click.echo(printable(f"Released lock {key!r}: {holder_text(freed)}."))
 
 

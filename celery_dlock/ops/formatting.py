@@ -9,7 +9,8 @@ from typing import Any
 from .inspect import LockInfo
 
 __all__ = ["QUEUED_FIELDS", "cell_text", "duration_text", "fit_widths", "holder_text",
-           "printable", "queued_text", "row_cells", "table_lines", "value_cells"]
+           "printable", "queued_text", "row_cells", "slot_text", "table_lines",
+           "value_cells", "with_slots"]
 
 #: What ``celery dlock ls`` adds to a lock name with a queue marker (an enqueue-time
 #: ``lock_mode``): the queued call's task id and the marker's seconds left.
@@ -114,3 +115,19 @@ def holder_text(info: LockInfo) -> str:
         return (f"task {info.task_name or '?'}[{info.task_id or '?'}], "
                 f"owner {info.owner}, fence {cell_text(info.fence)}")
     return f"owner {info.owner}, fence {cell_text(info.fence)}"
+
+
+def with_slots(columns: Sequence[str], infos: Iterable[LockInfo]) -> tuple[str, ...]:
+    """``columns`` with ``slots`` (a semaphore's used/limit) after ``key`` when any
+    of ``infos`` is a semaphore."""
+    if not any(i.limit is not None for i in infos):
+        return tuple(columns)
+    out = list(columns)
+    out.insert(out.index("key") + 1 if "key" in out else 0, "slots")
+    return tuple(out)
+
+
+def slot_text(info: LockInfo) -> str:
+    """One holder of a semaphore in a line: who, fence, ttl left, held for."""
+    return (f"{info.describe()}, owner {info.owner}, fence {cell_text(info.fence)}, "
+            f"ttl {duration_text(info.ttl)}, held for {duration_text(info.held_for)}")

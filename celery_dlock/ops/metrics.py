@@ -26,6 +26,12 @@ With the default namespace ``dlock``:
 ``dlock_held_locks`` (gauge, ``task``)
     Locks held right now by running tasks (up on acquire, down on release).  In
     prometheus_client's multiprocess mode it sums live processes only (``livesum``).
+    For a task with ``lock_limit`` > 1 (a semaphore), the slots its runs hold.
+``dlock_lock_limit`` (gauge, ``task``)
+    The task's ``lock_limit``: how many slots each of its keys has (1: a lock), set
+    when a run takes its lock.  ``held_locks / lock_limit`` is the share of slots in
+    use when the task has one key; ``celery dlock ls`` shows each key's
+    ``used/limit`` and holders.
 
 How to expose them (prefork workers, a scrape config) is in ``docs/metrics.md``.
 """
@@ -70,6 +76,7 @@ class Metrics:
     hold: Any
     held: Any
     parked: Any
+    limit: Any = None
 
 
 _metrics: Metrics | None = None
@@ -98,6 +105,16 @@ def _on_acquired(sender: Any = None, wait: float | None = None, **_: Any) -> Non
     if wait is not None:
         m.acquire_wait.labels(task=task).observe(max(0.0, float(wait)))
     m.held.labels(task=task).inc()
+    if m.limit is not None:
+        m.limit.labels(task=task).set(_limit_of(sender))
+
+
+def _limit_of(sender: Any) -> int:
+    read = getattr(sender, "dlock_settings", None)
+    try:
+        return int(read()["lock_limit"]) if callable(read) else 1
+    except Exception:  # a metric never fails a task
+        return 1
 
 
 def _on_contended(sender: Any = None, policy: str | None = None, **_: Any) -> None:
@@ -180,6 +197,10 @@ def install(registry: Any = None, namespace: str = "dlock") -> Metrics:
             parked=prom.Counter(
                 "parked", "Calls over their lock_rate, parked (re-queued for their "
                 "slot)", ["task"], namespace=namespace, registry=registry),
+            limit=prom.Gauge(
+                "lock_limit", "lock_limit of a locked task: slots per key (1: a lock)",
+                ["task"], namespace=namespace, registry=registry,
+                multiprocess_mode="livemax"),
         )
         signals.lock_acquired.connect(_on_acquired, weak=False,
                                       dispatch_uid=_UIDS["acquired"])
@@ -212,7 +233,8 @@ def uninstall() -> None:
         _metrics = None
         for collector in (metrics.acquire_wait, metrics.contention,
                           metrics.duplicates, metrics.lost,
-                          metrics.hold, metrics.held, metrics.parked):
+                          metrics.hold, metrics.held, metrics.parked,
+                          metrics.limit):
             try:
                 metrics.registry.unregister(collector)
             except KeyError:

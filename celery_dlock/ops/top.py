@@ -10,7 +10,14 @@ import time
 import click
 
 from ..task.events import Event, recent_events, recording_enabled
-from .formatting import duration_text, fit_widths, printable, row_cells, table_lines
+from .formatting import (
+    duration_text,
+    fit_widths,
+    printable,
+    row_cells,
+    table_lines,
+    with_slots,
+)
 from .target import Queued, Target, reports_redis_errors, target_of
 
 __all__ = ["top"]
@@ -76,12 +83,13 @@ def _top_screen(target: Target, max_events: int) -> list[str]:
     lines = [f"celery dlock top - {target.where()} - prefix {target.prefix!r} - "
              f"{time.strftime('%H:%M:%S')} - {count}", ""]
     if shown:
-        rows = [row_cells(i, _TOP_COLUMNS, {"waiting": waiting.get(i.key, 0)})
+        columns = with_slots(_TOP_COLUMNS, shown)
+        rows = [row_cells(i, columns, {"waiting": waiting.get(i.key, 0)})
                 for i in shown]
         # Narrow terminals: one space between columns rather than cut them.
         gap = 2 if size.columns >= 100 else 1
-        widths = fit_widths(_TOP_COLUMNS, rows, _TOP_WIDTHS, size.columns, gap)
-        lines += table_lines(_TOP_COLUMNS, rows, widths, gap)
+        widths = fit_widths(columns, rows, _TOP_WIDTHS, size.columns, gap)
+        lines += table_lines(columns, rows, widths, gap)
         if len(infos) > len(shown):
             lines.append(f"... and {len(infos) - len(shown)} more (celery dlock ls)")
     else:

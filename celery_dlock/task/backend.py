@@ -20,17 +20,19 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..backends.redis.backend import RedisBackend
-from ..backends.redis.redlock.backend import RedlockBackend
+from ..backends.redis.redlock.backend import RedlockBackend, check_redlock_limit
 from ..core.errors import InvalidLockConfig, NotSupported
 from ..core.hold import DEFAULT_PREFIX
 from ..core.protocol import Backend, Lock
 from . import connection
 from .config import check_conf, get_client
+from .connection import redlock_urls
 from .markers import MarkerStore
 from .schemes import check_known, sql_kind
+from .settings import conf_value
 
-__all__ = ["backend_for", "backend_from_url", "backend_of_client", "lock_from_url",
-           "markers_for"]
+__all__ = ["backend_for", "backend_from_url", "backend_of_client",
+           "check_limit_supported", "lock_from_url", "markers_for"]
 
 _lock = threading.Lock()
 _by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDictionary()
@@ -174,6 +176,27 @@ def backend_for(app: Any) -> Backend:
             cached = (client, backend_of_client(client))
             _by_app[app] = cached
         return cached[1]
+
+
+def check_limit_supported(app: Any, limit: Any, where: str) -> None:
+    """InvalidLockConfig when ``limit`` > 1 (a semaphore) and ``app``'s
+    ``dlock_url`` is a Redlock (several servers) or a SQL database, which keep no
+    semaphores.  (A ``dlock_client`` returning several clients is refused at the first
+    lock.)"""
+    if limit in (None, 1):
+        return
+    url = conf_value(app, "dlock_url")
+    kind = sql_kind(url)
+    if kind is not None:
+        raise InvalidLockConfig(
+            f"{where}: lock_limit={limit!r} needs a Redis backend: the {kind} backend "
+            f"keeps locks of one holder (docs/backends.md)")
+    if redlock_urls(url) is None:
+        return
+    try:
+        check_redlock_limit(limit)
+    except InvalidLockConfig as exc:
+        raise InvalidLockConfig(f"{where}: {exc}") from None
 
 
 def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:

@@ -62,7 +62,7 @@ from .attempt import (
     relation,
     requeue_duplicate,
 )
-from .backend import backend_for
+from .backend import backend_for, check_limit_supported
 from .config import (
     SETTINGS,
     apply_annotations,
@@ -83,7 +83,7 @@ from .hooks import install
 from .keys import KeyFunction, task_key_function
 from .rate import SLOT_HEADER, park_if_over
 from .request import LockedRequest
-from .settings import check_combination, check_max_hold_option, enabled
+from .settings import check_combination, check_max_hold_option, conf_value, enabled
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -147,6 +147,9 @@ class LockedTask(Task):  # type: ignore[misc]
     #: Seconds a queue marker outlives its enqueue, plus any countdown or eta
     #: (app: dlock_queue_ttl, default 3600).
     lock_queue_ttl: ClassVar[float | None] = None
+    #: How many calls of one key may run at once: 1 (default) a lock, N > 1 a
+    #: semaphore of N leased slots (app: dlock_lock_limit).
+    lock_limit: ClassVar[int | None] = None
 
     #: Names a subclass reads as options of its own (a peer library's spelling, such
     #: as ``lock_expiry``), which the unknown-option check lets through.
@@ -179,6 +182,10 @@ class LockedTask(Task):  # type: ignore[misc]
         enqueue.install(app)
         apply_annotations(cls, app)
         cls._dlock_check_options()
+        if getattr(app, "configured", False):  # never read a pending configuration
+            limit = getattr(cls, "lock_limit", None) or \
+                conf_value(app, "dlock_lock_limit")
+            check_limit_supported(app, limit, f"task {cls.name!r} option lock_limit")
 
     # -- the lock of a call ---------------------------------------------------------
 
@@ -232,7 +239,8 @@ class LockedTask(Task):  # type: ignore[misc]
                                           prefix=settings["lock_prefix"],
                                           info=hold_info(self.name, request),
                                           pause_budget=settings["lock_pause_budget"],
-                                          max_hold=settings["lock_max_hold"])
+                                          max_hold=settings["lock_max_hold"],
+                                          limit=settings["lock_limit"])
 
     # -- running ----------------------------------------------------------------------
 

@@ -84,6 +84,13 @@ def _count(name: str, value: Any) -> int:
     return value
 
 
+def _limit(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidLockConfig(f"{name} must be a whole number >= 1 (how many calls "
+                                f"of one key may run at once; 1: a lock), got {value!r}")
+    return value
+
+
 def _policy(name: str, value: Any) -> Any:
     if callable(value) or value in POLICIES:
         return value
@@ -189,6 +196,9 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
             "the task; FAILURE) or warn (signal + log; the result stands)"),
+    Setting("lock_limit", "dlock_lock_limit", 1, _limit,
+            "how many calls of one key may run at once: 1 a lock, N a semaphore of N "
+            "leased slots (one Redis, Cluster or Sentinel; not Redlock)"),
 )}
 
 
@@ -207,6 +217,7 @@ NOT_PER_CALL = {
     **dict.fromkeys(("lock_rate", "lock_rate_burst"),
                     "a rate is shared by every call of a name: one call cannot have "
                     "its own"),
+    "lock_limit": "every call of one key must count its holders against one limit",
 }
 #: Options one call may override in its message headers.
 CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)

@@ -18,6 +18,7 @@ from typing import Any
 from celery import signals as celery_signals
 
 from ..core.errors import DLockError
+from .backend import check_limit_supported
 from .config import SETTINGS, check_conf, read_setting
 from .keys import task_key_function
 from .rate import check_rates_supported
@@ -48,6 +49,8 @@ def check_app(app: Any) -> None:
         if values["lock_rate"] is not None and enabled(app):
             check_rates_supported(app, f"task {task.name!r} option lock_rate")
         task_key_function(type(task), task.name)
+        check_limit_supported(app, read_setting(task, "lock_limit"),
+                              f"task {task.name!r} option lock_limit")
 
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:

@@ -17,9 +17,9 @@ import redis
 import redis.backoff
 import redis.retry
 from dlock_helpers import wait_until
+from lock_kinds import ONE_SERVER_KINDS, OneServerKind
 
 from celery_dlock import BackendUnavailable, LockLost, RedisLock
-from celery_dlock.backends.redis.scripts import ACQUIRE, RELEASE
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 pytestmark = pytest.mark.slow
@@ -39,10 +39,16 @@ def _direct(server: EmbeddedRedis) -> redis.Redis:
     return redis.Redis.from_url(server.url, socket_timeout=10)
 
 
-def _load_scripts(client: redis.Redis, prefix: str) -> None:
+@pytest.fixture(params=sorted(ONE_SERVER_KINDS))
+def kind(request: pytest.FixtureRequest) -> OneServerKind:
+    """A lock, and a semaphore of one slot: every fault here applies to both."""
+    return ONE_SERVER_KINDS[request.param]
+
+
+def _load_scripts(kind: OneServerKind, client: redis.Redis, prefix: str) -> None:
     """Run one cycle so that later calls are EVALSHA of cached scripts (what the
     proxy matches on)."""
-    warm = RedisLock(client, "warm-up", prefix=prefix, auto_renew=False)
+    warm = kind.make(client, "warm-up", prefix=prefix, auto_renew=False)
     warm.acquire()
     warm.release()
 
@@ -70,53 +76,54 @@ def _first_acquire_time(lock: RedisLock, limit: float) -> float | None:
 # -- 2. re-sent scripts are idempotent -------------------------------------------------
 
 
-def test_resent_acquire_after_a_lost_reply_counts_once(own_server, proxy, prefix, name):
+def test_resent_acquire_after_a_lost_reply_counts_once(kind, own_server, proxy, prefix,
+                                                       name):
     client = _client(proxy.url, timeout=0.5, retries=2)
-    _load_scripts(client, prefix)
-    lock = RedisLock(client, name, ttl=10, prefix=prefix)
-    matched = proxy.drop_reply(ACQUIRE.sha.encode())
+    _load_scripts(kind, client, prefix)
+    lock = kind.make(client, name, ttl=10, prefix=prefix)
+    matched = proxy.drop_reply(kind.acquire.sha.encode())
     assert lock.acquire(blocking=False)  # the reply was lost; redis-py re-sent it
     assert matched.is_set() and proxy.dropped_bytes > 0
-    direct = _direct(own_server)
+    direct = kind.view(_direct(own_server))
     assert direct.hget(lock.keys.lock, "count") == b"1"
     lock.release()
     assert not direct.exists(lock.keys.lock), "one release must free one acquire"
 
 
-def test_resent_release_after_a_lost_reply_undoes_one_acquire(own_server, proxy, prefix,
-                                                               name):
+def test_resent_release_after_a_lost_reply_undoes_one_acquire(kind, own_server, proxy,
+                                                              prefix, name):
     client = _client(proxy.url, timeout=0.5, retries=2)
-    _load_scripts(client, prefix)
-    lock = RedisLock(client, name, ttl=10, prefix=prefix)
+    _load_scripts(kind, client, prefix)
+    lock = kind.make(client, name, ttl=10, prefix=prefix)
     lock.acquire()
     lock.acquire()
-    matched = proxy.drop_reply(RELEASE.sha.encode())
+    matched = proxy.drop_reply(kind.release.sha.encode())
     lock.release()  # its reply is lost; redis-py re-sends it
     assert matched.is_set()
-    direct = _direct(own_server)
+    direct = kind.view(_direct(own_server))
     assert direct.hget(lock.keys.lock, "count") == b"1", "a re-sent release counted twice"
     assert lock.owned() and lock.depth == 1
     lock.release()
     assert not direct.exists(lock.keys.lock)
 
 
-def test_a_release_tried_again_by_the_caller_undoes_one_acquire(own_server, proxy,
+def test_a_release_tried_again_by_the_caller_undoes_one_acquire(kind, own_server, proxy,
                                                                prefix, name):
     # No client re-sends: the release is applied, its reply is lost and the call
     # raises. The docstring says a release may be tried again: the retry must re-send
     # the same operation, not undo a second acquire (which freed the lock while its
     # holder's depth still said 1).
     client = _client(proxy.url, timeout=0.5, retries=0)
-    _load_scripts(client, prefix)
-    lock = RedisLock(client, name, ttl=10, prefix=prefix)
+    _load_scripts(kind, client, prefix)
+    lock = kind.make(client, name, ttl=10, prefix=prefix)
     lock.acquire()
     lock.acquire()
-    matched = proxy.drop_reply(RELEASE.sha.encode())
+    matched = proxy.drop_reply(kind.release.sha.encode())
     with pytest.raises(BackendUnavailable):
         lock.release()
     assert matched.is_set()
     proxy.heal()
-    direct = _direct(own_server)
+    direct = kind.view(_direct(own_server))
     assert direct.hget(lock.keys.lock, "count") == b"1"
     assert lock.depth == 2  # nothing confirmed: the local view is unchanged
     lock.release()  # tried again: the server recognises the operation
@@ -124,6 +131,9 @@ def test_a_release_tried_again_by_the_caller_undoes_one_acquire(own_server, prox
     assert lock.depth == 1 and lock.owned()
     lock.release()
     assert not direct.exists(lock.keys.lock)
+
+
+_LOCK = ONE_SERVER_KINDS["redis"]
 
 
 def _keys_of(client: redis.Redis, lock: RedisLock) -> set[str]:
@@ -135,14 +145,14 @@ def _keys_of(client: redis.Redis, lock: RedisLock) -> set[str]:
 def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix, name,
                                                       then):
     client = _client(proxy.url, timeout=0.5, retries=2)
-    _load_scripts(client, prefix)
+    _load_scripts(_LOCK, client, prefix)
     lost = _LossRecorder()
     lock = RedisLock(client, name, ttl=10, prefix=prefix, on_lost=lost)
     lock.acquire()
     direct = _direct(own_server)
     other = RedisLock(direct, name, ttl=10, prefix=prefix, owner="other",
                       auto_renew=False)
-    matched = proxy.drop_reply(RELEASE.sha.encode())
+    matched = proxy.drop_reply(_LOCK.release.sha.encode())
     took = threading.Event()
 
     def take() -> None:  # as soon as the first send freed the lock
@@ -175,11 +185,11 @@ def test_a_final_release_tried_again_later_still_says_released(own_server, proxy
     # raises.  Tried again after another owner took and holds the lock, it must not be
     # reported as a loss: the other hold says it was granted right after this one.
     client = _client(proxy.url, timeout=0.5, retries=0)
-    _load_scripts(client, prefix)
+    _load_scripts(_LOCK, client, prefix)
     lost = _LossRecorder()
     lock = RedisLock(client, name, ttl=10, prefix=prefix, on_lost=lost)
     lock.acquire()
-    matched = proxy.drop_reply(RELEASE.sha.encode())
+    matched = proxy.drop_reply(_LOCK.release.sha.encode())
     with pytest.raises(BackendUnavailable):
         lock.release()
     assert matched.is_set()
@@ -209,20 +219,31 @@ def test_a_release_whose_hold_expired_is_still_reported_lost(own_server, prefix,
     assert lost.times and lock.lost
 
 
+def test_resent_final_release_is_not_reported_as_lost_on_each_kind(kind, own_server,
+                                                                    proxy, prefix, name):
+    client = _client(proxy.url, timeout=0.5, retries=2)
+    _load_scripts(kind, client, prefix)
+    lock = kind.make(client, name, ttl=10, prefix=prefix)
+    lock.acquire()
+    proxy.drop_reply(kind.release.sha.encode())
+    lock.release()  # freed by the first send; the re-send must say "released" too
+    assert not kind.view(_direct(own_server)).exists(lock.keys.lock)
+
+
 # -- 3. a partitioned holder is told first ---------------------------------------------
 
 
 @pytest.mark.parametrize("ttl", [3.0, 1.5])
-def test_partitioned_holder_is_told_before_another_owner_acquires(own_server, proxy,
+def test_partitioned_holder_is_told_before_another_owner_acquires(kind, own_server, proxy,
                                                                    prefix, name, ttl):
     # A long socket timeout: the renewal call hangs far beyond the ttl.
     client = _client(proxy.url, timeout=30)
     lost = _LossRecorder()
-    holder = RedisLock(client, name, ttl=ttl, prefix=prefix, on_lost=lost)
+    holder = kind.make(client, name, ttl=ttl, prefix=prefix, on_lost=lost)
     holder.acquire()
     proxy.black_hole()
     partitioned_at = time.monotonic()
-    other = RedisLock(_direct(own_server), name, ttl=10, prefix=prefix, owner="other")
+    other = kind.make(_direct(own_server), name, ttl=10, prefix=prefix, owner="other")
     took_at = _first_acquire_time(other, limit=ttl + 5)
     assert took_at is not None, "the partitioned hold never expired"
     assert lost.times, "the holder was not told before another owner acquired"
@@ -243,11 +264,11 @@ def test_partitioned_holder_is_told_before_another_owner_acquires(own_server, pr
 
 
 @pytest.mark.parametrize("fault", ["sigstop", "black_hole"])
-def test_stalled_server_does_not_stop_renewal_on_another(r, own_server, proxy, prefix,
-                                                          name, fault):
-    healthy = RedisLock(r, name, ttl=1.5, prefix=prefix)
+def test_stalled_server_does_not_stop_renewal_on_another(kind, r, own_server, proxy,
+                                                         prefix, name, fault):
+    healthy = kind.make(r, name, ttl=1.5, prefix=prefix)
     stalled_client = _client(proxy.url, timeout=20)
-    stalled = RedisLock(stalled_client, name, ttl=1.5, prefix=prefix)
+    stalled = kind.make(stalled_client, name, ttl=1.5, prefix=prefix)
     healthy.acquire()
     stalled.acquire()
     assert own_server.process is not None
@@ -256,7 +277,7 @@ def test_stalled_server_does_not_stop_renewal_on_another(r, own_server, proxy, p
     else:
         proxy.black_hole()
     try:
-        other = RedisLock(r, name, ttl=10, prefix=prefix, owner="other")
+        other = kind.make(r, name, ttl=10, prefix=prefix, owner="other")
         assert _first_acquire_time(other, limit=4.5) is None, \
             "the healthy server's hold lapsed while another server stalled"
         assert healthy.owned()
@@ -267,18 +288,18 @@ def test_stalled_server_does_not_stop_renewal_on_another(r, own_server, proxy, p
     healthy.release()
 
 
-def test_busy_blocking_pool_does_not_starve_renewal(r, redis_url, prefix, name):
+def test_busy_blocking_pool_does_not_starve_renewal(kind, r, redis_url, prefix, name):
     pool = redis.BlockingConnectionPool.from_url(redis_url, max_connections=2,
                                                  timeout=20)
     client = redis.Redis(connection_pool=pool)
-    lock = RedisLock(client, name, ttl=1.5, prefix=prefix)
+    lock = kind.make(client, name, ttl=1.5, prefix=prefix)
     lock.acquire()
     # The user's own code keeps every connection of the pool busy.
     blockers = [threading.Thread(target=client.blpop, args=([f"{prefix}:nothing"], 4),
                                  daemon=True) for _ in range(2)]
     for t in blockers:
         t.start()
-    other = RedisLock(r, name, ttl=10, prefix=prefix, owner="other")
+    other = kind.make(r, name, ttl=10, prefix=prefix, owner="other")
     assert _first_acquire_time(other, limit=3.5) is None, \
         "renewal waited for a connection of the user's pool and the hold lapsed"
     for t in blockers:
@@ -291,17 +312,17 @@ def test_busy_blocking_pool_does_not_starve_renewal(r, redis_url, prefix, name):
 # -- 8. the local view changes only when the server confirms ---------------------------
 
 
-def test_release_that_never_reached_redis_changes_nothing(own_server, proxy, prefix,
+def test_release_that_never_reached_redis_changes_nothing(kind, own_server, proxy, prefix,
                                                           name):
     client = _client(proxy.url, timeout=0.5)
-    lock = RedisLock(client, name, ttl=1.5, prefix=prefix)
+    lock = kind.make(client, name, ttl=1.5, prefix=prefix)
     lock.acquire()
     lock.acquire()
     proxy.black_hole()
     with pytest.raises(BackendUnavailable):
         lock.release()
     proxy.heal()
-    direct = _direct(own_server)
+    direct = kind.view(_direct(own_server))
     assert direct.hget(lock.keys.lock, "count") == b"2"
     assert lock.depth == 2
     lock.release()  # a good release: count 1, still held and still renewed
@@ -312,10 +333,11 @@ def test_release_that_never_reached_redis_changes_nothing(own_server, proxy, pre
     assert not direct.exists(lock.keys.lock)
 
 
-def test_loss_is_told_once_and_checks_need_no_redis(own_server, proxy, prefix, name):
+def test_loss_is_told_once_and_checks_need_no_redis(kind, own_server, proxy, prefix,
+                                                    name):
     client = _client(proxy.url, timeout=0.5)
     lost = _LossRecorder()
-    lock = RedisLock(client, name, ttl=1.0, prefix=prefix, on_lost=lost)
+    lock = kind.make(client, name, ttl=1.0, prefix=prefix, on_lost=lost)
     lock.acquire()
     proxy.black_hole()
     assert lost.event.wait(3)
@@ -335,12 +357,12 @@ def test_loss_is_told_once_and_checks_need_no_redis(own_server, proxy, prefix, n
 # -- a grant that arrives after its own deadline -----------------------------------------
 
 
-def test_grant_confirmed_after_its_deadline_is_given_back(own_server, proxy, prefix,
+def test_grant_confirmed_after_its_deadline_is_given_back(kind, own_server, proxy, prefix,
                                                           name):
     client = _client(proxy.url, timeout=5)
-    _load_scripts(client, prefix)
+    _load_scripts(kind, client, prefix)
     lost = _LossRecorder()
-    lock = RedisLock(client, name, ttl=0.5, prefix=prefix, on_lost=lost)
+    lock = kind.make(client, name, ttl=0.5, prefix=prefix, on_lost=lost)
     proxy.delay(0.35)  # each way: the reply comes 0.7 s after the request, past 0.5 s
     try:
         assert lock.acquire(blocking=False) is False, \
@@ -349,7 +371,7 @@ def test_grant_confirmed_after_its_deadline_is_given_back(own_server, proxy, pre
     finally:
         proxy.heal()
     assert not lost.times
-    direct = _direct(own_server)
+    direct = kind.view(_direct(own_server))
     assert wait_until(lambda: not direct.exists(lock.keys.lock), timeout=3)
     assert lock.acquire(blocking=False)  # a prompt link: granted as usual
     lock.release()

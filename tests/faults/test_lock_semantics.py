@@ -3,7 +3,8 @@ ttls, dead waiters, threads, stale reports, bad input, hostile names and owners.
 
 The contract's tests run on every lock kind (``lock_kind``, tests/lock_kinds.py); those
 about Redis itself (the line of waiters, key layout, the client argument, eviction)
-run on RedisLock alone."""
+run on RedisLock alone, and those about dead waiters and foreign data also on a
+one-slot RedisSemaphore (``kind``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 from dlock_helpers import queue_members, wait_in_line, wait_until
+from lock_kinds import ONE_SERVER_KINDS, OneServerKind
 
 from celery_dlock import DLockError, InvalidLockConfig, LockLost, LockNotOwned, RedisLock
 from celery_dlock.ops.embedded import EmbeddedRedis
@@ -61,13 +63,20 @@ def test_renewal_does_not_undo_an_extend_by_another_object(lock_kind, prefix, na
 # -- 5. a killed waiter does not reserve a free lock -----------------------------------
 
 
-def _kill_a_waiter_in_line(redis_url: str, r: redis.Redis, holder: RedisLock) -> None:
+@pytest.fixture(params=sorted(ONE_SERVER_KINDS))
+def kind(request: pytest.FixtureRequest) -> OneServerKind:
+    """A lock, and a semaphore of one slot: a dead waiter is the same fault on both."""
+    return ONE_SERVER_KINDS[request.param]
+
+
+def _kill_a_waiter_in_line(redis_url: str, r: redis.Redis, holder: Any) -> None:
     """Start a process that waits in ``holder``'s line, check the line's keys carry a
     TTL, and SIGKILL it there.  (Redis only: a blocked RedlockLock waits in no line, it
     tries again after a random delay; docs/deployments.md, Redlock.)"""
     ctx = multiprocessing.get_context("spawn")
     waiter = ctx.Process(target=wait_in_line,
-                         args=(redis_url, holder.prefix, holder.name, "doomed"))
+                         args=(redis_url, holder.prefix, holder.name, "doomed",
+                               getattr(holder, "limit", None)))
     waiter.start()
     try:
         assert wait_until(lambda: queue_members(r, holder) == ["doomed"], timeout=20)
@@ -82,13 +91,14 @@ def _kill_a_waiter_in_line(redis_url: str, r: redis.Redis, holder: RedisLock) ->
 
 
 @pytest.mark.slow
-def test_killed_waiter_does_not_reserve_the_freed_lock(redis_url, r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, prefix=prefix)
+def test_killed_waiter_does_not_reserve_the_freed_lock(kind, redis_url, r, prefix,
+                                                       name):
+    holder = kind.make(r, name, ttl=30, prefix=prefix)
     holder.acquire()
     _kill_a_waiter_in_line(redis_url, r, holder)
     holder.release()
     released = time.monotonic()
-    newcomer = RedisLock(r, name, ttl=30, prefix=prefix, owner="newcomer")
+    newcomer = kind.make(r, name, ttl=30, prefix=prefix, owner="newcomer")
     assert newcomer.acquire(timeout=5)
     waited = time.monotonic() - released
     assert waited < 1.5, f"a dead waiter kept the free lock for {waited:.2f}s"
@@ -96,8 +106,9 @@ def test_killed_waiter_does_not_reserve_the_freed_lock(redis_url, r, prefix, nam
 
 
 @pytest.mark.slow
-def test_wait_line_keys_expire_when_every_waiter_is_gone(redis_url, r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, prefix=prefix)
+def test_wait_line_keys_expire_when_every_waiter_is_gone(kind, redis_url, r, prefix,
+                                                         name):
+    holder = kind.make(r, name, ttl=30, prefix=prefix)
     holder.acquire()
     _kill_a_waiter_in_line(redis_url, r, holder)
     # Nobody releases or acquires: the line's keys still go away.
@@ -226,8 +237,8 @@ def test_the_longest_ttl_allowed_writes_a_whole_lock(lock_kind, prefix, name):
 # -- 10. foreign data under a lock key -------------------------------------------------
 
 
-def test_foreign_data_where_the_lock_hash_lives(r, prefix, name):
-    lock = RedisLock(r, name, ttl=5, prefix=prefix)
+def test_foreign_data_where_the_lock_hash_lives(kind, r, prefix, name):
+    lock = kind.make(r, name, ttl=5, prefix=prefix)
     r.set(lock.keys.lock, "not a lock")
     for call in (lock.acquire, lock.release, lock.owned, lock.ensure_held,
                  lock.extend, lock.holder, lambda: lock.acquire(timeout=0.2)):
@@ -238,8 +249,8 @@ def test_foreign_data_where_the_lock_hash_lives(r, prefix, name):
     assert r.get(lock.keys.lock) == b"not a lock"
 
 
-def test_foreign_data_where_the_fence_counter_lives(r, prefix, name):
-    lock = RedisLock(r, name, ttl=5, prefix=prefix)
+def test_foreign_data_where_the_fence_counter_lives(kind, r, prefix, name):
+    lock = kind.make(r, name, ttl=5, prefix=prefix)
     r.hset(lock.keys.fence, "mine", "yes")
     with pytest.raises(DLockError) as info:
         lock.acquire()

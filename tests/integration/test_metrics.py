@@ -64,6 +64,11 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
               lock_rate="2/s", max_retries=0, shared=False)
     def rated(self: Any, x: str) -> str:
         return "ran"
+    @app.task(base=LockedTask, bind=True, name=f"m{tag}.slots", lock_key="s:{x}",
+              lock_limit=3, shared=False)
+    def slots(self: Any, x: str, gate: str) -> str:
+        r.blpop([f"{prefix}-data:gate:{gate}"], timeout=RESULT_TIMEOUT)
+        return "done"
 
     def open_gate(x: str) -> None:
         r.rpush(f"{prefix}-data:gate:{x}", 1)
@@ -74,7 +79,7 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
             registry=registry, metrics=installed, r=r, prefix=prefix, gates=gates,
             open_gate=open_gate,
             tasks=SimpleNamespace(quick=quick, gated=gated, skipper=skipper,
-                                  loses=loses, rated=rated))
+                                  loses=loses, rated=rated, slots=slots))
         for x in gates:
             open_gate(x)
     metrics.uninstall()
@@ -113,6 +118,21 @@ def test_held_gauge_counts_running_holders(env):
     assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 2)
     for x in xs:
         env.open_gate(x)
+    for result in results:
+        assert result.get(timeout=RESULT_TIMEOUT) == "done"
+    assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 0)
+
+
+def test_a_semaphore_task_shows_its_slots_held_and_its_limit(env):
+    task = env.tasks.slots.name
+    key = uuid.uuid4().hex  # one key: two calls hold two of its three slots at once
+    gates = [uuid.uuid4().hex for _ in range(2)]
+    env.gates.extend(gates)
+    results = [env.tasks.slots.delay(key, g) for g in gates]
+    assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 2)
+    assert sample(env, "dlock_lock_limit", task=task) == 3
+    for g in gates:
+        env.open_gate(g)
     for result in results:
         assert result.get(timeout=RESULT_TIMEOUT) == "done"
     assert wait_until(lambda: sample(env, "dlock_held_locks", task=task) == 0)

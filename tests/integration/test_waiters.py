@@ -2,8 +2,9 @@
 arrival order, leaving the line when they give up, and let in when a holder dies.
 
 The tests of waking and of a dead holder run on every kind whose waiters are woken by
-the server (``lock_kind``: Redis doorbells, PostgreSQL LISTEN/NOTIFY); the tests of the
-line itself on Redis, the only kind that keeps one (docs/backends.md)."""
+the server (``lock_kind``: Redis doorbells, a one-slot semaphore's, PostgreSQL
+LISTEN/NOTIFY); the tests of the line itself on a Redis lock and a one-slot semaphore
+(``kind``), which share it: the kinds that keep one (docs/backends.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import pytest
 import redis
 from dlock_helpers import hold_until_killed, queue_members, wait_in_line, wait_until
+from lock_kinds import ONE_SERVER_KINDS, OneServerKind
 
 from celery_dlock import RedisLock
 from celery_dlock.backends.redis.waiters import QUEUE_LEASE, WAIT_SLICE
@@ -46,6 +48,12 @@ class Waiter(threading.Thread):
             self.error = exc
 
 
+@pytest.fixture(params=sorted(ONE_SERVER_KINDS))
+def kind(request: pytest.FixtureRequest) -> OneServerKind:
+    """A lock, and a semaphore of one slot: the line of waiters is the same."""
+    return ONE_SERVER_KINDS[request.param]
+
+
 def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
     owner = waiter.lock._fixed_owner
     waiter.start()
@@ -54,7 +62,8 @@ def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
 
 
 #: The kinds whose blocked acquirers the server wakes (Redlock's retry after a delay).
-WOKEN = pytest.mark.parametrize("lock_kind", ["redis", "postgres"], indirect=True)
+WOKEN = pytest.mark.parametrize("lock_kind", ["redis", "semaphore", "postgres"],
+                                indirect=True)
 
 
 @WOKEN
@@ -81,13 +90,13 @@ def test_blocked_acquirer_wakes_promptly_after_release(lock_kind, prefix, name):
     assert not r.exists(holder.keys.lock)
 
 
-def test_blocked_waiters_are_served_in_arrival_order(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_blocked_waiters_are_served_in_arrival_order(kind, r, prefix, name):
+    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
     order: list[str] = []
     owners = [f"w{i}" for i in range(5)]
     waiters = [
-        _start_in_line(r, Waiter(RedisLock(r, name, owner=o, prefix=prefix),
+        _start_in_line(r, Waiter(kind.make(r, name, owner=o, prefix=prefix),
                                  hold=0.02, log=order))
         for o in owners
     ]
@@ -101,13 +110,13 @@ def test_blocked_waiters_are_served_in_arrival_order(r, prefix, name):
     assert not r.exists(holder.keys.leases)
 
 
-def test_free_lock_goes_to_the_first_in_line_not_a_barger(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_free_lock_goes_to_the_first_in_line_not_a_barger(kind, r, prefix, name):
+    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    waiter = _start_in_line(r, Waiter(RedisLock(r, name, owner="w", prefix=prefix),
+    waiter = _start_in_line(r, Waiter(kind.make(r, name, owner="w", prefix=prefix),
                                       hold=0.5))
     holder.release()
-    barger = RedisLock(r, name, owner="barger", prefix=prefix)
+    barger = kind.make(r, name, owner="barger", prefix=prefix)
     # whether the waiter has already taken it or not, the barger must not get it
     assert barger.acquire(blocking=False) is False
     waiter.join(10)
@@ -116,12 +125,12 @@ def test_free_lock_goes_to_the_first_in_line_not_a_barger(r, prefix, name):
     barger.release()
 
 
-def test_waiter_that_times_out_leaves_the_line(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_waiter_that_times_out_leaves_the_line(kind, r, prefix, name):
+    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    quitter = _start_in_line(r, Waiter(RedisLock(r, name, owner="quitter",
+    quitter = _start_in_line(r, Waiter(kind.make(r, name, owner="quitter",
                                                  prefix=prefix), timeout=0.5))
-    patient = _start_in_line(r, Waiter(RedisLock(r, name, owner="patient",
+    patient = _start_in_line(r, Waiter(kind.make(r, name, owner="patient",
                                                  prefix=prefix), timeout=20))
     quitter.join(10)
     assert quitter.result is False and quitter.error is None
@@ -139,16 +148,18 @@ def test_waiter_that_times_out_leaves_the_line(r, prefix, name):
 
 
 @pytest.mark.slow
-def test_waiter_killed_in_line_does_not_block_the_next(redis_url, r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_waiter_killed_in_line_does_not_block_the_next(kind, redis_url, r, prefix,
+                                                       name):
+    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=wait_in_line, args=(redis_url, prefix, name, "doomed"),
+    proc = ctx.Process(target=wait_in_line, args=(redis_url, prefix, name, "doomed",
+                                                  getattr(holder, "limit", None)),
                        daemon=True)
     proc.start()
     try:
         assert wait_until(lambda: "doomed" in queue_members(r, holder), timeout=30)
-        patient = _start_in_line(r, Waiter(RedisLock(r, name, owner="patient",
+        patient = _start_in_line(r, Waiter(kind.make(r, name, owner="patient",
                                                      prefix=prefix), timeout=30))
         proc.kill()
         proc.join(10)
@@ -167,15 +178,15 @@ def test_waiter_killed_in_line_does_not_block_the_next(redis_url, r, prefix, nam
             proc.join(5)
 
 
-def test_single_waiter_timing_out_leaves_no_queue_keys(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_single_waiter_timing_out_leaves_no_queue_keys(kind, r, prefix, name):
+    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    lock = RedisLock(r, name, owner="w", prefix=prefix)
+    lock = kind.make(r, name, owner="w", prefix=prefix)
     assert lock.acquire(timeout=0.3) is False
     assert not r.exists(holder.keys.queue)
     assert not r.exists(holder.keys.leases)
     assert not r.exists(holder.keys.doorbell("w"))
-    assert r.hget(holder.keys.lock, "owner") == b"holder"
+    assert kind.view(r).hget(holder.keys.lock, "owner") == b"holder"
     holder.release()
 
 
@@ -193,7 +204,7 @@ def test_holder_without_renewal_that_never_releases_lets_waiter_in(lock_kind, pr
     # An expiry rings no doorbell: the waiter's sleep is cut to the holder's ttl, so it
     # gets in well before its 2 s wait slice would have ended.
     assert waited < WAIT_SLICE - 0.4
-    assert r.hget(waiter.keys.lock, "owner") == b"w"
+    assert kind.view(r).hget(waiter.keys.lock, "owner") == b"w"
     waiter.release()
 
 

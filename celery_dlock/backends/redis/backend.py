@@ -12,6 +12,7 @@ from .keyspace import LockKeys
 from .lock import RedisLock
 from .markers import RedisMarkers
 from .rate import RedisRates
+from .semaphore import RedisSemaphore
 
 __all__ = ["RedisBackend"]
 
@@ -29,7 +30,13 @@ class RedisBackend:
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
              auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None) -> RedisLock:
+             max_hold: float | None = None, limit: int = 1
+             ) -> RedisLock | RedisSemaphore:
+        if limit != 1:
+            return RedisSemaphore(self.client, name, limit, ttl, prefix=prefix,
+                                  info=info, owner=owner, on_lost=on_lost,
+                                  auto_renew=auto_renew, pause_budget=pause_budget,
+                                  max_hold=max_hold)
         return RedisLock(self.client, name, ttl, prefix=prefix, info=info, owner=owner,
                          on_lost=on_lost, auto_renew=auto_renew,
                          pause_budget=pause_budget, max_hold=max_hold)

@@ -45,6 +45,12 @@ from .keyspace import LockKeys, decode
 from .refusals import refusal
 from .released import clean_text
 from .scripts import FORCE_RELEASE, READ_HOLD
+from .semaphore_inspect import (
+    force_release_semaphore,
+    is_semaphore,
+    read_semaphore,
+    semaphore_infos,
+)
 
 #: The name this module used before the hold's description moved to the core.
 LockInfo = HoldInfo
@@ -210,6 +216,18 @@ def iter_locks(client: Any, prefix: str = DEFAULT_PREFIX, *,
                     page = []
             if page:
                 yield from _read_page(node, page)
+            # Semaphores: a sorted set of holders at the same kind of key.
+            for raw_key in node.scan_iter(match=scan_pattern(prefix), count=page_size,
+                                          _type="zset"):
+                try:
+                    key = decode(raw_key)
+                except UnicodeDecodeError:
+                    continue
+                name = lock_name_of(prefix, key)
+                if name is None or key in seen:
+                    continue
+                seen.add(key)
+                yield from semaphore_infos(node, [(key, name)])
     except _UNAVAILABLE as exc:
         raise _unavailable(exc) from exc
 
@@ -221,6 +239,10 @@ def get_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
         fields, pttl, now_ms = _read_hold(client, key)
     except _UNAVAILABLE as exc:
         raise _unavailable(exc, name) from exc
+    except ResponseError:
+        if not is_semaphore(client, key):
+            raise
+        return read_semaphore(client, key, name)
     if not fields:
         return None
     return _lock_info(name, fields, pttl, now_ms)
@@ -241,6 +263,13 @@ def waiting_counts(client: Any, prefix: str, names: Iterable[str]) -> dict[str, 
     except _UNAVAILABLE as exc:
         raise _unavailable(exc) from exc
     return {name: int(n) for name, n in zip(names, counts, strict=True)}
+
+
+def _is_semaphore(client: Any, key: str, name: str) -> bool:
+    try:
+        return is_semaphore(client, key)
+    except _UNAVAILABLE as exc:
+        raise _unavailable(exc, name) from exc
 
 
 def force_release(client: Any, prefix: str, name: str, *,
@@ -265,6 +294,9 @@ def force_release(client: Any, prefix: str, name: str, *,
     at most :data:`~celery_dlock.backends.redis.released.REASON_MAX` characters.
     """
     keys = LockKeys.for_name(prefix, name)
+    if _is_semaphore(client, keys.lock, name):
+        return force_release_semaphore(client, prefix, name, fence=fence, by=by,
+                                       reason=reason)
     notes = (":by", clean_text(by), ":reason", clean_text(reason))
     for _ in range(_FORCE_ATTEMPTS):
         try:
@@ -306,6 +338,9 @@ def release_matching(client: Any, prefix: str, name: str,
     newer hold can match, so a re-sent call changes nothing; no marker is left (the
     holder is gone, nobody would read it)."""
     keys = LockKeys.for_name(prefix, name)
+    if _is_semaphore(client, keys.lock, name):
+        return force_release_semaphore(client, prefix, name,
+                                       conditions=conditions) is not None
     args = [x for pair in conditions.items() for x in pair]
     try:
         reply = FORCE_RELEASE(client, (keys.lock,), args)

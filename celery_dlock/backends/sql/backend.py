@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
 from ...core.text import clean_text
 from .pg_server import PgServer, server_for
@@ -46,7 +47,12 @@ class PostgresBackend:
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
              auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None) -> PostgresLock:
+             max_hold: float | None = None, limit: int = 1) -> PostgresLock:
+        if limit != 1:
+            raise InvalidLockConfig(
+                f"lock_limit={limit!r}: the postgres backend keeps locks of one holder; "
+                f"semaphores (lock_limit > 1) need a Redis backend (docs/backends.md)",
+                lock_name=name)
         return PostgresLock(self.server, name, ttl, prefix=prefix, info=info,
                             owner=owner, on_lost=on_lost, auto_renew=auto_renew,
                             pause_budget=pause_budget, max_hold=max_hold)

@@ -7,14 +7,27 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ....core.errors import NotSupported
+from ....core.errors import InvalidLockConfig, NotSupported
 from ....core.holds import HoldInfo
 from ..inspect import release_matching
 from ..keyspace import LockKeys
 from .lock import RedlockLock
 from .nodes import check_nodes
 
-__all__ = ["RedlockBackend"]
+__all__ = ["REDLOCK_NO_SEMAPHORE", "RedlockBackend", "check_redlock_limit"]
+
+#: Why a Redlock keeps no semaphore (docs/deployments.md).
+REDLOCK_NO_SEMAPHORE = (
+    "lock_limit > 1 (a semaphore) is not supported with Redlock (several independent "
+    "servers): each node would count the holders on its own, and a quorum of nodes "
+    "can each grant a different set of holders, so more than lock_limit could run at "
+    "once; use one Redis, a Cluster or Sentinel for tasks with lock_limit > 1")
+
+
+def check_redlock_limit(limit: object, name: str | None = None) -> None:
+    """InvalidLockConfig unless ``limit`` is 1: Redlock keeps no semaphores."""
+    if limit != 1:
+        raise InvalidLockConfig(REDLOCK_NO_SEMAPHORE, lock_name=name)
 
 
 class RedlockBackend:
@@ -32,7 +45,8 @@ class RedlockBackend:
              info: Mapping[str, object] | None = None, owner: str | None = None,
              on_lost: Callable[[Any], object] | None = None,
              auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None) -> RedlockLock:
+             max_hold: float | None = None, limit: int = 1) -> RedlockLock:
+        check_redlock_limit(limit, name)
         return RedlockLock(self.clients, name, ttl, prefix=prefix, info=info,
                            owner=owner, on_lost=on_lost, auto_renew=auto_renew,
                          pause_budget=pause_budget, max_hold=max_hold)

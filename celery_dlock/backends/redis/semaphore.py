@@ -1,0 +1,349 @@
+"""``RedisSemaphore``: ``limit`` leased, renewed, fenced slots on one Redis.
+
+Each slot is a hold with everything a :class:`~celery_dlock.RedisLock` hold has (an
+owner, a count for re-entry, its own fencing token, its ttl on the server's clock,
+operation ids), so the bookkeeping is the one every lock kind shares,
+:class:`~celery_dlock.core.hold.Hold`: re-entry by the same owner takes no second
+slot, a loss is reported once, the heartbeat renews it, a re-sent script changes
+nothing twice.  With ``limit=1`` it behaves as a lock.  Blocked acquirers wait in one
+FIFO line and are woken by a release (the doorbells of
+:mod:`celery_dlock.backends.redis.waiters`), never by polling.  The keys and scripts:
+:mod:`celery_dlock.backends.redis.semaphore_scripts`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from redis.exceptions import RedisError, ResponseError
+
+from ...core.errors import (
+    BackendUnavailable,
+    DLockError,
+    Holder,
+    InvalidLockConfig,
+    LockKeyConflict,
+)
+from ...core.hold import (
+    DEFAULT_PREFIX,
+    Grant,
+    Hold,
+    Refused,
+    check_lock_options,
+    new_op_id,
+)
+from ...core.renew_target import LossNote
+from ...core.scheduler import RenewalScheduler
+from .hashtag import lock_key
+from .keyspace import (
+    DOORBELL_SUFFIX,
+    FENCE_SUFFIX,
+    LEASES_SUFFIX,
+    QUEUE_SUFFIX,
+    RELEASED_SUFFIX,
+    UNTOUCHED,
+    LockKeys,
+    check_client,
+    decode,
+    parse_holder,
+)
+from .refusals import refusal
+from .released import read_loss_reason
+from .renewal import _dedicated_client, with_loss_reasons
+from .semaphore_scripts import (
+    HOLDER_SUFFIX,
+    SEM_ACQUIRE,
+    SEM_EXTEND,
+    SEM_LEAVE_QUEUE,
+    SEM_READ,
+    SEM_RELEASE,
+    SEM_RENEW_MANY,
+    SEM_STATUS,
+)
+from .server_checks import check_server
+from .waiters import QUEUE_LEASE, WAKE_GRACE, ring_wait, wait_slice
+
+__all__ = ["RedisSemaphore", "SemaphoreKeys", "check_limit", "read_holders"]
+
+logger = logging.getLogger("celery_dlock.lock")
+
+_REENTRY_GONE = 2
+
+
+def check_limit(limit: Any, name: str | None = None) -> int:
+    """``limit`` when it is an int >= 1, else InvalidLockConfig."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidLockConfig(f"a semaphore's limit must be an int >= 1 (how many "
+                                f"holders at once), got {limit!r}", lock_name=name)
+    return limit
+
+
+class SemaphoreKeys(NamedTuple):
+    """The Redis keys of one semaphore; all share one hash tag."""
+
+    lock: str
+    fence: str
+    queue: str
+    leases: str
+    doorbell_prefix: str
+    released: str
+
+    @classmethod
+    def for_name(cls, prefix: str, name: str) -> SemaphoreKeys:
+        base = lock_key(prefix, name)
+        return cls(base, base + FENCE_SUFFIX, base + QUEUE_SUFFIX, base + LEASES_SUFFIX,
+                   base + DOORBELL_SUFFIX, base + RELEASED_SUFFIX)
+
+    def holder(self, owner: str) -> str:
+        """The hash of ``owner``'s hold."""
+        return self.lock + HOLDER_SUFFIX + hashlib.sha1(owner.encode()).hexdigest()
+
+    def doorbell(self, owner: str) -> str:
+        return self.doorbell_prefix + hashlib.sha1(owner.encode()).hexdigest()
+
+
+def _parse_read(reply: Sequence[Any]) -> tuple[int, list[tuple[int, list[Any]]]]:
+    """SEM_READ's reply: the server's clock (ms) and each live holder's (pttl, hash)."""
+    now_ms = int(reply[0]) * 1000 + int(reply[1]) // 1000
+    out: list[tuple[int, list[Any]]] = []
+    i = 3
+    for _ in range(int(reply[2])):
+        pttl, n = int(reply[i]), int(reply[i + 1])
+        out.append((pttl, list(reply[i + 2:i + 2 + n])))
+        i += 2 + n
+    return now_ms, out
+
+
+def read_holders(client: Any, key: str) -> tuple[int, list[tuple[int, list[Any]]]]:
+    """The live holders of the semaphore whose sorted set is ``key``: the server's
+    clock (ms) and, soonest expiry first, each one's remaining ttl (ms) and hash
+    (flat field/value list)."""
+    return _parse_read(SEM_READ(client, (key,), ()))
+
+
+class RedisSemaphore(Hold):
+    """``limit`` holders at once of one name, on one Redis (or one Cluster slot).
+
+    The same surface as :class:`~celery_dlock.RedisLock` (``acquire(blocking,
+    timeout)``, ``release``, ``extend``, ``owned``, ``ensure_held``, ``fence``, a
+    context manager), and the same parameters, plus ``limit``: how many owners may
+    hold it at once.  Each hold has its own fencing token; the same owner re-enters
+    its own slot.  Every process that uses one name must give it the same limit.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        name: str,
+        limit: int,
+        ttl: float = 30.0,
+        *,
+        auto_renew: bool = True,
+        owner: str | None = None,
+        on_lost: Callable[[RedisSemaphore], object] | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        info: Mapping[str, object] | None = None,
+        blocking_timeout: float | None = None,
+        scheduler: RenewalScheduler | None = None,
+        pause_budget: float | None = None,
+        max_hold: float | None = None,
+    ) -> None:
+        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
+                                       pause_budget)
+        self.limit = check_limit(limit, name)
+        check_client(client, name)
+        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
+                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
+                         pause_budget=pause_budget, max_hold=max_hold)
+        self.client = client
+        self.prefix = prefix
+        self.keys = SemaphoreKeys.for_name(prefix, name)
+        self._info_args = info_args
+
+    # -- talking to Redis -----------------------------------------------------------
+
+    def _error(self, exc: RedisError, what: str) -> DLockError:
+        if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
+            return LockKeyConflict(self._foreign_keys(), lock_name=self.name)
+        lock_keys = LockKeys(*self.keys)
+        refused = refusal(exc, self.client, lock_keys, self.name)
+        if refused is not None:
+            return refused
+        return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
+                                  lock_name=self.name)
+
+    def _foreign_keys(self) -> str:
+        """A sentence naming the keys of this semaphore that hold another kind of
+        data (a lock's hash of the same name, another application's)."""
+        found = []
+        for key, expected in ((self.keys.lock, "zset"), (self.keys.fence, "string"),
+                              (self.keys.queue, "zset"), (self.keys.leases, "zset")):
+            try:
+                kind = decode(self.client.type(key))
+            except RedisError:
+                continue
+            if kind not in ("none", expected):
+                found.append(f"{key!r} holds a {kind}, not a {expected}")
+        what = "; ".join(found) or \
+            f"a key of semaphore {self.keys.lock!r} holds another kind of data"
+        return f"{what} (a lock of the same name, or another application's): " \
+            f"{UNTOUCHED}"
+
+    def _run(self, script: Any, args: Sequence[Any]) -> Any:
+        try:
+            return script(self.client, (self.keys.lock,), args)
+        except RedisError as exc:
+            raise self._error(exc, script.name) from exc
+
+    def _send_acquire(self, owner: str, op: str, *, queue: bool,
+                      reentry: bool) -> Grant | Refused | int:
+        check_server(self.client)
+        lease_ms = int(QUEUE_LEASE * 1000) if queue else 0
+        expect = ""
+        if reentry:
+            fence = self._fence
+            expect = "*" if fence is None else str(fence)
+        ttl_ms = self._acquire_ttl_ms(reentry)  # never past a max_hold bound
+        reply = self._run(SEM_ACQUIRE, (owner, ttl_ms, lease_ms, op, expect,
+                                        self.limit, "pid", os.getpid(),
+                                        *self._info_args))
+        code = int(reply[0])
+        if code == 1:
+            return Grant(int(reply[1]), int(reply[2]) > 1)
+        if code == _REENTRY_GONE:
+            return int(reply[1])
+        pttl = int(reply[1])
+        self.last_holder = parse_holder(reply[3:], pttl, int(reply[2]))
+        return Refused((pttl / 1000.0 if pttl >= 0 else WAKE_GRACE) + 0.001)
+
+    def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
+        slice_ = wait_slice(self.client)
+        if left is not None:
+            slice_ = min(slice_, left)
+        if refused.retry_in is not None:
+            slice_ = min(slice_, refused.retry_in)
+        if slice_ > 0:
+            try:
+                ring_wait(self.client, self.keys.doorbell(owner), slice_)
+            except RedisError as exc:
+                raise self._error(exc, "a wait") from exc
+
+    def _leave_line(self, owner: str) -> None:
+        try:
+            SEM_LEAVE_QUEUE(self.client, (self.keys.lock,), (owner, self.limit))
+        except RedisError as exc:  # our lease lapses by itself
+            logger.debug("could not leave the line of %r: %s", self.name, exc)
+
+    def _give_back(self, owner: str) -> None:
+        try:
+            self._run(SEM_RELEASE, (owner, new_op_id(), self.limit))
+        except DLockError as exc:  # it expires by itself
+            logger.debug("could not give back %r: %s", self.name, exc)
+
+    def _send_release(self, owner: str, op: str) -> int:
+        return int(self._run(SEM_RELEASE, (owner, op, self.limit))[0])
+
+    def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
+        # Only ever moves the expiry later: a second execution changes nothing.
+        return int(self._run(SEM_EXTEND, (owner, ttl_ms)))
+
+    def _read_status(self, owner: str) -> int:
+        return int(self._run(SEM_STATUS, (owner,)))
+
+    def _renew_target(self) -> Any:
+        return semaphore_renew_target(self.client)
+
+    def _renew_key(self) -> str:
+        return self.keys.lock
+
+    def _explain_loss(self, default: str, owner: str, fence: int | None) -> str:
+        """``default``, or who released this hold by force and why (the marker a
+        force release of one hold leaves, as a lock's)."""
+        return read_loss_reason(self.client, self.keys.lock, owner, fence) or default
+
+    # -- reading --------------------------------------------------------------------
+
+    def holders(self) -> list[Holder]:
+        """Every live holder now, soonest expiry first."""
+        now_ms, live = _parse_read(self._run(SEM_READ, ()))
+        return [parse_holder(fields, pttl, now_ms) for pttl, fields in live]
+
+    def locked(self) -> bool:
+        """Whether anyone holds a slot."""
+        return bool(self.holders())
+
+    def holder(self) -> Holder | None:
+        """The holder whose slot frees first (None when nobody holds one)."""
+        found = self.holders()
+        return found[0] if found else None
+
+    def __repr__(self) -> str:
+        return (f"<RedisSemaphore {self.name!r} limit={self.limit} ttl={self.ttl:g}s "
+                f"depth={self._depth} fence={self._fence}>")
+
+
+class SemaphoreRenewTarget:
+    """Renews semaphore holds on the server of one client with ``SEM_RENEW_MANY``
+    (on its own connection, as :class:`~.renewal.RedisRenewTarget`)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = _dedicated_client(client)
+        keyslot = getattr(client, "keyslot", None)
+        self._keyslot = keyslot if callable(keyslot) else None
+
+    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int | LossNote]:
+        groups: dict[int, list[int]] = {}
+        for i, (key, _, _) in enumerate(items):
+            slot = int(self._keyslot(key)) if self._keyslot is not None else 0
+            groups.setdefault(slot, []).append(i)
+        codes = [0] * len(items)
+        for indexes in groups.values():
+            keys = [items[i][0] for i in indexes]
+            args: list[Any] = []
+            for i in indexes:
+                args += (items[i][1], items[i][2])
+            for i, reply in zip(indexes, SEM_RENEW_MANY(self.client, keys, args),
+                                strict=True):
+                codes[i] = int(reply)
+        return with_loss_reasons(self.client, items, codes)
+
+    def close(self) -> None:
+        if self.client is not None and hasattr(self.client, "connection_pool"):
+            self.client.connection_pool.disconnect()
+
+
+_targets: weakref.WeakKeyDictionary[Any, SemaphoreRenewTarget] = \
+    weakref.WeakKeyDictionary()
+_targets_lock = threading.Lock()
+
+
+def semaphore_renew_target(client: Any) -> SemaphoreRenewTarget:
+    """The semaphore renew target of ``client`` (one per client object and process)."""
+    with _targets_lock:
+        try:
+            return _targets[client]
+        except KeyError:
+            target = _targets[client] = SemaphoreRenewTarget(client)
+            return target
+        except TypeError:
+            return SemaphoreRenewTarget(client)
+
+
+def _after_fork_in_child() -> None:
+    global _targets, _targets_lock
+    _targets = weakref.WeakKeyDictionary()
+    _targets_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def decode_all(flat: Sequence[Any]) -> dict[str, str]:
+    """A flat field/value list as a dict of text."""
+    return {decode(flat[i]): decode(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
