@@ -14,10 +14,13 @@ sharing the hash tag ``{NAME}`` (one Redis Cluster slot, as a lock's keys):
 ``P:{NAME}:fence``    the fence counter, the same rule as a lock's: a fresh hold gets
                       ``max(counter + 1, server clock in us)`` (docs/fencing.md), so
                       every hold of every slot has its own strictly increasing token.
-``P:{NAME}:q``, ``:ql``, ``:w:H``, ``:r:OP``
-                      the line of waiters, their leases, their doorbells and a final
-                      release's marker, exactly as a lock's
-                      (:mod:`celery_dlock.backends.redis.scripts`).
+``P:{NAME}:q``, ``:ql``, ``:w:H``
+                      the line of waiters, their leases and their doorbells, exactly
+                      as a lock's (:mod:`celery_dlock.backends.redis.scripts`).
+``P:{NAME}:r:OP``     a final release's marker (60 s), so that a re-sent release says
+                      "released".  A lock needs none (its fence counter says how its
+                      one hold ended), but a semaphore's counter moves with every slot,
+                      so it cannot tell one holder's release from its expiry.
 
 A fresh acquire is granted when fewer than ``limit`` live holders remain and fewer
 waiters stand in line ahead of the caller than slots are free: FIFO, no barging past a
@@ -41,9 +44,15 @@ __all__ = ["HOLDER_SUFFIX", "SEM_ACQUIRE", "SEM_EXTEND", "SEM_FORCE_RELEASE",
 
 #: A holder's hash: the semaphore's key, this suffix, the sha1 of the owner.
 HOLDER_SUFFIX = ":h:"
+#: A final release's marker: the semaphore's key, this suffix, the operation id.
+RELEASE_OP_SUFFIX = ":r:"
+#: How long a final release's marker is kept (ms): a re-send comes right after.
+OP_MEMORY_MS = 60_000
 
 _SEM = COMMON + f"""
 local HOLDER_SUFFIX = '{HOLDER_SUFFIX}'
+local RELEASE_OP_SUFFIX = '{RELEASE_OP_SUFFIX}'
+local OP_MEMORY = {OP_MEMORY_MS}
 """ + """
 local function holder_key(main, owner)
   return main .. HOLDER_SUFFIX .. redis.sha1hex(owner)
