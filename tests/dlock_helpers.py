@@ -51,6 +51,13 @@ def fast_failing_client(port: int, timeout: float = 0.5) -> redis.Redis:
     )
 
 
+def release_marker(key: str) -> bool:
+    """Whether ``key`` is the short-lived marker of a semaphore's final release
+    (``...}:r:OP``; a lock's release leaves none)."""
+    _, sep, op = key.rpartition("}:r:")
+    return bool(sep) and len(op) == 16 and all(c in "0123456789abcdef" for c in op)
+
+
 def queue_members(client: redis.Redis, lock: RedisLock) -> list[str]:
     """Owners in the lock's FIFO line, first in line first."""
     return [m.decode() for m in client.zrange(lock.keys.queue, 0, -1)]

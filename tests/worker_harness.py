@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+from dlock_helpers import release_marker
 from prefork_app import ENV_NODE, ENV_PREFIX, ENV_QUEUE, ENV_URL, data_prefix, make_app
 
 from celery_dlock.backends.redis.keyspace import LockKeys
@@ -201,12 +202,17 @@ class Harness:
 
     def lock_keys_left(self) -> list[str]:
         """Lock keys under this test's prefix, except the fence counters (which never
-        expire, by design): a release leaves nothing else behind."""
+        expire, by design) and a semaphore's release markers (short-lived, so that a
+        re-sent release is recognised; each must carry its TTL): a lock's release
+        leaves nothing else behind."""
         keys = [k.decode() for k in self.r.scan_iter(match=f"{self.prefix}:*",
                                                        count=1000)]
         left = []
         for k in keys:
             if k.endswith(":fence"):
+                continue
+            if release_marker(k):
+                assert 0 < self.r.pttl(k) <= 60_000, f"release marker {k} has no TTL"
                 continue
             left.append(k)
         return sorted(left)

@@ -136,7 +136,8 @@ def test_broker_from_the_environment_in_a_worker(redis_url, r, prefix):
         out = client.send_task("cfgapp.locked", ("7",)).get(timeout=60)
         assert out["key"] == "cfg:7" and out["held"] is True
         fence_key = LockKeys.for_name(prefix, "cfg:7").fence
-        assert int(r.get(fence_key) or 0) == out["fence"] >= 1
+        # the task's final release left the counter at its fence + 1
+        assert int(r.get(fence_key) or 0) == out["fence"] + 1 >= 2
     finally:
         worker.terminate()
         try:
