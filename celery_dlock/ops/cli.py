@@ -38,7 +38,6 @@ from celery import current_app
 
 from ..core.errors import LockKeyConflict
 from ..core.holds import HoldInfo
-from ..core.rates import RateState
 from .audit import record_release, released_by
 from .formatting import (
     QUEUED_FIELDS,
@@ -57,6 +56,7 @@ from .inspect import (
     HoldChanged,
 )
 from .oneline import OneLineGroup
+from .rates import rate_cell, rate_state, rate_states, rate_text
 from .target import (
     EXIT_NOT_FOUND,
     EXIT_UNAVAILABLE,
@@ -189,33 +189,6 @@ def show(ctx: click.Context, key: str, as_json: bool) -> None:
     size = max(len(name) for name, _ in fields) + 1
     for name, text in fields:
         click.echo(printable(f"{name + ':':<{size}} {text}"))
-
-
-def rate_state(backend: Any, prefix: str, key: str) -> RateState | None:
-    """The lock_rate state of ``key`` (None: no call lately, or a backend that keeps
-    no rates)."""
-    rates = getattr(backend, "rates", None)
-    return None if rates is None else rates().state(prefix, key)
-
-
-def rate_states(backend: Any, prefix: str) -> dict[str, RateState]:
-    """Every lock_rate state under ``prefix``, by name (none on a backend that keeps
-    no rates)."""
-    rates = getattr(backend, "rates", None)
-    return {} if rates is None else dict(rates().states(prefix))
-
-
-def rate_cell(rate: RateState | None) -> str | None:
-    """A rate's state in a table cell: free now of its burst, next slot."""
-    if rate is None:
-        return None
-    return f"{rate.available}/{rate.burst} next {rate.next_in:.2f}s"
-
-
-def rate_text(rate: RateState) -> str:
-    """A rate's state in one line."""
-    return (f"{rate.available} of {rate.burst} may start now, next slot in "
-            f"{rate.next_in:.3f}s (one every {rate.interval:.3f}s)")
 
 
 def _not_held(ctx: click.Context, target: Target, key: str) -> None:

@@ -1,5 +1,6 @@
 """``celery dlock top``: a live view of held locks, the calls queued with an
-enqueue-time ``lock_mode`` (their markers), and recent contention."""
+enqueue-time ``lock_mode`` (their markers), the names with a ``lock_rate``, and recent
+contention."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .formatting import (
     table_lines,
     with_slots,
 )
+from .rates import rate_cell, rate_states
 from .target import Queued, Target, reports_redis_errors, target_of
 
 __all__ = ["top"]
@@ -67,6 +69,22 @@ def _queued_lines(queued: dict[str, Queued] | None) -> list[str]:
     return lines
 
 
+def _rate_lines(backend: object, prefix: str) -> list[str]:
+    """The names with a lock_rate state (a call lately), next slot soonest first (a
+    few: ``celery dlock ls`` has them all): free now of the burst, next slot."""
+    states = rate_states(backend, prefix)
+    if not states:
+        return []
+    order = sorted(states.items(), key=lambda item: (item[1].next_in, item[0]))
+    lines = ["", f"Rates (lock_rate, {len(states)}):"]
+    width = max(len(name) for name, _ in order[:_QUEUED_SHOWN])
+    lines += [f"  {name:<{width}}  {rate_cell(state)}"
+              for name, state in order[:_QUEUED_SHOWN]]
+    if len(order) > _QUEUED_SHOWN:
+        lines.append(f"  ... and {len(order) - _QUEUED_SHOWN} more (celery dlock ls)")
+    return lines
+
+
 def _top_screen(target: Target, max_events: int) -> list[str]:
     backend = target.backend()
     client = target.client()
@@ -74,7 +92,7 @@ def _top_screen(target: Target, max_events: int) -> list[str]:
     infos.sort(key=lambda i: -1.0 if i.held_for is None else i.held_for, reverse=True)
     events = [] if client is None else recent_events(client, target.prefix, max_events)
     queued = target.queued()
-    queue_lines = _queued_lines(queued)
+    queue_lines = _queued_lines(queued) + _rate_lines(backend, target.prefix)
     size = shutil.get_terminal_size()
     room = max(3, size.lines - 7 - (len(events) or 1) - len(queue_lines))
     shown = infos[:room]

@@ -168,6 +168,20 @@ def test_celery_dlock_ls_lists_rated_names(rates, redis_url, prefix, name):
     assert 1.0 < row["rate"]["next_in"] <= 2.0
 
 
+def test_celery_dlock_top_shows_the_rates(rates, redis_url, prefix, name):
+    rates.take(prefix, name, parse_rate("1/s"))
+    rates.take(prefix, name, parse_rate("1/s"))  # parked: the next slot is ahead
+    app = Celery("rate-top", broker="memory://", set_as_current=False)
+    obj = CLIContext(app=app, no_color=True, workdir=None)
+    args = ["--url", redis_url, "--prefix", prefix, "top", "--iterations", "1"]
+    out = CliRunner().invoke(dlock, args, obj=obj)
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert "Rates (lock_rate, 1):" in lines
+    (line,) = [x for x in lines if x.strip().startswith(name)]
+    assert "0/1 next" in line
+
+
 # -- real workers ----------------------------------------------------------------------
 
 
