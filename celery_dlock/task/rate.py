@@ -31,6 +31,7 @@ from ..core.rates import Rate, RateDecision
 from . import signals
 from .backend import backend_for
 from .connection import redlock_urls
+from .schemes import sql_kind
 from .settings import conf_value
 
 __all__ = ["SLOT_HEADER", "check_rates_supported", "park_if_over", "rates_for"]
@@ -59,9 +60,14 @@ def rates_for(app: Any) -> RateStore:
 
 def check_rates_supported(app: Any, where: str) -> None:
     """At worker start, from the configuration alone (no client is made): refuse
-    ``lock_rate`` with a Redlock ``dlock_url``.  (A ``dlock_client`` returning several
-    clients is found out at the first call, which fails with the same error.)"""
-    if redlock_urls(conf_value(app, "dlock_url")) is not None:
+    ``lock_rate`` with a Redlock or SQL ``dlock_url``.  (A ``dlock_client`` returning
+    several clients is found out at the first call, which fails with the same
+    error.)"""
+    url = conf_value(app, "dlock_url")
+    kind = sql_kind(url)
+    if kind is not None:
+        raise NotSupported(f"{where}: {_unsupported(kind)}")
+    if redlock_urls(url) is not None:
         raise NotSupported(f"{where}: {_unsupported('redlock')}")
 
 

@@ -120,11 +120,13 @@ def test_a_rate_cannot_be_set_per_call(redis_url):
         task.apply_async(lock_rate="1/s")
 
 
-def test_a_redlock_backend_refuses_lock_rate_at_worker_start(redis_url):
-    urls = ";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3))
+@pytest.mark.parametrize("url", [
+    ";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3)),
+    "postgresql://dlock@127.0.0.1:1/dlock"])
+def test_a_backend_without_rates_refuses_lock_rate_at_worker_start(url):
     app = Celery("rate-redlock", broker="memory://", set_as_current=False)
     app.finalize()
-    app.conf.dlock_url = urls
+    app.conf.dlock_url = url
     app.task(base=LockedTask, name="rated_redlock", lock_rate="5/s",
              shared=False)(_body)
     with pytest.raises(NotSupported, match="lock_rate"):
