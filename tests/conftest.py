@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import redis
 from lock_kinds import KINDS, make_kind, redlock_servers  # noqa: F401 (a fixture)
+from zk_server import zk_server  # noqa: F401 (a fixture)
 
 from celery_dlock.ops.embedded import EmbeddedRedis, find_redis_server
 

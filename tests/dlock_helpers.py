@@ -80,9 +80,15 @@ def counter_worker(redis_url: str, prefix: str, name: str, counter: str, n: int,
     """
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
     urls = lock_urls or [redis_url]
-    nodes = [redis.Redis.from_url(u, socket_timeout=30) for u in urls]
+    nodes = [redis.Redis.from_url(u, socket_timeout=30) for u in urls
+             if not u.startswith("zookeeper://")]
 
     def make_lock() -> Any:
+        if urls[0].startswith("zookeeper://"):
+            from celery_dlock.backends.zookeeper import ZooKeeperLock
+
+            return ZooKeeperLock(urls[0], name, ttl=10, prefix=prefix,
+                                 blocking_timeout=60)
         if len(nodes) == 1:
             return RedisLock(nodes[0], name, ttl=10, prefix=prefix, blocking_timeout=60)
         return RedlockLock(nodes, name, ttl=10, prefix=prefix, blocking_timeout=60)

@@ -22,15 +22,20 @@ import redis
 from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "LockKind", "lose_lock_data",
+__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "NO_LONGER_SESSION", "LockKind", "lose_lock_data",
            "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
-KINDS = ("redis", "redlock")
+KINDS = ("redis", "redlock", "zookeeper")
 
 #: Why a fencing test is skipped on a kind without fencing tokens (docs/deployments.md).
 NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence raises "
             "FencingUnavailable): docs/deployments.md, Redlock")
+#: Why a test that lengthens a hold past its ttl, or holds one for a month, is skipped
+#: on ZooKeeper (docs/backends.md).
+NO_LONGER_SESSION = ("ZooKeeper: a hold lives as long as its session, whose timeout (the "
+                     "lock's ttl, at most 24.8 days) is fixed when the session is made: "
+                     "extend cannot lengthen it: docs/backends.md, ZooKeeper")
 #: Why a test of the line of waiters is skipped on Redlock (docs/deployments.md).
 NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
            "delay, not woken in turn by a release: docs/deployments.md, Redlock")
@@ -196,6 +201,15 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         yield LockKind("redlock", clients,
                        lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False,
                        [s.url for s in servers])
+    elif kind == "zookeeper":
+        pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper "
+                            "extra)")
+        from zk_kind import make_zk_kind
+
+        zk = make_zk_kind(request.getfixturevalue("zk_server"))
+        yield zk
+        zk.clients[0].close()
+        return
     else:  # pragma: no cover - a typo in KINDS
         raise ValueError(kind)
     for c in clients:

@@ -47,7 +47,13 @@ from typing import Any
 
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
 
-from ...core.errors import DLockError, Holder, LockKeyConflict, NotSupported
+from ...core.errors import (
+    DLockError,
+    Holder,
+    InvalidLockConfig,
+    LockKeyConflict,
+    NotSupported,
+)
 from ...core.hold import DEFAULT_PREFIX, Grant, Hold, Refused, check_lock_options
 from ...core.protocol import GONE, OK, STILL_HELD, TAKEN
 from ...core.renew_target import RenewTarget
@@ -61,7 +67,7 @@ from .nodes import (
     sequence_of,
 )
 from .renewal import renew_target
-from .session import ZkSession, session_for
+from .session import MAX_SESSION_MS, ZkSession, session_for
 from .url import ZkSpec, parse_url
 
 __all__ = ["WAIT_SLICE", "ZooKeeperLock"]
@@ -111,6 +117,11 @@ class ZooKeeperLock(Hold):
         super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
                          auto_renew=auto_renew, blocking_timeout=blocking_timeout,
                          pause_budget=pause_budget)
+        if self.ttl_ms > MAX_SESSION_MS:
+            raise InvalidLockConfig(
+                f"a ZooKeeper hold lives as long as its session, and a session "
+                f"timeout is at most {MAX_SESSION_MS / 86_400_000:.1f} days (a 32-bit "
+                f"count of milliseconds), got ttl {ttl!r}", lock_name=name)
         self.spec = spec
         self.prefix = prefix
         #: The lock node (its children are the holder and the line).

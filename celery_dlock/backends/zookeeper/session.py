@@ -48,12 +48,14 @@ from kazoo.retry import KazooRetry
 from ...core.errors import BackendUnavailable, InvalidLockConfig
 from .url import ZkSpec
 
-__all__ = ["CALL_TIMEOUT", "MIN_SESSION_TIMEOUT", "ZkSession", "session_for"]
+__all__ = ["CALL_TIMEOUT", "MAX_SESSION_MS", "MIN_SESSION_TIMEOUT", "ZkSession", "session_for"]
 
 logger = logging.getLogger("celery_dlock.zookeeper")
 
 #: The shortest session timeout asked for (seconds); see the module text.
 MIN_SESSION_TIMEOUT = 2.0
+#: The longest session timeout ZooKeeper can keep (ms): a signed 32-bit count.
+MAX_SESSION_MS = 2**31 - 1
 #: The longest any one call waits for its reply (seconds; the session timeout when
 #: shorter): a server that does not answer is BackendUnavailable, not a hang.
 CALL_TIMEOUT = 10.0
