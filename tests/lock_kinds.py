@@ -22,8 +22,8 @@ import redis
 from celery_dlock import FencingUnavailable, RedisLock, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "NO_LONGER_SESSION", "LockKind", "lose_lock_data",
-           "redlock_servers"]
+__all__ = ["KINDS", "NO_FENCE", "NO_LINE", "NO_LONGER_SESSION", "LockKind",
+           "lose_lock_data", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on.
 KINDS = ("redis", "redlock", "zookeeper")

@@ -120,8 +120,8 @@ class ZooKeeperLock(Hold):
         if self.ttl_ms > MAX_SESSION_MS:
             raise InvalidLockConfig(
                 f"a ZooKeeper hold lives as long as its session, and a session "
-                f"timeout is at most {MAX_SESSION_MS / 86_400_000:.1f} days (a 32-bit "
-                f"count of milliseconds), got ttl {ttl!r}", lock_name=name)
+                f"timeout is at most 2**31 - 1 ms (about 24.8 days), got "
+                f"ttl {ttl!r}", lock_name=name)
         self.spec = spec
         self.prefix = prefix
         #: The lock node (its children are the holder and the line).

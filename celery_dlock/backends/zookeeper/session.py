@@ -48,7 +48,8 @@ from kazoo.retry import KazooRetry
 from ...core.errors import BackendUnavailable, InvalidLockConfig
 from .url import ZkSpec
 
-__all__ = ["CALL_TIMEOUT", "MAX_SESSION_MS", "MIN_SESSION_TIMEOUT", "ZkSession", "session_for"]
+__all__ = ["CALL_TIMEOUT", "MAX_SESSION_MS", "MIN_SESSION_TIMEOUT", "ZkSession",
+           "close_sessions", "session_for"]
 
 logger = logging.getLogger("celery_dlock.zookeeper")
 
