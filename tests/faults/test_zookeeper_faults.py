@@ -1,0 +1,332 @@
+"""The ZooKeeper backend under real faults (docs/backends.md, "ZooKeeper").
+
+Each test starts what it breaks: a ZooKeeper server of its own (``own_zk``), the fault
+proxy in front of it, or a holder process that it kills or freezes.  The lock core's
+contract itself runs on ZooKeeper through the ``lock_kind`` tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from dlock_helpers import closed_port, wait_until
+from proxy import FaultProxy
+from zk_server import ZkServer
+
+pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper extra)")
+
+from celery_dlock import BackendUnavailable, LockKeyConflict, LockLost
+from celery_dlock.backends.zookeeper import ZooKeeperLock
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+@pytest.fixture
+def own_zk() -> Iterator[ZkServer]:
+    """A ZooKeeper server of this test's own, to restart or cut off at will."""
+    try:
+        server = ZkServer()
+    except RuntimeError as exc:
+        pytest.skip(f"ZooKeeper server not available: {exc}")
+    try:
+        server.start()
+        yield server
+    except RuntimeError as exc:
+        pytest.skip(f"ZooKeeper server did not start: {exc}")
+    finally:
+        server.cleanup()
+
+
+class Holder:
+    """A ``zk_holder.py`` process, driven line by line."""
+
+    def __init__(self, url: str, name: str, ttl: float, db: Path, err: Path) -> None:
+        self._err: IO[str] = err.open("w")
+        self.err = err
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "zk_holder.py"), "--url", url, "--name", name,
+             "--ttl", str(ttl), "--db", str(db)],
+            cwd=REPO, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._err)
+        assert self.read(60) == {"ready": True}
+
+    def read(self, timeout: float = 30.0) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"holder said nothing in {timeout:.0f}s (exit "
+                                 f"{self.proc.poll()}): {self.err.read_text()[-2000:]}")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def send(self, op: str, timeout: float = 30.0) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op}) + "\n")
+        self.proc.stdin.flush()
+        return self.read(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        self._err.close()
+
+
+def _stock(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=30)
+    conn.execute("CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, units INTEGER,"
+                 " last_fence BIGINT NOT NULL DEFAULT 0)")
+    conn.execute("INSERT OR IGNORE INTO stock (sku, units) VALUES ('a', 0)")
+    conn.commit()
+    return conn
+
+
+# -- a holder that dies, or freezes ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_holder_frees_the_lock_within_its_ttl(zk_server, name, tmp_path):
+    ttl = 3.0
+    _stock(tmp_path / "db.sqlite").close()
+    holder = Holder(zk_server.url, name, ttl, tmp_path / "db.sqlite", tmp_path / "h.err")
+    try:
+        took = holder.send("acquire")
+        assert took["held"]
+        other = ZooKeeperLock(zk_server.url, name, ttl, owner="other")
+        assert not other.acquire(blocking=False)
+        os.kill(holder.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert other.acquire(timeout=ttl + 10)
+        waited = time.monotonic() - killed
+        # The server frees it once the session times out (ttl), counted from the
+        # holder's last ping, plus its expiry check (a tick) and our wake-up.
+        assert waited < ttl + 1.5, waited
+        assert other.fence is not None and other.fence > took["fence"]
+        other.release()
+    finally:
+        holder.close()
+
+
+@pytest.mark.slow
+def test_sigstop_past_the_ttl_the_holder_is_told_and_its_fenced_write_refused(
+        zk_server, name, tmp_path):
+    ttl = 2.0
+    db = tmp_path / "db.sqlite"
+    conn = _stock(db)
+    holder = Holder(zk_server.url, name, ttl, db, tmp_path / "h.err")
+    try:
+        took = holder.send("acquire")
+        assert took["held"]
+        first = holder.send("write")
+        assert first["ok"] and not first["lost"]
+        os.kill(holder.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        other = ZooKeeperLock(zk_server.url, name, ttl, owner="other")
+        assert other.acquire(timeout=ttl + 10)
+        assert time.monotonic() - stopped > ttl * 0.9  # only once its session ended
+        assert other.fence is not None and other.fence > took["fence"]
+        from celery_dlock.fencing import fenced_update
+
+        fenced_update(conn, "stock", {"sku": "a"}, other.fence, {"units": 2})
+        conn.commit()
+        os.kill(holder.proc.pid, signal.SIGCONT)
+        late = holder.send("write")
+        # Told (its deadline passed while it was frozen), and the database refuses
+        # the write it makes anyway.
+        assert late["lost"] is True, late
+        assert late.get("stale") is True and late["found"] == other.fence, late
+        row = conn.execute("SELECT units, last_fence FROM stock").fetchone()
+        assert row == (2, other.fence)
+        other.release()
+    finally:
+        holder.close()
+        conn.close()
+
+
+# -- the session expires while held ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_session_expiry_while_held_tells_the_holder_first_never_two_holders(own_zk,
+                                                                             name):
+    ttl = 2.0
+    told: list[float] = []
+    with FaultProxy(own_zk.port) as proxy:
+        via = f"zookeeper://127.0.0.1:{proxy.port}"
+        holder = ZooKeeperLock(via, name, ttl, owner="holder",
+                               on_lost=lambda _lock: told.append(time.monotonic()))
+        other = ZooKeeperLock(own_zk.url, name, ttl, owner="other")
+        assert holder.acquire(blocking=False)
+        fence = holder.fence
+        time.sleep(ttl)  # renewed meanwhile
+        assert holder.owned() and not holder.lost
+        proxy.black_hole()  # nothing reaches the server: its session times out
+        cut = time.monotonic()
+        acquired_at = None
+        while time.monotonic() - cut < 20:
+            if other.acquire(blocking=False):
+                acquired_at = time.monotonic()
+                break
+            # never two holders: while the other cannot acquire, or at the moment
+            # it does, the holder was told already if its session could be gone
+            time.sleep(0.02)
+        assert acquired_at is not None, "the expired session's lock never freed"
+        assert told, "the holder was never told"
+        assert told[0] < acquired_at, (told[0] - cut, acquired_at - cut)
+        assert holder.lost and "deadline" in (holder.lost_reason or "")
+        assert other.fence is not None and fence is not None and other.fence > fence
+        proxy.heal()
+        # Back on the server, the holder's session is over: nothing of it is held.
+        with pytest.raises(LockLost):
+            holder.release()
+        assert other.owned()
+        other.release()
+    assert told and len(told) == 1
+
+
+# -- a server restart ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_hold_survives_a_server_restart_and_fences_go_on(own_zk, name):
+    told: list[object] = []
+    holder = ZooKeeperLock(own_zk.url, name, 20, owner="holder", on_lost=told.append)
+    other = ZooKeeperLock(own_zk.url, name, 20, owner="other")
+    assert holder.acquire(blocking=False)
+    fence = holder.fence
+    own_zk.restart()  # the session is restored from the server's log
+    assert wait_until(holder.owned, timeout=15)
+    assert not other.acquire(blocking=False)
+    assert not told and not holder.lost
+    holder.release()
+    assert other.acquire(timeout=10)
+    assert other.fence is not None and fence is not None and other.fence > fence
+    other.release()
+
+
+@pytest.mark.slow
+def test_fences_strictly_increase_across_server_restarts(own_zk, name):
+    seen = []
+    for _ in range(3):
+        lock = ZooKeeperLock(own_zk.url, name, 5)
+        with lock:
+            seen.append(lock.fence)
+        own_zk.restart()
+        assert wait_until(own_zk.answers, timeout=15)
+    lock = ZooKeeperLock(own_zk.url, name, 5)
+    assert wait_until(lambda: _try(lock), timeout=15)
+    seen.append(lock.fence)
+    lock.release()
+    assert all(isinstance(f, int) for f in seen)
+    assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
+
+
+def _try(lock: ZooKeeperLock) -> bool:
+    try:
+        return lock.acquire(blocking=False)
+    except BackendUnavailable:
+        return False
+
+
+# -- bad input, no server ----------------------------------------------------------------
+
+
+def test_a_server_that_does_not_answer_is_backend_unavailable(name):
+    lock = ZooKeeperLock(f"zookeeper://127.0.0.1:{closed_port()}?connect_timeout=1",
+                         name, 5)
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="ZooKeeper unavailable"):
+        lock.acquire(blocking=False)
+    assert time.monotonic() - started < 10
+    assert lock.depth == 0 and lock.fence is None
+
+
+def test_another_applications_znode_at_the_lock_path_is_a_conflict(zk_server, prefix,
+                                                                   name):
+    from kazoo.client import KazooClient
+
+    lock = ZooKeeperLock(zk_server.url, name, 5, prefix=prefix)
+    zk = KazooClient(zk_server.hosts)
+    zk.start(10)
+    try:
+        zk.create(lock.path, b"another application's data", makepath=True)
+        with pytest.raises(LockKeyConflict, match="another application"):
+            lock.acquire(blocking=False)
+        assert zk.get(lock.path)[0] == b"another application's data"
+        assert zk.get_children(lock.path) == []
+        assert lock.depth == 0
+        # a child of another shape under a lock node of ours: the same
+        zk.delete(lock.path)
+        assert lock.acquire(blocking=False)
+        zk.create(lock.path + "/their-node", b"x")
+        other = ZooKeeperLock(zk_server.url, name, 5, prefix=prefix, owner="other")
+        with pytest.raises(LockKeyConflict):
+            other.acquire(blocking=False)
+        assert len(zk.get_children(lock.path)) == 2  # ours and theirs, nothing else
+        assert zk.get(lock.path + "/their-node")[0] == b"x"
+        lock.release()  # its own child, found without reading the line
+    finally:
+        zk.stop()
+        zk.close()
+
+
+# -- waiters ----------------------------------------------------------------------------
+
+
+def test_waiters_are_woken_by_the_server_in_arrival_order(zk_server, view, name):
+    holder = ZooKeeperLock(zk_server.url, name, 10, owner="holder")
+    assert holder.acquire()
+    order: list[str] = []
+    woke: dict[str, float] = {}
+    threads = []
+    for who in ("w1", "w2", "w3"):
+        lock = ZooKeeperLock(zk_server.url, name, 10, owner=who)
+
+        def run(lock: ZooKeeperLock = lock, who: str = who) -> None:
+            if lock.acquire(timeout=30):
+                woke[who] = time.monotonic()
+                order.append(who)
+                time.sleep(0.05)
+                lock.release()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append(thread)
+        assert wait_until(lambda w=who: w.encode() in view.zrange(
+            holder.path + " line", 0, -1), timeout=10)
+    time.sleep(0.3)
+    assert order == []  # blocked while held
+    released = time.monotonic()
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    assert order == ["w1", "w2", "w3"]
+    # Woken by the deletion the server pushed, not by the safety slice (5 s).
+    assert woke["w1"] - released < 2.0
+
+
+@pytest.fixture
+def view(zk_server):
+    from zk_server import ZkView
+
+    v = ZkView(zk_server.hosts)
+    yield v
+    v.close()
