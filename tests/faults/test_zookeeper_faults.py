@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -286,47 +285,3 @@ def test_another_applications_znode_at_the_lock_path_is_a_conflict(zk_server, pr
     finally:
         zk.stop()
         zk.close()
-
-
-# -- waiters ----------------------------------------------------------------------------
-
-
-def test_waiters_are_woken_by_the_server_in_arrival_order(zk_server, view, name):
-    holder = ZooKeeperLock(zk_server.url, name, 10, owner="holder")
-    assert holder.acquire()
-    order: list[str] = []
-    woke: dict[str, float] = {}
-    threads = []
-    for who in ("w1", "w2", "w3"):
-        lock = ZooKeeperLock(zk_server.url, name, 10, owner=who)
-
-        def run(lock: ZooKeeperLock = lock, who: str = who) -> None:
-            if lock.acquire(timeout=30):
-                woke[who] = time.monotonic()
-                order.append(who)
-                time.sleep(0.05)
-                lock.release()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        threads.append(thread)
-        assert wait_until(lambda w=who: w.encode() in view.zrange(
-            holder.path + " line", 0, -1), timeout=10)
-    time.sleep(0.3)
-    assert order == []  # blocked while held
-    released = time.monotonic()
-    holder.release()
-    for thread in threads:
-        thread.join(30)
-    assert order == ["w1", "w2", "w3"]
-    # Woken by the deletion the server pushed, not by the safety slice (5 s).
-    assert woke["w1"] - released < 2.0
-
-
-@pytest.fixture
-def view(zk_server):
-    from zk_server import ZkView
-
-    v = ZkView(zk_server.hosts)
-    yield v
-    v.close()

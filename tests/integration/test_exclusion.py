@@ -1,6 +1,6 @@
 """Mutual exclusion across processes: read-modify-write on a shared Redis counter.
 
-Four spawned processes each increment a counter with GET, a pause, SET.  Without the
+Eight spawned processes each increment a counter with GET, a pause, SET.  Without the
 lock the pause makes them overwrite each other's updates (the control proves the
 scenario can fail); under the lock every increment survives and no two processes are
 ever inside the critical section together, on every lock kind (``lock_kind``).
@@ -14,8 +14,8 @@ import pytest
 import redis
 from dlock_helpers import counter_worker
 
-PROCESSES = 4
-INCREMENTS = 15
+PROCESSES = 8
+INCREMENTS = 8
 PAUSE = 0.005
 
 

@@ -1,5 +1,8 @@
 """Blocked acquirers: woken by the release (not by expiry or polling), served in
-arrival order, leaving the line when they give up, and let in when a holder dies."""
+arrival order, leaving the line when they give up, and let in when a holder dies.
+
+The tests of the line itself run on every kind that has one (``lock_kind``: Redis's
+doorbells, ZooKeeper's watches; Redlock has no line); the rest test Redis's leases."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import time
 import pytest
 import redis
 from dlock_helpers import hold_until_killed, queue_members, wait_in_line, wait_until
+from lock_kinds import NO_LINE
 
 from celery_dlock import RedisLock
 from celery_dlock.backends.redis.waiters import QUEUE_LEASE, WAIT_SLICE
@@ -49,10 +53,18 @@ def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
     return waiter
 
 
-def test_blocked_acquirer_wakes_promptly_after_release(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def _line_kind(lock_kind):
+    """The server view of a kind with a line of waiters (Redlock has none)."""
+    if lock_kind.name == "redlock":
+        pytest.skip(NO_LINE)
+    return lock_kind.server
+
+
+def test_blocked_acquirer_wakes_promptly_after_release(lock_kind, prefix, name):
+    r = _line_kind(lock_kind)
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    waiter = _start_in_line(r, Waiter(RedisLock(r, name, owner="w", prefix=prefix)))
+    waiter = _start_in_line(r, Waiter(lock_kind.make(name, owner="w", prefix=prefix)))
     time.sleep(0.3)
     assert waiter.result is None  # still blocked while held
     released_at = time.monotonic()
@@ -61,19 +73,21 @@ def test_blocked_acquirer_wakes_promptly_after_release(r, prefix, name):
     assert waiter.error is None
     assert waiter.result is True
     assert waiter.acquired_at is not None
-    # 30 s ttl and 2 s wait slices: only the release's doorbell explains this
+    # 30 s ttl and 2 s wait slices (ZooKeeper: 5 s): only the release's doorbell
+    # (ZooKeeper: the watch the server pushes) explains this
     assert waiter.acquired_at - released_at < 1.0
     assert not r.exists(holder.keys.queue)
     assert not r.exists(holder.keys.lock)
 
 
-def test_blocked_waiters_are_served_in_arrival_order(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_blocked_waiters_are_served_in_arrival_order(lock_kind, prefix, name):
+    r = _line_kind(lock_kind)
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
     order: list[str] = []
     owners = [f"w{i}" for i in range(5)]
     waiters = [
-        _start_in_line(r, Waiter(RedisLock(r, name, owner=o, prefix=prefix),
+        _start_in_line(r, Waiter(lock_kind.make(name, owner=o, prefix=prefix),
                                  hold=0.02, log=order))
         for o in owners
     ]
@@ -87,13 +101,14 @@ def test_blocked_waiters_are_served_in_arrival_order(r, prefix, name):
     assert not r.exists(holder.keys.leases)
 
 
-def test_free_lock_goes_to_the_first_in_line_not_a_barger(r, prefix, name):
-    holder = RedisLock(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_free_lock_goes_to_the_first_in_line_not_a_barger(lock_kind, prefix, name):
+    r = _line_kind(lock_kind)
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    waiter = _start_in_line(r, Waiter(RedisLock(r, name, owner="w", prefix=prefix),
+    waiter = _start_in_line(r, Waiter(lock_kind.make(name, owner="w", prefix=prefix),
                                       hold=0.5))
     holder.release()
-    barger = RedisLock(r, name, owner="barger", prefix=prefix)
+    barger = lock_kind.make(name, owner="barger", prefix=prefix)
     # whether the waiter has already taken it or not, the barger must not get it
     assert barger.acquire(blocking=False) is False
     waiter.join(10)
