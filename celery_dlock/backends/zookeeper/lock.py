@@ -67,7 +67,7 @@ from .nodes import (
     sequence_of,
 )
 from .renewal import renew_target
-from .session import MAX_SESSION_MS, ZkSession, session_for
+from .session import CALL_TIMEOUT, MAX_SESSION_MS, ZkSession, session_for
 from .url import ZkSpec, parse_url
 
 __all__ = ["WAIT_SLICE", "ZooKeeperLock"]
@@ -127,7 +127,9 @@ class ZooKeeperLock(Hold):
         #: The lock node (its children are the holder and the line).
         self.path = lock_path(prefix, name)
         self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
-        self._session: ZkSession = session_for(spec, self.ttl_ms)
+        # The session is chosen by the ttl the lock was made with (extend cannot
+        # move a hold to another session).
+        self._session_ttl_ms = self.ttl_ms
         self._nodes = threading.Lock()
         # Per owner: the guid of this object's child in line, the child before it,
         # and the child this object holds through (path, czxid).
@@ -139,6 +141,18 @@ class ZooKeeperLock(Hold):
         self._deleted: tuple[str, str] | None = None
 
     # -- talking to ZooKeeper --------------------------------------------------------
+
+    @property
+    def _session(self) -> ZkSession:
+        # Looked up on every use: after a fork, the child's own session.
+        return session_for(self.spec, self._session_ttl_ms)
+
+    def _sync_generation(self) -> None:
+        gen = self._generation
+        super()._sync_generation()
+        if gen != self._generation:  # a forked child: none of these are its own
+            self._line, self._pred, self._held = {}, {}, {}
+            self._waited, self._deleted = set(), None
 
     def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         session = self._session
@@ -366,6 +380,16 @@ class ZooKeeperLock(Hold):
         if stat is not None and slice_ > 0:
             woken.wait(slice_)
 
+    def acquire(self, blocking: bool = True, timeout: float | None = None, *,
+                blocking_timeout: float | None = None) -> bool:
+        try:
+            return super().acquire(blocking, timeout, blocking_timeout=blocking_timeout)
+        except DLockError:
+            # A create whose reply was lost may have left a child in line that
+            # nobody waits on: it would hold the lock when its turn came.
+            self._leave_line(self._current_owner())
+            raise
+
     def _leave_line(self, owner: str) -> None:
         with self._nodes:
             guid = self._line.pop(owner, None)
@@ -374,11 +398,28 @@ class ZooKeeperLock(Hold):
         if guid is None:
             return
         try:
-            for _, g, name in self._children():
-                if g == guid:
-                    self._delete(self._child(name))
-        except DLockError as exc:  # it goes with the session
-            logger.debug("could not leave the line of %r: %s", self.name, exc)
+            self._remove_guid(guid)
+        except DLockError as exc:
+            logger.debug("could not leave the line of %r now (%s): trying again in "
+                         "the background", self.name, exc)
+            threading.Thread(target=self._remove_later, args=(guid,), daemon=True,
+                             name="celery-dlock-zk-leave").start()
+
+    def _remove_guid(self, guid: str) -> None:
+        for _, g, name in self._children():
+            if g == guid:
+                self._delete(self._child(name))
+
+    def _remove_later(self, guid: str) -> None:
+        """Delete the child ``guid`` once the ensemble answers again (until the session
+        could have ended: then the server deleted it)."""
+        deadline = time.monotonic() + self._session.timeout_ms / 1000.0 + CALL_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                self._remove_guid(guid)
+                return
+            except DLockError:
+                time.sleep(0.5)
 
     def _give_back(self, owner: str) -> None:
         with self._nodes:

@@ -31,7 +31,6 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
@@ -179,16 +178,11 @@ class ZkSession:
                 f"20 tickTimes by default): lower the ttl or raise the server's "
                 f"maxSessionTimeout", lock_name=lock_name)
 
-    def call(self, what: str, fn: Callable[[], Any], lock_name: str | None = None
-             ) -> Any:
-        """Run a kazoo ``*_async`` call (``fn`` returns its async result) and wait for
-        it, at most :data:`CALL_TIMEOUT` (or the session timeout): kazoo's own
-        errors (no node, bad version, ...) are raised as they are; a lost connection,
-        an expired session or no answer become BackendUnavailable."""
-        self.start(what, lock_name)
-        return self.wait(what, fn(), lock_name)
-
     def wait(self, what: str, result: Any, lock_name: str | None = None) -> Any:
+        """Wait for a kazoo async result, at most :data:`CALL_TIMEOUT` (or the session
+        timeout): kazoo's answers about a node (no node, bad version, ...) are raised
+        as they are; a lost connection, an expired session or no answer become
+        BackendUnavailable."""
         timeout = min(CALL_TIMEOUT, max(self.timeout_ms / 1000.0, 1.0))
         try:
             return result.get(timeout=timeout)
