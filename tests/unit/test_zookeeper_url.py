@@ -67,7 +67,7 @@ def test_errors_never_show_the_password(url):
 def test_a_ttl_zookeeper_cannot_keep_is_refused_up_front():
     from celery_dlock.backends.zookeeper import ZooKeeperLock
 
-    with pytest.raises(InvalidLockConfig, match="24.8 days"):
+    with pytest.raises(InvalidLockConfig, match=r"24\.8 days"):
         ZooKeeperLock("zookeeper://zk1:2181", "x", ttl=25 * 86400)
     with pytest.raises(InvalidLockConfig):
         ZooKeeperLock("zookeeper://zk1:99999", "x")
