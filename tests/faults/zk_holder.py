@@ -6,6 +6,7 @@ It takes a real ``ZooKeeperLock`` and answers ``{"op": ...}`` lines:
 * ``write``: a fenced write of its fence to the SQLite row ``stock``
   (``{"ok": true}`` or ``{"stale": true, "found": ...}``), and whether its lock was
   told it is lost (``lost``, ``told_at``: this process's monotonic clock);
+* ``status``: ``lost`` and ``told_at`` alone;
 * ``exit``.
 """
 
@@ -56,6 +57,8 @@ def main() -> int:
                 conn.rollback()
                 out.update(stale=True, found=exc.found)
             reply(out)
+        elif op == "status":
+            reply({"lost": lock.lost, "told_at": told[:1]})
         elif op == "exit":
             break
     return 0
