@@ -204,6 +204,40 @@ def test_session_expiry_while_held_tells_the_holder_first_never_two_holders(own_
     assert told and len(told) == 1
 
 
+@pytest.mark.slow
+def test_a_session_the_server_closed_is_reported_at_once_not_at_the_deadline(
+        zk_server, name):
+    from kazoo.client import KazooClient
+
+    told: list[float] = []
+    holder = ZooKeeperLock(zk_server.url, name, 60, owner="holder",
+                           on_lost=lambda _lock: told.append(time.monotonic()))
+    assert holder.acquire(blocking=False)
+    session = holder._session
+    session_id, password = session.client.client_id
+    # Another client takes the session over and closes it: the server ends the
+    # session (its nodes go) and tells the holder's client it expired.
+    thief = KazooClient(zk_server.hosts, client_id=(session_id, password))
+    thief.start(10)
+    thief.stop()
+    thief.close()
+    closed = time.monotonic()
+    assert wait_until(lambda: bool(told), timeout=20)
+    assert told[0] - closed < 20  # long before its 60 s ttl's deadline
+    assert holder.lost and "session expired" in (holder.lost_reason or "")
+    assert session_id in session.dead
+    other = ZooKeeperLock(zk_server.url, name, 59, owner="other")  # another session
+    assert other.acquire(blocking=False)
+    with pytest.raises(LockLost):
+        holder.release()
+    other.release()
+    # The holder's process works on, on a new session (once kazoo made it).
+    assert wait_until(lambda: _answer(lambda: holder.acquire(blocking=False)),
+                      timeout=20)
+    assert holder._session.session_id() != session_id
+    holder.release()
+
+
 # -- a server restart ------------------------------------------------------------------
 
 

@@ -71,3 +71,15 @@ def test_a_ttl_zookeeper_cannot_keep_is_refused_up_front():
         ZooKeeperLock("zookeeper://zk1:2181", "x", ttl=25 * 86400)
     with pytest.raises(InvalidLockConfig):
         ZooKeeperLock("zookeeper://zk1:99999", "x")
+
+
+def test_importing_the_package_imports_no_zookeeper_driver():
+    import subprocess
+    import sys
+
+    code = ("import sys, celery_dlock, celery_dlock.task; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kazoo' or "
+            "m.startswith('celery_dlock.backends.zookeeper')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
