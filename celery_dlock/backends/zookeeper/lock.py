@@ -236,8 +236,9 @@ class ZooKeeperLock(Hold):
     def _holder_child(self, owner: str) -> str | None:
         """The child through which this object holds the lock for ``owner``, else
         the holder's child when ``owner`` holds it (through another object)."""
+        holding = self._depth > 0 and self._hold_owner == owner
         with self._nodes:
-            held = self._held.get(owner)
+            held = self._held.get(owner) if holding else None
         if held is not None:
             return held[0]
         kids = self._children()
