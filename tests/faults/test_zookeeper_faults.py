@@ -28,6 +28,7 @@ pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper extra
 
 from celery_dlock import BackendUnavailable, LockKeyConflict, LockLost
 from celery_dlock.backends.zookeeper import ZooKeeperLock
+from celery_dlock.backends.zookeeper.session import close_sessions
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -46,6 +47,7 @@ def own_zk() -> Iterator[ZkServer]:
     except RuntimeError as exc:
         pytest.skip(f"ZooKeeper server did not start: {exc}")
     finally:
+        close_sessions(server.hosts)  # no client goes on calling a server that is gone
         server.cleanup()
 
 
@@ -201,6 +203,7 @@ def test_session_expiry_while_held_tells_the_holder_first_never_two_holders(own_
             holder.release()
         assert other.owned()
         other.release()
+        close_sessions(f"127.0.0.1:{proxy.port}")
     assert told and len(told) == 1
 
 

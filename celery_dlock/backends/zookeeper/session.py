@@ -232,11 +232,12 @@ def session_for(spec: ZkSpec, ttl_ms: int) -> ZkSession:
         return found
 
 
-def close_sessions() -> None:
-    """Stop every session of this process (tests; a process about to exit)."""
+def close_sessions(host: str | None = None) -> None:
+    """Stop every session of this process (only those of ensembles that list
+    ``host``, a ``host:port``, when given): tests, or a process about to exit."""
     with _sessions_lock:
-        sessions = list(_sessions.values())
-        _sessions.clear()
+        keys = [k for k in _sessions if host is None or host in k[0].hosts]
+        sessions = [_sessions.pop(k) for k in keys]
     for session in sessions:
         session.stop()
 
