@@ -304,25 +304,33 @@ def test_another_applications_znode_at_the_lock_path_is_a_conflict(zk_server, pr
                                                                    name):
     from kazoo.client import KazooClient
 
-    lock = ZooKeeperLock(zk_server.url, name, 5, prefix=prefix)
+    lock = ZooKeeperLock(zk_server.url, name, 5, prefix=prefix, auto_renew=False)
+    calls = {"acquire": lambda: lock.acquire(blocking=False),
+             "blocking acquire": lambda: lock.acquire(timeout=0.3),
+             "release": lock.release, "extend": lock.extend, "holder": lock.holder}
     zk = KazooClient(zk_server.hosts)
     zk.start(10)
     try:
         zk.create(lock.path, b"another application's data", makepath=True)
-        with pytest.raises(LockKeyConflict, match="another application"):
-            lock.acquire(blocking=False)
-        assert zk.get(lock.path)[0] == b"another application's data"
-        assert zk.get_children(lock.path) == []
+        for what, call in calls.items():
+            with pytest.raises(LockKeyConflict, match="another application") as info:
+                call()
+            assert repr(lock.path) in str(info.value), what
+            assert zk.get(lock.path)[0] == b"another application's data", what
+            assert zk.get_children(lock.path) == [], what
         assert lock.depth == 0
         # a child of another shape under a lock node of ours: the same
         zk.delete(lock.path)
         assert lock.acquire(blocking=False)
         zk.create(lock.path + "/their-node", b"x")
         other = ZooKeeperLock(zk_server.url, name, 5, prefix=prefix, owner="other")
-        with pytest.raises(LockKeyConflict):
-            other.acquire(blocking=False)
-        assert len(zk.get_children(lock.path)) == 2  # ours and theirs, nothing else
-        assert zk.get(lock.path + "/their-node")[0] == b"x"
+        for what, call in {"acquire": lambda: other.acquire(blocking=False),
+                           "blocking acquire": lambda: other.acquire(timeout=0.3),
+                           "release": other.release, "extend": other.extend}.items():
+            with pytest.raises(LockKeyConflict, match="their-node"):
+                call()
+            assert len(zk.get_children(lock.path)) == 2, what  # ours and theirs
+            assert zk.get(lock.path + "/their-node")[0] == b"x", what
         lock.release()  # its own child, found without reading the line
     finally:
         zk.stop()

@@ -180,7 +180,8 @@ class ZooKeeperLock(Hold):
                 continue
             if raw != DIR_MARK:
                 raise LockKeyConflict(
-                    f"ZooKeeper node {self.path} holds data celery-dlock did not write "
+                    f"ZooKeeper node {self.path!r} holds data celery-dlock did not "
+                    f"write "
                     f"(another application uses this path?): nothing was changed; "
                     f"choose another prefix or name", lock_name=self.name)
             found = [(*sequence_of(n, self.path), n) for n in names]

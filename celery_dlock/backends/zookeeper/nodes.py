@@ -64,7 +64,8 @@ def sequence_of(child: str, where: str) -> tuple[int, str]:
     """``(sequence, guid)`` of a child's name; LockKeyConflict for another shape."""
     found = _CHILD.match(child)
     if found is None:
-        raise LockKeyConflict(f"ZooKeeper node {where}/{child} was not written by "
+        raise LockKeyConflict(f"ZooKeeper node {where + '/' + child!r} under {where!r} "
+                              f"was not written by "
                               f"celery-dlock (another application uses this path?): "
                               f"nothing was changed; choose another prefix or name")
     return int(found["seq"]), found["guid"]
@@ -112,7 +113,7 @@ def decode_node(raw: bytes, where: str) -> NodeData:
                         pid=int(pid) if pid is not None else None,
                         info={str(k): str(v) for k, v in info.items()})
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
-        raise LockKeyConflict(f"ZooKeeper node {where} holds data celery-dlock did "
+        raise LockKeyConflict(f"ZooKeeper node {where!r} holds data celery-dlock did "
                               f"not write (another application uses this path?): "
                               f"nothing was changed; choose another prefix or name"
                               ) from None
