@@ -175,14 +175,26 @@ class ZkView:
     """
 
     def __init__(self, hosts: str) -> None:
-        from kazoo.client import KazooClient
+        self.hosts = hosts
+        self._pid = 0
+        self._client: Any = None
 
-        self.client = KazooClient(hosts=hosts, timeout=10)
-        self.client.start(timeout=20)
+    @property
+    def client(self) -> Any:
+        """This process's client (a forked child makes its own: the parent's
+        connection thread does not exist there)."""
+        if self._pid != os.getpid():
+            from kazoo.client import KazooClient
+
+            self._client = KazooClient(hosts=self.hosts, timeout=10)
+            self._client.start(timeout=20)
+            self._pid = os.getpid()
+        return self._client
 
     def close(self) -> None:
-        self.client.stop()
-        self.client.close()
+        if self._client is not None and self._pid == os.getpid():
+            self._client.stop()
+            self._client.close()
 
     def _line(self, path: str) -> list[tuple[str, dict[str, Any], Any]]:
         from kazoo.exceptions import NoNodeError

@@ -42,32 +42,31 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError, NotEmptyError
+from kazoo.exceptions import NoNodeError
 
 from ...core.errors import (
     DLockError,
     Holder,
     InvalidLockConfig,
-    LockKeyConflict,
     NotSupported,
 )
 from ...core.hold import DEFAULT_PREFIX, Grant, Hold, Refused, check_lock_options
-from ...core.protocol import GONE, OK, STILL_HELD, TAKEN
+from ...core.protocol import GONE, OK, STILL_HELD
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
+from .line import RACES as _RACES
+from .line import LockNode
 from .nodes import (
-    DIR_MARK,
     NodeData,
     child_prefix,
-    decode_node,
     lock_path,
-    sequence_of,
 )
 from .renewal import renew_target
-from .session import CALL_TIMEOUT, MAX_SESSION_MS, ZkSession, session_for
+from .session import MAX_SESSION_MS
 from .url import ZkSpec, parse_url
 
 __all__ = ["WAIT_SLICE", "ZooKeeperLock"]
@@ -78,9 +77,6 @@ logger = logging.getLogger("celery_dlock.lock")
 #: a safety net only (a watch is pushed by the server, kept across reconnects).
 WAIT_SLICE = 5.0
 #: How many times one call starts over after losing a race with another client.
-_RACES = 50
-
-_Child = tuple[int, str, str]  # (sequence, guid, child name)
 
 
 class ZooKeeperLock(Hold):
@@ -129,7 +125,7 @@ class ZooKeeperLock(Hold):
         self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
         # The session is chosen by the ttl the lock was made with (extend cannot
         # move a hold to another session).
-        self._session_ttl_ms = self.ttl_ms
+        self._node = LockNode(spec, self.ttl_ms, self.path, name)
         self._nodes = threading.Lock()
         # Per owner: the guid of this object's child in line, the child before it,
         # and the child this object holds through (path, czxid).
@@ -139,13 +135,13 @@ class ZooKeeperLock(Hold):
         self._waited: set[str] = set()
         # The final release whose delete was sent: (op, child path).
         self._deleted: tuple[str, str] | None = None
+        # The child and depth of the current hold, for a lock object dropped while
+        # holding (its finalizer gives the acquires back; on Redis the hold would
+        # expire once renewal stopped, here the session would keep it alive).
+        self._tracker: dict[str, Any] = {"child": None, "depth": 0}
+        weakref.finalize(self, _abandoned, self._node, self._tracker)
 
     # -- talking to ZooKeeper --------------------------------------------------------
-
-    @property
-    def _session(self) -> ZkSession:
-        # Looked up on every use: after a fork, the child's own session.
-        return session_for(self.spec, self._session_ttl_ms)
 
     def _sync_generation(self) -> None:
         gen = self._generation
@@ -153,86 +149,6 @@ class ZooKeeperLock(Hold):
         if gen != self._generation:  # a forked child: none of these are its own
             self._line, self._pred, self._held = {}, {}, {}
             self._waited, self._deleted = set(), None
-
-    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
-        session = self._session
-        client = session.start(what, self.name)
-        return session.wait(what, fn(client), self.name)
-
-    def _children(self, make: bool = False) -> list[_Child]:
-        """The line, lowest sequence first (the lock node made when missing and
-        ``make``); LockKeyConflict when the path is another application's."""
-        for _ in range(_RACES):
-            client = self._session.start("acquire", self.name)
-            data = client.get_async(self.path)
-            kids = client.get_children_async(self.path)
-            try:
-                raw, _ = self._session.wait("acquire", data, self.name)
-                names = self._session.wait("acquire", kids, self.name)
-            except NoNodeError:
-                if not make:
-                    return []
-                try:
-                    self._call("acquire", lambda c: c.create_async(
-                        self.path, DIR_MARK, makepath=True))
-                except NodeExistsError:
-                    pass
-                continue
-            if raw != DIR_MARK:
-                raise LockKeyConflict(
-                    f"ZooKeeper node {self.path!r} holds data celery-dlock did not "
-                    f"write "
-                    f"(another application uses this path?): nothing was changed; "
-                    f"choose another prefix or name", lock_name=self.name)
-            found = [(*sequence_of(n, self.path), n) for n in names]
-            return sorted(found)
-        raise DLockError(f"the lock node {self.path} kept disappearing",
-                         lock_name=self.name)
-
-    def _child(self, name: str) -> str:
-        return f"{self.path}/{name}"
-
-    def _read(self, child: str) -> tuple[NodeData, Any] | None:
-        """A child's data and stat (None: gone)."""
-        try:
-            raw, stat = self._call("read", lambda c: c.get_async(child))
-        except NoNodeError:
-            return None
-        return decode_node(raw, child), stat
-
-    def _write(self, child: str, data: NodeData, version: int) -> bool:
-        """Set a child's data at ``version``; False when it changed meanwhile."""
-        try:
-            self._call("write", lambda c: c.set_async(child, data.encode(), version))
-        except BadVersionError:
-            return False
-        return True
-
-    def _delete(self, child: str, version: int = -1) -> bool:
-        """Delete a child (at ``version``); False when it changed meanwhile."""
-        try:
-            self._call("delete", lambda c: c.delete_async(child, version))
-        except NoNodeError:
-            return True
-        except BadVersionError:
-            return False
-        return True
-
-    def _tidy(self) -> None:
-        """Delete the lock node once its line is empty (best effort: a newcomer's
-        create that finds it gone makes it again)."""
-        try:
-            self._call("release", lambda c: c.delete_async(self.path))
-        except (NotEmptyError, NoNodeError, DLockError):
-            pass
-
-    def _code_for(self, owner: str) -> int:
-        """GONE when nobody holds the lock, TAKEN when another owner does."""
-        kids = self._children()
-        if not kids:
-            return GONE
-        found = self._read(self._child(kids[0][2]))
-        return TAKEN if found is not None and found[0].owner != owner else GONE
 
     def _holder_child(self, owner: str) -> str | None:
         """The child through which this object holds the lock for ``owner``, else
@@ -242,10 +158,10 @@ class ZooKeeperLock(Hold):
             held = self._held.get(owner) if holding else None
         if held is not None:
             return held[0]
-        kids = self._children()
+        kids = self._node.children()
         if kids:
-            child = self._child(kids[0][2])
-            found = self._read(child)
+            child = self._node.child(kids[0][2])
+            found = self._node.read(child)
             if found is not None and found[0].owner == owner:
                 return child
         return None
@@ -253,25 +169,25 @@ class ZooKeeperLock(Hold):
     # -- what Hold asks ------------------------------------------------------------------
 
     def _new_data(self, owner: str, op: str) -> NodeData:
-        granted = self._session.granted_ms or self._session.timeout_ms
+        granted = self._node.session.granted_ms or self._node.session.timeout_ms
         return NodeData(owner=owner, count=1, ttl_ms=granted, op=op,
                         acquired_at=time.time(), pid=os.getpid(), info=self._info)
 
     def _send_acquire(self, owner: str, op: str, *, queue: bool,
                       reentry: bool) -> Grant | Refused | int:
-        session = self._session
+        session = self._node.session
         session.start("acquire", self.name)
         session.check_ttl(self.ttl_ms, self.name)
         if reentry:
             return self._reenter(owner, op)
         for _ in range(_RACES):
-            kids = self._children(make=True)
+            kids = self._node.children(make=True)
             with self._nodes:
                 guid = self._line.get(owner)
             mine = next((k for k in kids if guid is not None and k[1] == guid), None)
             if kids and kids[0] != mine:
-                head = self._child(kids[0][2])
-                found = self._read(head)
+                head = self._node.child(kids[0][2])
+                found = self._node.read(head)
                 if found is None:
                     continue
                 data, stat = found
@@ -293,15 +209,15 @@ class ZooKeeperLock(Hold):
                     return Refused()
                 index = kids.index(mine)
                 with self._nodes:
-                    self._pred[owner] = self._child(kids[index - 1][2])
+                    self._pred[owner] = self._node.child(kids[index - 1][2])
                     self._waited.add(owner)
                 return Refused()
             if mine is None:
                 self._join_line(owner, op)
                 continue
             # Ours is the lowest child: we hold the lock.
-            child = self._child(mine[2])
-            found = self._read(child)
+            child = self._node.child(mine[2])
+            found = self._node.read(child)
             if found is None:
                 with self._nodes:
                     self._line.pop(owner, None)
@@ -312,7 +228,7 @@ class ZooKeeperLock(Hold):
             if waited:
                 # We waited in line: the hold starts now.
                 data.acquired_at = time.time()
-                if not self._write(child, data, stat.version):
+                if not self._node.write(child, data, stat.version):
                     continue
             with self._nodes:
                 self._line.pop(owner, None)
@@ -332,15 +248,16 @@ class ZooKeeperLock(Hold):
             self._line[owner] = guid
         data = self._new_data(owner, op).encode()
         try:
-            self._call("acquire", lambda c: c.create_async(
-                self._child(child_prefix(guid)), data, ephemeral=True, sequence=True))
+            path = self._node.child(child_prefix(guid))
+            self._node.call("acquire", lambda c: c.create_async(
+                path, data, ephemeral=True, sequence=True))
         except NoNodeError:
             pass  # the lock node was tidied away meanwhile: the caller starts over
 
     def _join(self, child: str, owner: str, op: str) -> Grant | None:
         """One more acquire of ``owner``'s hold in ``child`` (None: it changed)."""
         for _ in range(_RACES):
-            found = self._read(child)
+            found = self._node.read(child)
             if found is None:
                 return None
             data, stat = found
@@ -349,11 +266,11 @@ class ZooKeeperLock(Hold):
             if data.op != op:
                 data.count += 1
                 data.op = op
-                if not self._write(child, data, stat.version):
+                if not self._node.write(child, data, stat.version):
                     continue
             with self._nodes:
                 self._held[owner] = (child, stat.czxid)
-            self._session.holders.add(self)
+            self._node.session.holders.add(self)
             return Grant(stat.czxid, True)
         return None
 
@@ -361,13 +278,13 @@ class ZooKeeperLock(Hold):
         with self._nodes:
             held = self._held.get(owner)
         if held is not None and held[1] == self._fence:
-            found = self._read(held[0])
+            found = self._node.read(held[0])
             if found is not None and found[0].owner == owner and \
-                    self._session.is_ours(found[1].ephemeralOwner):
+                    self._node.session.is_ours(found[1].ephemeralOwner):
                 grant = self._join(held[0], owner, op)
                 if grant is not None:
                     return grant
-        return self._code_for(owner)
+        return self._node.code_for(owner)
 
     def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
         with self._nodes:
@@ -377,7 +294,7 @@ class ZooKeeperLock(Hold):
             time.sleep(min(slice_, 0.05))
             return
         woken = threading.Event()
-        stat = self._call("wait", lambda c: c.exists_async(
+        stat = self._node.call("wait", lambda c: c.exists_async(
             pred, watch=lambda _event: woken.set()))
         if stat is not None and slice_ > 0:
             woken.wait(slice_)
@@ -400,35 +317,19 @@ class ZooKeeperLock(Hold):
         if guid is None:
             return
         try:
-            self._remove_guid(guid)
+            self._node.remove_guid(guid)
         except DLockError as exc:
             logger.debug("could not leave the line of %r now (%s): trying again in "
                          "the background", self.name, exc)
-            threading.Thread(target=self._remove_later, args=(guid,), daemon=True,
+            threading.Thread(target=self._node.remove_later, args=(guid,), daemon=True,
                              name="celery-dlock-zk-leave").start()
-
-    def _remove_guid(self, guid: str) -> None:
-        for _, g, name in self._children():
-            if g == guid:
-                self._delete(self._child(name))
-
-    def _remove_later(self, guid: str) -> None:
-        """Delete the child ``guid`` once the ensemble answers again (until the session
-        could have ended: then the server deleted it)."""
-        deadline = time.monotonic() + self._session.timeout_ms / 1000.0 + CALL_TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                self._remove_guid(guid)
-                return
-            except DLockError:
-                time.sleep(0.5)
 
     def _give_back(self, owner: str) -> None:
         with self._nodes:
             held = self._held.pop(owner, None)
         if held is not None:
             try:
-                self._delete(held[0])
+                self._node.delete(held[0])
             except DLockError as exc:  # it goes with the session
                 logger.debug("could not give back %r: %s", self.name, exc)
 
@@ -436,39 +337,40 @@ class ZooKeeperLock(Hold):
         child = self._holder_child(owner)
         for _ in range(_RACES):
             if child is None:
-                return self._code_for(owner)
-            found = self._read(child)
+                return self._node.code_for(owner)
+            found = self._node.read(child)
             if found is None:
                 if self._deleted == (op, child):
                     return OK  # our delete landed; its reply was lost
-                return self._code_for(owner)
+                return self._node.code_for(owner)
             data, stat = found
-            if data.owner != owner or not self._session.is_ours(stat.ephemeralOwner):
-                return self._code_for(owner)
+            if data.owner != owner or \
+                    not self._node.session.is_ours(stat.ephemeralOwner):
+                return self._node.code_for(owner)
             if data.op == op:
                 return STILL_HELD  # this release was applied already
             if data.count > 1:
                 data.count -= 1
                 data.op = op
-                if self._write(child, data, stat.version):
+                if self._node.write(child, data, stat.version):
                     return STILL_HELD
                 continue
             self._deleted = (op, child)
-            if self._delete(child, stat.version):
+            if self._node.delete(child, stat.version):
                 with self._nodes:
                     if self._held.get(owner, ("",))[0] == child:
                         del self._held[owner]
-                self._tidy()
+                self._node.tidy()
                 return OK
         raise DLockError("too many concurrent changes to the hold",
                          lock_name=self.name)
 
     def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
         status = self._read_status(owner, self._holder_child(owner))
-        if status == OK and ttl_ms > self._session.timeout_ms:
+        if status == OK and ttl_ms > self._node.session.timeout_ms:
             raise NotSupported(
                 f"a ZooKeeper hold lives as long as its session, whose timeout is the "
-                f"lock's ttl ({self._session.timeout_ms / 1000:g}s): extend can "
+                f"lock's ttl ({self._node.session.timeout_ms / 1000:g}s): extend can "
                 f"confirm it for up to that long, not lengthen it to {ttl_ms / 1000:g}s"
                 f"; make the lock with the longer ttl (docs/backends.md, ZooKeeper)",
                 lock_name=self.name)
@@ -478,15 +380,15 @@ class ZooKeeperLock(Hold):
         if child is None:
             child = self._holder_child(owner)
         if child is None:
-            return self._code_for(owner)
-        found = self._read(child)
+            return self._node.code_for(owner)
+        found = self._node.read(child)
         if found is None or found[0].owner != owner or \
-                not self._session.is_ours(found[1].ephemeralOwner):
-            return self._code_for(owner)
+                not self._node.session.is_ours(found[1].ephemeralOwner):
+            return self._node.code_for(owner)
         return OK
 
     def _renew_target(self) -> RenewTarget | None:
-        target: RenewTarget = renew_target(self._session)
+        target: RenewTarget = renew_target(self._node.session)
         return target
 
     def _renew_key(self) -> str:
@@ -508,7 +410,7 @@ class ZooKeeperLock(Hold):
             return
         found = None
         try:
-            found = self._read(held[0])
+            found = self._node.read(held[0])
         except DLockError:
             pass
         if found is None or found[1].ephemeralOwner == session_id:
@@ -517,43 +419,73 @@ class ZooKeeperLock(Hold):
     def _mark_lost(self, reason: str, hold_id: int | None = None) -> bool:
         with self._nodes:
             held = self._held.get(self._hold_owner or "")
+            depth = self._depth
         told = super()._mark_lost(reason, hold_id)
         if told and held is not None:
             # Told first; then the child goes (a hold past its deadline that the
             # server still keeps: a lock that is not renewed, a stalled renewal).
-            threading.Thread(target=self._drop, args=(held[0],), daemon=True,
-                             name="celery-dlock-zk-drop").start()
+            threading.Thread(target=self._node.give_up, args=(held[0], depth),
+                             daemon=True, name="celery-dlock-zk-drop").start()
         return told
 
-    def _drop(self, child: str) -> None:
+    # -- a lock object dropped while holding -------------------------------------------
+
+    def _acquired(self, owner: str, grant: Grant, sent_at: float,
+                  margin: float) -> None:
+        super()._acquired(owner, grant, sent_at, margin)
+        self._track()
+
+    def release(self) -> None:
         try:
-            found = self._read(child)
-            if found is not None and found[0].count <= 1 and \
-                    found[1].ephemeralOwner == self._session.session_id():
-                self._delete(child, found[1].version)
-        except DLockError as exc:  # it goes with the session
-            logger.debug("could not delete the lost hold of %r: %s", self.name, exc)
+            super().release()
+        finally:
+            self._track()
+
+    def release_all(self) -> int:
+        try:
+            return super().release_all()
+        finally:
+            self._track()
+
+    def _track(self) -> None:
+        with self._nodes:
+            held = self._held.get(self._hold_owner or "") if self._depth > 0 else None
+            self._tracker["child"] = held[0] if held is not None else None
+            self._tracker["depth"] = self._depth
 
     # -- reading ------------------------------------------------------------------------
 
     def locked(self) -> bool:
         """Whether anyone holds the lock."""
-        return bool(self._children())
+        return bool(self._node.children())
 
     def holder(self) -> Holder | None:
         """Who holds the lock now (None when free)."""
-        kids = self._children()
+        kids = self._node.children()
         if not kids:
             return None
-        found = self._read(self._child(kids[0][2]))
+        found = self._node.read(self._node.child(kids[0][2]))
         if found is None:
             return None
         return found[0].holder(found[1].czxid, time.time())
 
     def waiting_count(self) -> int:
         """How many owners wait in line."""
-        return max(0, len(self._children()) - 1)
+        return max(0, len(self._node.children()) - 1)
 
     def __repr__(self) -> str:
         return (f"<ZooKeeperLock {self.name!r} ttl={self.ttl:g}s depth={self._depth} "
                 f"fence={self._fence}>")
+
+
+def _abandoned(node: LockNode, tracker: dict[str, Any]) -> None:
+    """A lock object was dropped while holding: give its acquires back (its finalizer;
+    never raises, and never waits)."""
+    child, depth = tracker.get("child"), tracker.get("depth") or 0
+    if child is None or depth <= 0:
+        return
+    try:
+        threading.Thread(target=node.give_up, args=(child, depth), daemon=True,
+                         name="celery-dlock-zk-abandon").start()
+    except Exception:  # pragma: no cover - an interpreter shutting down
+        pass
