@@ -216,7 +216,7 @@ def test_a_session_the_server_closed_is_reported_at_once_not_at_the_deadline(
     holder = ZooKeeperLock(zk_server.url, name, 60, owner="holder",
                            on_lost=lambda _lock: told.append(time.monotonic()))
     assert holder.acquire(blocking=False)
-    session = holder._session
+    session = holder._node.session
     session_id, password = session.client.client_id
     # Another client takes the session over and closes it: the server ends the
     # session (its nodes go) and tells the holder's client it expired.
@@ -237,7 +237,7 @@ def test_a_session_the_server_closed_is_reported_at_once_not_at_the_deadline(
     # The holder's process works on, on a new session (once kazoo made it).
     assert wait_until(lambda: _answer(lambda: holder.acquire(blocking=False)),
                       timeout=20)
-    assert holder._session.session_id() != session_id
+    assert holder._node.session.session_id() != session_id
     holder.release()
 
 
