@@ -29,21 +29,27 @@ import redis
 from celery_dlock import FencingUnavailable, RedisLock, RedisSemaphore, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
 
-__all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "ONE_SERVER_KINDS", "LockKind",
-           "OneServerKind", "PgView", "lose_lock_data", "postgres_server",
-           "redlock_servers"]
+__all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "NO_LONGER_SESSION",
+           "ONE_SERVER_KINDS", "LockKind", "OneServerKind", "PgView", "lose_lock_data",
+           "postgres_server", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on ("semaphore": a RedisSemaphore
 #: of one slot, which behaves as a lock).  ``$DLOCK_LOCK_KINDS`` (comma-separated)
 #: narrows them: CI's reruns of the lock core on other Redis servers name only the
 #: kinds those servers keep.
-KINDS = tuple(k for k in ("redis", "redlock", "semaphore", "postgres")
-              if k in (os.environ.get("DLOCK_LOCK_KINDS")
-                       or "redis,redlock,semaphore,postgres").split(","))
+_ALL_KINDS = ("redis", "redlock", "semaphore", "postgres", "zookeeper")
+KINDS = tuple(k for k in _ALL_KINDS
+              if k in (os.environ.get("DLOCK_LOCK_KINDS") or ",".join(_ALL_KINDS))
+              .split(","))
 
 #: Why a fencing test is skipped on a kind without fencing tokens (docs/deployments.md).
 NO_FENCE = ("Redlock gives no fencing token (each node counts on its own; fence raises "
             "FencingUnavailable): docs/deployments.md, Redlock")
+#: Why a test that lengthens a hold past its ttl, or holds one for a month, is skipped
+#: on ZooKeeper (docs/backends.md).
+NO_LONGER_SESSION = ("ZooKeeper: a hold lives as long as its session, whose timeout (the "
+                     "lock's ttl, at most 24.8 days) is fixed when the session is made: "
+                     "extend cannot lengthen it: docs/backends.md, ZooKeeper")
 #: Why a test of the line of waiters is skipped on Redlock (docs/deployments.md).
 NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
            "delay, not woken in turn by a release: docs/deployments.md, Redlock")
@@ -137,7 +143,7 @@ class LockKind:
     @property
     def has_line(self) -> bool:
         """Whether blocked acquirers of this kind keep a FIFO line in the server."""
-        return self.name in ("redis", "semaphore")
+        return self.name in ("redis", "semaphore", "zookeeper")
 
     def __str__(self) -> str:
         return self.name
@@ -445,6 +451,15 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         yield LockKind("semaphore", clients,
                        lambda n, ttl, **kw: RedisSemaphore(clients[0], n, 1, ttl, **kw),
                        True, [url], view=SemaphoreView)
+    elif kind == "zookeeper":
+        pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper "
+                            "extra)")
+        from zk_kind import make_zk_kind
+
+        zk = make_zk_kind(request.getfixturevalue("zk_server"))
+        yield zk
+        zk.clients[0].close()
+        return
     else:  # pragma: no cover - a typo in KINDS
         raise ValueError(kind)
     for c in clients:

@@ -57,6 +57,15 @@ def _sql_backend(kind: str, url: str) -> Backend:
             raise InvalidLockConfig(f"postgresql:// locks need psycopg 3: pip install "
                                     f"'celery-dlock[postgres]' ({exc})") from None
         return PostgresBackend(url)
+    if kind == "zookeeper":
+        try:
+            # Imported only now: ``import celery_dlock`` imports no driver.
+            from ..backends.zookeeper import backend_from_url as zk_backend  # noqa: PLC0415
+        except ImportError as exc:  # the extra is not installed
+            raise InvalidLockConfig(f"zookeeper:// locks need kazoo: pip install "
+                                    f"'celery-dlock[zookeeper]' ({exc})") from None
+        backend: Backend = zk_backend(url)
+        return backend
     raise AssertionError(kind)  # pragma: no cover - a scheme without a backend
 
 

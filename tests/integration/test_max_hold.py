@@ -20,6 +20,16 @@ MAX_HOLD = 2.5
 INTERVAL = TTL / 3
 
 
+@pytest.fixture
+def lock_kind(lock_kind):
+    """Every lock kind with a maximum hold (a ZooKeeper hold lives as long as its
+    session, which kazoo keeps alive: docs/backends.md)."""
+    if lock_kind.name == "zookeeper":
+        pytest.skip("max_hold is not supported by the zookeeper backend yet "
+                    "(docs/backends.md)")
+    return lock_kind
+
+
 def _other_takes_it(lock_kind, name, told_at: list[float], limit: float
                     ) -> tuple[float, bool]:
     """Another owner polls for the lock until it gets it (bounded by ``limit``

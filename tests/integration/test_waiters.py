@@ -3,8 +3,9 @@ arrival order, leaving the line when they give up, and let in when a holder dies
 
 The tests of waking and of a dead holder run on every kind whose waiters are woken by
 the server (``lock_kind``: Redis doorbells, a one-slot semaphore's, PostgreSQL
-LISTEN/NOTIFY); the tests of the line itself on a Redis lock and a one-slot semaphore
-(``kind``), which share it: the kinds that keep one (docs/backends.md)."""
+LISTEN/NOTIFY, ZooKeeper watches); the tests of the line itself on every kind that keeps
+one (a Redis lock, a one-slot semaphore, ZooKeeper; not Redlock or PostgreSQL:
+docs/backends.md); the rest test Redis's leases (``kind``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import pytest
 import redis
 from dlock_helpers import hold_until_killed, queue_members, wait_in_line, wait_until
-from lock_kinds import ONE_SERVER_KINDS, OneServerKind
+from lock_kinds import NO_LINE, ONE_SERVER_KINDS, OneServerKind
 
 from celery_dlock import RedisLock
 from celery_dlock.backends.redis.waiters import QUEUE_LEASE, WAIT_SLICE
@@ -61,9 +62,19 @@ def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
     return waiter
 
 
+def _line_kind(lock_kind):
+    """The server view of a kind with a line of waiters (Redlock and PostgreSQL have
+    none: docs/backends.md)."""
+    if not lock_kind.has_line:
+        pytest.skip(NO_LINE if lock_kind.name == "redlock" else
+                    f"the {lock_kind.name} backend keeps no line of waiters "
+                    f"(docs/backends.md)")
+    return lock_kind.server
+
+
 #: The kinds whose blocked acquirers the server wakes (Redlock's retry after a delay).
-WOKEN = pytest.mark.parametrize("lock_kind", ["redis", "semaphore", "postgres"],
-                                indirect=True)
+WOKEN = pytest.mark.parametrize("lock_kind", ["redis", "semaphore", "postgres",
+                                             "zookeeper"], indirect=True)
 
 
 @WOKEN
@@ -84,19 +95,21 @@ def test_blocked_acquirer_wakes_promptly_after_release(lock_kind, prefix, name):
     assert waiter.error is None
     assert waiter.result is True
     assert waiter.acquired_at is not None
-    # 30 s ttl and 2 s wait slices: only the release's doorbell explains this
+    # 30 s ttl and 2 s wait slices (ZooKeeper: 5 s): only the release's doorbell
+    # (ZooKeeper: the watch the server pushes) explains this
     assert waiter.acquired_at - released_at < 1.0
     assert not r.exists(holder.keys.queue)
     assert not r.exists(holder.keys.lock)
 
 
-def test_blocked_waiters_are_served_in_arrival_order(kind, r, prefix, name):
-    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_blocked_waiters_are_served_in_arrival_order(lock_kind, prefix, name):
+    r = _line_kind(lock_kind)
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
     order: list[str] = []
     owners = [f"w{i}" for i in range(5)]
     waiters = [
-        _start_in_line(r, Waiter(kind.make(r, name, owner=o, prefix=prefix),
+        _start_in_line(r, Waiter(lock_kind.make(name, owner=o, prefix=prefix),
                                  hold=0.02, log=order))
         for o in owners
     ]
@@ -110,13 +123,14 @@ def test_blocked_waiters_are_served_in_arrival_order(kind, r, prefix, name):
     assert not r.exists(holder.keys.leases)
 
 
-def test_free_lock_goes_to_the_first_in_line_not_a_barger(kind, r, prefix, name):
-    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
+def test_free_lock_goes_to_the_first_in_line_not_a_barger(lock_kind, prefix, name):
+    r = _line_kind(lock_kind)
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    waiter = _start_in_line(r, Waiter(kind.make(r, name, owner="w", prefix=prefix),
+    waiter = _start_in_line(r, Waiter(lock_kind.make(name, owner="w", prefix=prefix),
                                       hold=0.5))
     holder.release()
-    barger = kind.make(r, name, owner="barger", prefix=prefix)
+    barger = lock_kind.make(name, owner="barger", prefix=prefix)
     # whether the waiter has already taken it or not, the barger must not get it
     assert barger.acquire(blocking=False) is False
     waiter.join(10)

@@ -64,13 +64,21 @@ def test_options_reach_the_lock():
 
 
 @pytest.mark.parametrize("url", ["ftp://u:secret@host/x", "nonsense", "mysql://u:secret@h/x",
-                                 "zookeeper://h:2181/locks", 42])
+                                 42])
 def test_an_unknown_scheme_names_the_known_ones(url):
     with pytest.raises(InvalidLockConfig) as info:
         lock_from_url(url, "n")
     text = str(info.value)
-    assert "postgresql://" in text and "redis://" in text
+    assert "postgresql://" in text and "redis://" in text and "zookeeper://" in text
     assert "secret" not in text
+
+
+def test_a_zookeeper_url_gives_a_zookeeper_lock():
+    pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper extra)")
+    from celery_dlock.backends.zookeeper import ZooKeeperLock
+
+    lock = lock_from_url("zookeeper://127.0.0.1:1,127.0.0.1:2/locks", "n", ttl=5)
+    assert isinstance(lock, ZooKeeperLock) and lock.ttl == 5  # no server call yet
 
 
 def test_a_postgresql_dlock_url_is_accepted_and_record_events_refused():

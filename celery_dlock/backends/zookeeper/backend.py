@@ -1,0 +1,171 @@
+"""The ZooKeeper backend behind :class:`~celery_dlock.core.protocol.Backend`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from kazoo.exceptions import NoNodeError
+
+from ...core.errors import DLockError, InvalidLockConfig, LockKeyConflict
+from ...core.holds import HoldChanged, HoldInfo
+from .lock import ZooKeeperLock
+from .nodes import (
+    DIR_MARK,
+    NodeData,
+    decode_dir,
+    decode_node,
+    lock_path,
+    prefix_path,
+    sequence_of,
+)
+from .session import ZkSession, session_for
+from .url import ZkSpec, parse_url
+
+__all__ = ["ZooKeeperBackend", "backend_from_url"]
+
+#: The ttl of the session the backend reads and force-releases with (seconds).
+_READER_TTL = 10.0
+_PLAIN = ("task_name", "task_id", "worker", "host")
+
+
+def _hold_info(name: str, data: NodeData, stat: Any) -> HoldInfo:
+    info = dict(data.info)
+    plain = {k: info.pop(k, None) for k in _PLAIN}
+    held_for = None if data.acquired_at is None else max(0.0,
+                                                        time.time() - data.acquired_at)
+    return HoldInfo(key=name, task_name=plain["task_name"], task_id=plain["task_id"],
+                    worker=plain["worker"], pid=data.pid, owner=data.owner,
+                    count=data.count, fence=int(stat.czxid), ttl=data.ttl_ms / 1000.0,
+                    held_for=held_for, host=plain["host"], extra=info)
+
+
+def _getter(path: str) -> Callable[[Any], Any]:
+    return lambda client: client.get_async(path)
+
+
+class ZooKeeperBackend:
+    """The locks of one ZooKeeper ensemble."""
+
+    kind = "zookeeper"
+    fences = True
+
+    def __init__(self, spec: ZkSpec) -> None:
+        self.spec = spec
+
+    @property
+    def _reader(self) -> ZkSession:
+        return session_for(self.spec, round(_READER_TTL * 1000))
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        session = self._reader
+        client = session.start(what)
+        return session.wait(what, fn(client))
+
+    def lock(self, name: str, ttl: float, *, prefix: str,
+             info: Mapping[str, object] | None = None, owner: str | None = None,
+             on_lost: Callable[[Any], object] | None = None,
+             auto_renew: bool = True, pause_budget: float | None = None,
+             max_hold: float | None = None, limit: int = 1) -> ZooKeeperLock:
+        if limit != 1:
+            raise InvalidLockConfig(
+                f"lock_limit={limit!r}: the zookeeper backend keeps locks of one holder; "
+                f"semaphores (lock_limit > 1) need a Redis backend (docs/backends.md)",
+                lock_name=name)
+        if max_hold is not None:
+            # A hold lives as long as its session, which kazoo keeps alive while the
+            # process runs: renewal stopping at a bound would not end it.
+            raise InvalidLockConfig(
+                "max_hold is not supported by the zookeeper backend yet (a hold lives "
+                "as long as its session: docs/backends.md)", lock_name=name)
+        return ZooKeeperLock(self.spec, name, ttl, prefix=prefix, info=info,
+                             owner=owner, on_lost=on_lost, auto_renew=auto_renew,
+                             pause_budget=pause_budget)
+
+    def _head(self, prefix: str, name: str) -> tuple[str, NodeData, Any] | None:
+        """The holder's child of ``name`` (path, data, stat), or None when free."""
+        path = lock_path(prefix, name)
+        try:
+            raw, _ = self._call("read", lambda c: c.get_async(path))
+            names = self._call("read", lambda c: c.get_children_async(path))
+        except NoNodeError:
+            return None
+        if raw != DIR_MARK:
+            raise LockKeyConflict(f"ZooKeeper node {path} holds data celery-dlock did "
+                                  f"not write: nothing was changed", lock_name=name)
+        for _, _, child_name in sorted((*sequence_of(n, path), n) for n in names):
+            child = f"{path}/{child_name}"
+            try:
+                raw, stat = self._call("read", _getter(child))
+            except NoNodeError:
+                continue  # released meanwhile: the next in line holds it
+            return child, decode_node(raw, child), stat
+        return None
+
+    def read(self, prefix: str, name: str) -> HoldInfo | None:
+        head = self._head(prefix, name)
+        return None if head is None else _hold_info(name, head[1], head[2])
+
+    def holds(self, prefix: str) -> Iterator[HoldInfo]:
+        try:
+            names = self._call("list", lambda c: c.get_children_async(
+                prefix_path(prefix)))
+        except NoNodeError:
+            return
+        for segment in sorted(names):
+            name = decode_dir(segment)
+            try:
+                found = self.read(prefix, name)
+            except LockKeyConflict:
+                continue  # not a lock of ours: not listed
+            if found is not None:
+                yield found
+
+    def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
+        out = {}
+        for name in names:
+            lock = ZooKeeperLock(self.spec, name, _READER_TTL, prefix=prefix)
+            out[name] = lock.waiting_count()
+        return out
+
+    def storage_key(self, prefix: str, name: str) -> str:
+        """The lock node of ``name`` (under the URL's chroot, if any)."""
+        return self.spec.chroot + lock_path(prefix, name)
+
+    def force_release(self, prefix: str, name: str, *, fence: int | None = None,
+                      by: str | None = None, reason: str | None = None,
+                      conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+        """Delete the holder's child of ``name`` (the next in line gets the lock); the
+        holder is told at its next renewal or contact that its node is gone.  ``by``
+        and ``reason`` are not kept on ZooKeeper (docs/backends.md)."""
+        head = self._head(prefix, name)
+        if head is None:
+            return None
+        child, data, stat = head
+        found = _hold_info(name, data, stat)
+        if fence is not None and fence != found.fence:
+            raise HoldChanged(f"lock {name!r} is now held with fence {found.fence}, "
+                              f"not {fence}: nothing was freed", lock_name=name,
+                              current=found)
+        if conditions:
+            fields = {**data.info, "owner": data.owner,
+                      "pid": "" if data.pid is None else str(data.pid)}
+            if any(fields.get(k) != v for k, v in conditions.items()):
+                return None
+        try:
+            self._call("release", lambda c: c.delete_async(child, stat.version))
+        except NoNodeError:
+            return None
+        except DLockError:
+            raise
+        return found
+
+    def __repr__(self) -> str:
+        return f"<ZooKeeperBackend {self.spec!r}>"
+
+
+def backend_from_url(url: str, **options: Any) -> ZooKeeperBackend:
+    """The backend of a ``zookeeper://host:port[,host:port...][/chroot]`` URL (no
+    server call); ``connect_timeout=`` seconds may also be given here."""
+    return ZooKeeperBackend(parse_url(url, **options))

@@ -1,0 +1,491 @@
+"""``ZooKeeperLock``: a reentrant, renewed, owner-checked lock on a ZooKeeper ensemble.
+
+The lock recipe of ZooKeeper's own documentation, with the one hold bookkeeping of
+:class:`~celery_dlock.core.hold.Hold`::
+
+    /dlock/report%3A2026                      the lock node (persistent, marked ours)
+        3f...a1-lock-0000000007   owner A, count 2   <- lowest sequence: A holds it
+        9c...04-lock-0000000008   owner B            <- waits for ...07 to go (a watch)
+        51...e9-lock-0000000009   owner C            <- waits for ...08 to go
+
+* **Exclusion and FIFO.**  Every owner that holds or waits has one ephemeral sequential
+  child; the lowest holds the lock.  A waiter sets a watch on the child just before
+  its own and sleeps until the server pushes its deletion: no polling, no herd, served
+  in arrival order.  A non-blocking acquire joins only an empty line.
+* **Re-entry** (per owner, as on Redis) counts in the holder's child (``count``,
+  changed with the child's version, so two objects of one owner never lose an
+  update); the last release deletes the child, only that child, and only at the
+  version it read: a release never touches another owner's hold.
+* **ttl = the session timeout.**  The children are ephemeral: when the holder dies, is
+  frozen or cut off, the server deletes them once its session times out, counted on
+  the server's clock (:mod:`.session`).  The holder's local deadline counts the same
+  ttl from the send time of its last confirmed renewal (:mod:`.renewal`), so it is
+  told before the server can free the lock.  A hold that is not renewed
+  (``auto_renew=False``) is told at its deadline and deletes its own child then.
+* **Fence = the holder child's creation zxid** (``czxid``): ZooKeeper's transaction
+  ids totally order every change of the ensemble, and survive restarts of an ensemble
+  that keeps its data, so the fences of successive holders of a name strictly
+  increase (docs/backends.md, "ZooKeeper", for what an ensemble rebuilt from empty
+  data dirs does).
+* **Idempotence.**  A child's data carries the id of the last operation that changed
+  it, so a release or re-entry re-sent after a lost reply changes nothing twice; a
+  create whose reply was lost is found again by its guid.
+
+Every failure to reach the ensemble is :class:`~celery_dlock.BackendUnavailable`;
+data of another application at the lock's path is :class:`LockKeyConflict`, and
+nothing is changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kazoo.exceptions import NoNodeError
+
+from ...core.errors import (
+    DLockError,
+    Holder,
+    InvalidLockConfig,
+    NotSupported,
+)
+from ...core.hold import DEFAULT_PREFIX, Grant, Hold, Refused, check_lock_options
+from ...core.protocol import GONE, OK, STILL_HELD
+from ...core.renew_target import RenewTarget
+from ...core.scheduler import RenewalScheduler
+from .line import RACES as _RACES
+from .line import LockNode
+from .nodes import (
+    NodeData,
+    child_prefix,
+    lock_path,
+)
+from .renewal import renew_target
+from .session import MAX_SESSION_MS
+from .url import ZkSpec, parse_url
+
+__all__ = ["WAIT_SLICE", "ZooKeeperLock"]
+
+logger = logging.getLogger("celery_dlock.lock")
+
+#: The longest a blocked acquirer sleeps on its watch before looking again (seconds):
+#: a safety net only (a watch is pushed by the server, kept across reconnects).
+WAIT_SLICE = 5.0
+#: How many times one call starts over after losing a race with another client.
+
+
+class ZooKeeperLock(Hold):
+    """A reentrant distributed lock on a ZooKeeper ensemble.
+
+    :param zk: the ensemble: a ``zookeeper://host:port[,host:port...][/chroot]`` URL
+        or a parsed :class:`~celery_dlock.backends.zookeeper.url.ZkSpec`.
+    :param name: the lock's name; any non-empty string.
+    :param ttl: seconds: the session timeout of the session that keeps the hold (at
+        least 2 s on the server, :mod:`.session`), and the holder's local deadline
+        after its last confirmed renewal.
+
+    The other parameters are :class:`~celery_dlock.RedisLock`'s.
+    """
+
+    def __init__(
+        self,
+        zk: str | ZkSpec,
+        name: str,
+        ttl: float = 30.0,
+        *,
+        auto_renew: bool = True,
+        owner: str | None = None,
+        on_lost: Callable[[ZooKeeperLock], object] | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        info: Mapping[str, object] | None = None,
+        blocking_timeout: float | None = None,
+        scheduler: RenewalScheduler | None = None,
+        pause_budget: float | None = None,
+    ) -> None:
+        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
+                                       pause_budget)
+        spec = zk if isinstance(zk, ZkSpec) else parse_url(zk)
+        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
+                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
+                         pause_budget=pause_budget)
+        if self.ttl_ms > MAX_SESSION_MS:
+            raise InvalidLockConfig(
+                f"a ZooKeeper hold lives as long as its session, and a session "
+                f"timeout is at most 2**31 - 1 ms (about 24.8 days), got "
+                f"ttl {ttl!r}", lock_name=name)
+        self.spec = spec
+        self.prefix = prefix
+        #: The lock node (its children are the holder and the line).
+        self.path = lock_path(prefix, name)
+        self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
+        # The session is chosen by the ttl the lock was made with (extend cannot
+        # move a hold to another session).
+        self._node = LockNode(spec, self.ttl_ms, self.path, name)
+        self._nodes = threading.Lock()
+        # Per owner: the guid of this object's child in line, the child before it,
+        # and the child this object holds through (path, czxid).
+        self._line: dict[str, str] = {}
+        self._pred: dict[str, str] = {}
+        self._held: dict[str, tuple[str, int]] = {}
+        self._waited: set[str] = set()
+        # The final release whose delete was sent: (op, child path).
+        self._deleted: tuple[str, str] | None = None
+        # The child and depth of the current hold, for a lock object dropped while
+        # holding (its finalizer gives the acquires back; on Redis the hold would
+        # expire once renewal stopped, here the session would keep it alive).
+        self._tracker: dict[str, Any] = {"child": None, "depth": 0}
+        weakref.finalize(self, _abandoned, self._node, self._tracker)
+
+    # -- talking to ZooKeeper --------------------------------------------------------
+
+    def _sync_generation(self) -> None:
+        gen = self._generation
+        super()._sync_generation()
+        if gen != self._generation:  # a forked child: none of these are its own
+            self._line, self._pred, self._held = {}, {}, {}
+            self._waited, self._deleted = set(), None
+
+    def _holder_child(self, owner: str) -> str | None:
+        """The child through which this object holds the lock for ``owner``, else
+        the holder's child when ``owner`` holds it (through another object)."""
+        holding = self._depth > 0 and self._hold_owner == owner
+        with self._nodes:
+            held = self._held.get(owner) if holding else None
+        if held is not None:
+            return held[0]
+        kids = self._node.children()
+        if kids:
+            child = self._node.child(kids[0][2])
+            found = self._node.read(child)
+            if found is not None and found[0].owner == owner:
+                return child
+        return None
+
+    # -- what Hold asks ------------------------------------------------------------------
+
+    def _new_data(self, owner: str, op: str) -> NodeData:
+        granted = self._node.session.granted_ms or self._node.session.timeout_ms
+        return NodeData(owner=owner, count=1, ttl_ms=granted, op=op,
+                        acquired_at=time.time(), pid=os.getpid(), info=self._info)
+
+    def _send_acquire(self, owner: str, op: str, *, queue: bool,
+                      reentry: bool) -> Grant | Refused | int:
+        session = self._node.session
+        session.start("acquire", self.name)
+        session.check_ttl(self.ttl_ms, self.name)
+        if reentry:
+            return self._reenter(owner, op)
+        for _ in range(_RACES):
+            kids = self._node.children(make=True)
+            with self._nodes:
+                guid = self._line.get(owner)
+            mine = next((k for k in kids if guid is not None and k[1] == guid), None)
+            if kids and kids[0] != mine:
+                head = self._node.child(kids[0][2])
+                found = self._node.read(head)
+                if found is None:
+                    continue
+                data, stat = found
+                if data.owner == owner and session.is_ours(stat.ephemeralOwner):
+                    # The owner holds it already (through another object): re-enter.
+                    grant = self._join(head, owner, op)
+                    if grant is None:
+                        continue
+                    if mine is not None:
+                        self._leave_line(owner)
+                    return grant
+                self.last_holder = data.holder(stat.czxid, time.time())
+                if mine is None and queue:
+                    self._join_line(owner, op)
+                    continue
+                if mine is not None and not queue:
+                    self._leave_line(owner)
+                if mine is None or not queue:
+                    return Refused()
+                index = kids.index(mine)
+                with self._nodes:
+                    self._pred[owner] = self._node.child(kids[index - 1][2])
+                    self._waited.add(owner)
+                return Refused()
+            if mine is None:
+                self._join_line(owner, op)
+                continue
+            # Ours is the lowest child: we hold the lock.
+            child = self._node.child(mine[2])
+            found = self._node.read(child)
+            if found is None:
+                with self._nodes:
+                    self._line.pop(owner, None)
+                continue
+            data, stat = found
+            with self._nodes:
+                waited = owner in self._waited
+            if waited:
+                # We waited in line: the hold starts now.
+                data.acquired_at = time.time()
+                if not self._node.write(child, data, stat.version):
+                    continue
+            with self._nodes:
+                self._line.pop(owner, None)
+                self._pred.pop(owner, None)
+                self._waited.discard(owner)
+                self._held[owner] = (child, stat.czxid)
+            session.holders.add(self)
+            return Grant(stat.czxid, False)
+        raise DLockError("too many concurrent changes to the lock's line",
+                         lock_name=self.name)
+
+    def _join_line(self, owner: str, op: str) -> None:
+        """Create this object's child for ``owner`` (found again by its guid if a lost
+        reply hid an earlier create)."""
+        guid = os.urandom(8).hex()
+        with self._nodes:
+            self._line[owner] = guid
+        data = self._new_data(owner, op).encode()
+        try:
+            path = self._node.child(child_prefix(guid))
+            self._node.call("acquire", lambda c: c.create_async(
+                path, data, ephemeral=True, sequence=True))
+        except NoNodeError:
+            pass  # the lock node was tidied away meanwhile: the caller starts over
+
+    def _join(self, child: str, owner: str, op: str) -> Grant | None:
+        """One more acquire of ``owner``'s hold in ``child`` (None: it changed)."""
+        for _ in range(_RACES):
+            found = self._node.read(child)
+            if found is None:
+                return None
+            data, stat = found
+            if data.owner != owner:
+                return None
+            if data.op != op:
+                data.count += 1
+                data.op = op
+                if not self._node.write(child, data, stat.version):
+                    continue
+            with self._nodes:
+                self._held[owner] = (child, stat.czxid)
+            self._node.session.holders.add(self)
+            return Grant(stat.czxid, True)
+        return None
+
+    def _reenter(self, owner: str, op: str) -> Grant | int:
+        with self._nodes:
+            held = self._held.get(owner)
+        if held is not None and held[1] == self._fence:
+            found = self._node.read(held[0])
+            if found is not None and found[0].owner == owner and \
+                    self._node.session.is_ours(found[1].ephemeralOwner):
+                grant = self._join(held[0], owner, op)
+                if grant is not None:
+                    return grant
+        return self._node.code_for(owner)
+
+    def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
+        with self._nodes:
+            pred = self._pred.pop(owner, None)
+        slice_ = WAIT_SLICE if left is None else min(WAIT_SLICE, left)
+        if pred is None:
+            time.sleep(min(slice_, 0.05))
+            return
+        woken = threading.Event()
+        stat = self._node.call("wait", lambda c: c.exists_async(
+            pred, watch=lambda _event: woken.set()))
+        if stat is not None and slice_ > 0:
+            woken.wait(slice_)
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None, *,
+                blocking_timeout: float | None = None) -> bool:
+        try:
+            return super().acquire(blocking, timeout, blocking_timeout=blocking_timeout)
+        except DLockError:
+            # A create whose reply was lost may have left a child in line that
+            # nobody waits on: it would hold the lock when its turn came.
+            self._leave_line(self._current_owner())
+            raise
+
+    def _leave_line(self, owner: str) -> None:
+        with self._nodes:
+            guid = self._line.pop(owner, None)
+            self._pred.pop(owner, None)
+            self._waited.discard(owner)
+        if guid is None:
+            return
+        try:
+            self._node.remove_guid(guid)
+        except DLockError as exc:
+            logger.debug("could not leave the line of %r now (%s): trying again in "
+                         "the background", self.name, exc)
+            threading.Thread(target=self._node.remove_later, args=(guid,), daemon=True,
+                             name="celery-dlock-zk-leave").start()
+
+    def _give_back(self, owner: str) -> None:
+        with self._nodes:
+            held = self._held.pop(owner, None)
+        if held is not None:
+            try:
+                self._node.delete(held[0])
+            except DLockError as exc:  # it goes with the session
+                logger.debug("could not give back %r: %s", self.name, exc)
+
+    def _send_release(self, owner: str, op: str) -> int:
+        child = self._holder_child(owner)
+        for _ in range(_RACES):
+            if child is None:
+                return self._node.code_for(owner)
+            found = self._node.read(child)
+            if found is None:
+                if self._deleted == (op, child):
+                    return OK  # our delete landed; its reply was lost
+                return self._node.code_for(owner)
+            data, stat = found
+            if data.owner != owner or \
+                    not self._node.session.is_ours(stat.ephemeralOwner):
+                return self._node.code_for(owner)
+            if data.op == op:
+                return STILL_HELD  # this release was applied already
+            if data.count > 1:
+                data.count -= 1
+                data.op = op
+                if self._node.write(child, data, stat.version):
+                    return STILL_HELD
+                continue
+            self._deleted = (op, child)
+            if self._node.delete(child, stat.version):
+                with self._nodes:
+                    if self._held.get(owner, ("",))[0] == child:
+                        del self._held[owner]
+                self._node.tidy()
+                return OK
+        raise DLockError("too many concurrent changes to the hold",
+                         lock_name=self.name)
+
+    def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
+        status = self._read_status(owner, self._holder_child(owner))
+        if status == OK and ttl_ms > self._node.session.timeout_ms:
+            raise NotSupported(
+                f"a ZooKeeper hold lives as long as its session, whose timeout is the "
+                f"lock's ttl ({self._node.session.timeout_ms / 1000:g}s): extend can "
+                f"confirm it for up to that long, not lengthen it to {ttl_ms / 1000:g}s"
+                f"; make the lock with the longer ttl (docs/backends.md, ZooKeeper)",
+                lock_name=self.name)
+        return status
+
+    def _read_status(self, owner: str, child: str | None = None) -> int:
+        if child is None:
+            child = self._holder_child(owner)
+        if child is None:
+            return self._node.code_for(owner)
+        found = self._node.read(child)
+        if found is None or found[0].owner != owner or \
+                not self._node.session.is_ours(found[1].ephemeralOwner):
+            return self._node.code_for(owner)
+        return OK
+
+    def _renew_target(self) -> RenewTarget | None:
+        target: RenewTarget = renew_target(self._node.session)
+        return target
+
+    def _renew_key(self) -> str:
+        with self._nodes:
+            held = self._held.get(self._hold_owner or "")
+        return held[0] if held is not None else self.path
+
+    def _gone_reason(self, code: int, owner: str) -> str:
+        if code == GONE:
+            return ("its node is gone (its ZooKeeper session expired, or it was "
+                    "released by force)")
+        return "taken by another owner"
+
+    def _session_expired(self, session_id: int | None) -> None:
+        """The server expired a session: report the hold if it was taken on it."""
+        with self._nodes:
+            held = self._held.get(self._hold_owner or "")
+        if held is None or session_id is None:
+            return
+        found = None
+        try:
+            found = self._node.read(held[0])
+        except DLockError:
+            pass
+        if found is None or found[1].ephemeralOwner == session_id:
+            self._mark_lost("its ZooKeeper session expired")
+
+    def _mark_lost(self, reason: str, hold_id: int | None = None) -> bool:
+        with self._nodes:
+            held = self._held.get(self._hold_owner or "")
+            depth = self._depth
+        told = super()._mark_lost(reason, hold_id)
+        if told and held is not None:
+            # Told first; then the child goes (a hold past its deadline that the
+            # server still keeps: a lock that is not renewed, a stalled renewal).
+            threading.Thread(target=self._node.give_up, args=(held[0], depth),
+                             daemon=True, name="celery-dlock-zk-drop").start()
+        return told
+
+    # -- a lock object dropped while holding -------------------------------------------
+
+    def _acquired(self, owner: str, grant: Grant, sent_at: float,
+                  margin: float) -> None:
+        super()._acquired(owner, grant, sent_at, margin)
+        self._track()
+
+    def release(self) -> None:
+        try:
+            super().release()
+        finally:
+            self._track()
+
+    def release_all(self) -> int:
+        try:
+            return super().release_all()
+        finally:
+            self._track()
+
+    def _track(self) -> None:
+        with self._nodes:
+            held = self._held.get(self._hold_owner or "") if self._depth > 0 else None
+            self._tracker["child"] = held[0] if held is not None else None
+            self._tracker["depth"] = self._depth
+
+    # -- reading ------------------------------------------------------------------------
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock."""
+        return bool(self._node.children())
+
+    def holder(self) -> Holder | None:
+        """Who holds the lock now (None when free)."""
+        kids = self._node.children()
+        if not kids:
+            return None
+        found = self._node.read(self._node.child(kids[0][2]))
+        if found is None:
+            return None
+        return found[0].holder(found[1].czxid, time.time())
+
+    def waiting_count(self) -> int:
+        """How many owners wait in line."""
+        return max(0, len(self._node.children()) - 1)
+
+    def __repr__(self) -> str:
+        return (f"<ZooKeeperLock {self.name!r} ttl={self.ttl:g}s depth={self._depth} "
+                f"fence={self._fence}>")
+
+
+def _abandoned(node: LockNode, tracker: dict[str, Any]) -> None:
+    """A lock object was dropped while holding: give its acquires back (its finalizer;
+    never raises, and never waits)."""
+    child, depth = tracker.get("child"), tracker.get("depth") or 0
+    if child is None or depth <= 0:
+        return
+    try:
+        threading.Thread(target=node.give_up, args=(child, depth), daemon=True,
+                         name="celery-dlock-zk-abandon").start()
+    except Exception:  # pragma: no cover - an interpreter shutting down
+        pass

@@ -1,0 +1,252 @@
+"""ZooKeeper sessions: one kazoo client per ensemble and session timeout, per process.
+
+A ZooKeeper hold is an ephemeral node, and an ephemeral node lives exactly as long as
+the session that created it.  So the session timeout *is* the ttl: the server deletes
+a dead (or frozen, or cut off) holder's nodes once it has heard nothing from its
+session for that long, counted on the server's clock.  Locks are therefore grouped by
+ttl: every lock of one ensemble whose ttl rounds to the same session timeout shares
+one :class:`ZkSession` (one connection, one heartbeat), and a process with one ttl has
+one session per ensemble however many holds it keeps.
+
+A session timeout is never shorter than :data:`MIN_SESSION_TIMEOUT`: kazoo's own ping
+(every third of the timeout, less up to 0.4 s of jitter) cannot keep a shorter
+session alive reliably.  A lock with a shorter ttl still has its local deadline at
+its ttl (it is told then, and deletes its node), but a holder that dies keeps the lock
+until its session ends, up to :data:`MIN_SESSION_TIMEOUT`.
+
+The server may grant another timeout than asked (it clamps to its
+``minSessionTimeout`` and ``maxSessionTimeout``).  A longer one is kept (a dead
+holder's lock then waits that long); a shorter one would let the server free a hold
+before its holder's deadline, so a lock whose ttl exceeds what the server grants is
+refused (:class:`~celery_dlock.InvalidLockConfig`) before anything is written.
+
+When the server expires a session (kazoo's ``LOST``), every hold taken on it is
+reported lost at once; nodes created under an expired session are never counted as
+held again, even while the server is still deleting them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any, TypeVar
+
+from kazoo.client import KazooClient, KazooState
+from kazoo.exceptions import (
+    BadVersionError,
+    KazooException,
+    NodeExistsError,
+    NoNodeError,
+    NotEmptyError,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.retry import KazooRetry
+
+from ...core.errors import BackendUnavailable, InvalidLockConfig
+from .url import ZkSpec
+
+__all__ = ["CALL_TIMEOUT", "MAX_SESSION_MS", "MIN_SESSION_TIMEOUT", "ZkSession",
+           "close_sessions", "session_for"]
+
+logger = logging.getLogger("celery_dlock.zookeeper")
+
+#: The shortest session timeout asked for (seconds); see the module text.
+MIN_SESSION_TIMEOUT = 2.0
+#: The longest session timeout ZooKeeper can keep (ms): a signed 32-bit count.
+MAX_SESSION_MS = 2**31 - 1
+#: The longest any one call waits for its reply (seconds; the session timeout when
+#: shorter): a server that does not answer is BackendUnavailable, not a hang.
+CALL_TIMEOUT = 10.0
+
+_T = TypeVar("_T")
+
+
+class ZkSession:
+    """One kazoo client (one ZooKeeper session at a time) and what happened to it."""
+
+    def __init__(self, spec: ZkSpec, timeout_ms: int) -> None:
+        self.spec = spec
+        self.timeout_ms = timeout_ms
+        self._lock = threading.Lock()
+        self._started = False
+        #: The session timeout the server granted (ms), once connected.
+        self.granted_ms: int | None = None
+        #: Session ids this client had that are over (their nodes are not ours).
+        self.dead: set[int] = set()
+        self._last_id: int | None = None
+        #: Lock objects with a hold on this session, told when it expires.
+        self.holders: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: Its renew target (:func:`.renewal.renew_target`).
+        self.renew_target: Any = None
+        auth = [("digest", spec.digest.encode())] if spec.digest else None
+        self.client = KazooClient(
+            hosts=spec.connect_string, timeout=timeout_ms / 1000.0, auth_data=auth,
+            connection_retry=KazooRetry(max_tries=-1, delay=0.05, max_delay=0.5,
+                                        max_jitter=0.05),
+            command_retry=None, logger=logging.getLogger("celery_dlock.kazoo"))
+        self._watch_granted_timeout()
+        self.client.add_listener(self._on_state)
+
+    def _watch_granted_timeout(self) -> None:
+        # kazoo keeps the negotiated timeout to itself: it returns the read timeout
+        # (two thirds of it) from its connection handler's _connect.
+        conn = getattr(self.client, "_connection", None)
+        connect = getattr(conn, "_connect", None)
+        if conn is None or connect is None:  # pragma: no cover - another kazoo
+            return
+
+        def _connect(*args: Any) -> Any:
+            reply = connect(*args)
+            try:
+                self.granted_ms = round(float(reply[0]) * 1.5)
+            except (TypeError, ValueError, IndexError):  # pragma: no cover
+                pass
+            return reply
+
+        conn._connect = _connect
+
+    # -- state --------------------------------------------------------------------------
+
+    def _on_state(self, state: str) -> None:
+        # kazoo's thread: never block here.
+        if state == KazooState.LOST:
+            lost = self._last_id
+            if lost is not None:
+                self.dead.add(lost)
+            holders = list(self.holders)
+            if holders:
+                threading.Thread(target=self._tell, args=(holders, lost), daemon=True,
+                                 name="celery-dlock-zk-lost").start()
+
+    @staticmethod
+    def _tell(holders: list[Any], session_id: int | None) -> None:
+        for lock in holders:
+            try:
+                lock._session_expired(session_id)
+            except Exception:  # a callback must not stop the others
+                logger.exception("telling %r of its expired session failed", lock)
+
+    def session_id(self) -> int:
+        """The current session's id (noting the end of an earlier one)."""
+        sid = int(self.client.client_id[0]) if self.client.client_id else 0
+        with self._lock:
+            if self._last_id is not None and sid and sid != self._last_id:
+                self.dead.add(self._last_id)
+            if sid:
+                self._last_id = sid
+        return sid
+
+    def is_ours(self, ephemeral_owner: int) -> bool:
+        """Whether a node of session ``ephemeral_owner`` can still be a live hold (not
+        one of this client's expired sessions)."""
+        return ephemeral_owner not in self.dead
+
+    # -- connecting ---------------------------------------------------------------------
+
+    def start(self, what: str, lock_name: str | None = None) -> KazooClient:
+        """The connected client; BackendUnavailable when the ensemble does not answer
+        within the connect timeout."""
+        with self._lock:
+            if not self._started:
+                try:
+                    self.client.start(timeout=self.spec.connect_timeout)
+                except (KazooTimeoutError, KazooException, OSError) as exc:
+                    try:
+                        self.client.stop()
+                        self.client.close()
+                    except Exception:  # pragma: no cover - best effort
+                        pass
+                    raise BackendUnavailable(
+                        f"ZooKeeper unavailable during {what}: no answer from "
+                        f"{','.join(self.spec.hosts)} within "
+                        f"{self.spec.connect_timeout:g}s ({type(exc).__name__})",
+                        lock_name=lock_name) from exc
+                self._started = True
+        self.session_id()
+        return self.client
+
+    def check_ttl(self, ttl_ms: int, lock_name: str) -> None:
+        """InvalidLockConfig when the server granted a shorter session than ``ttl_ms``
+        (it would free holds before their holders' deadlines)."""
+        granted = self.granted_ms
+        if granted is not None and granted < ttl_ms:
+            raise InvalidLockConfig(
+                f"ZooKeeper granted a session timeout of {granted / 1000:g}s, shorter "
+                f"than the lock's ttl of {ttl_ms / 1000:g}s (its maxSessionTimeout, "
+                f"20 tickTimes by default): lower the ttl or raise the server's "
+                f"maxSessionTimeout", lock_name=lock_name)
+
+    def wait(self, what: str, result: Any, lock_name: str | None = None) -> Any:
+        """Wait for a kazoo async result, at most :data:`CALL_TIMEOUT` (or the session
+        timeout): kazoo's answers about a node (no node, bad version, ...) are raised
+        as they are; a lost connection, an expired session or no answer become
+        BackendUnavailable."""
+        timeout = min(CALL_TIMEOUT, max(self.timeout_ms / 1000.0, 1.0))
+        try:
+            return result.get(timeout=timeout)
+        except KazooTimeoutError as exc:
+            raise BackendUnavailable(f"ZooKeeper did not answer during {what} within "
+                                     f"{timeout:g}s", lock_name=lock_name) from exc
+        except (KazooException, OSError) as exc:
+            if _is_answer(exc):
+                raise
+            raise BackendUnavailable(f"ZooKeeper unavailable during {what}: "
+                                     f"{type(exc).__name__} {exc}".rstrip(),
+                                     lock_name=lock_name) from exc
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._started:
+                self._started = False
+                try:
+                    self.client.stop()
+                    self.client.close()
+                except Exception:  # pragma: no cover - best effort
+                    pass
+
+
+def _is_answer(exc: BaseException) -> bool:
+    """Whether a kazoo error is the server's answer about a node (not a failure)."""
+    return isinstance(exc, (NoNodeError, BadVersionError, NodeExistsError,
+                            NotEmptyError))
+
+
+_sessions: dict[tuple[ZkSpec, int], ZkSession] = {}
+_sessions_lock = threading.Lock()
+
+
+def session_timeout_ms(ttl_ms: int) -> int:
+    """The session timeout a lock with this ttl uses (see the module text)."""
+    return max(ttl_ms, round(MIN_SESSION_TIMEOUT * 1000))
+
+
+def session_for(spec: ZkSpec, ttl_ms: int) -> ZkSession:
+    """This process's session of ``spec`` for a lock with ``ttl_ms`` (no server call)."""
+    key = (spec, session_timeout_ms(ttl_ms))
+    with _sessions_lock:
+        found = _sessions.get(key)
+        if found is None:
+            found = _sessions[key] = ZkSession(spec, key[1])
+        return found
+
+
+def close_sessions(host: str | None = None) -> None:
+    """Stop every session of this process (only those of ensembles that list
+    ``host``, a ``host:port``, when given): tests, or a process about to exit."""
+    with _sessions_lock:
+        keys = [k for k in _sessions if host is None or host in k[0].hosts]
+        sessions = [_sessions.pop(k) for k in keys]
+    for session in sessions:
+        session.stop()
+
+
+def _after_fork_in_child() -> None:
+    global _sessions, _sessions_lock
+    # The parent's kazoo threads do not exist here: a child starts its own sessions.
+    _sessions = {}
+    _sessions_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
