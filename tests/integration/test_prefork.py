@@ -53,15 +53,21 @@ def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
 # -- 1. inventory ----------------------------------------------------------------------
 
 
-@pytest.fixture(params=["redis", "postgres"])
+@pytest.fixture(params=["redis", "postgres", "zookeeper"])
 def lock_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Where the workers' locks live: the suite's Redis (``prefork_app``'s default),
-    or PostgreSQL (``dlock_url=postgresql://...`` in the workers' configuration)."""
+    PostgreSQL or ZooKeeper (``dlock_url`` in the workers' configuration)."""
+    url: str
     if request.param == "postgres":
-        url: str = request.getfixturevalue("postgres_server").url
-        monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
-        return url
-    return ""
+        url = request.getfixturevalue("postgres_server").url
+    elif request.param == "zookeeper":
+        pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper "
+                            "extra)")
+        url = request.getfixturevalue("zk_server").url
+    else:
+        return ""
+    monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
+    return url
 
 
 def test_inventory_no_oversell_with_lock_and_oversell_without(harness: Harness,
@@ -97,9 +103,13 @@ def test_inventory_no_oversell_with_lock_and_oversell_without(harness: Harness,
                                  "bought": stock, "overlaps": 0}
     assert h.lock_keys_left() == []
     if lock_store:
-        from celery_dlock.backends.sql.backend import PostgresBackend
+        from celery_dlock.task.backend import backend_from_url
 
-        assert list(PostgresBackend(lock_store).holds(h.prefix)) == []
+        assert list(backend_from_url(lock_store).holds(h.prefix)) == []
+        # and no lock was taken in Redis: no fence counter there
+        assert not [k for k in h.r.scan_iter(match=f"{h.prefix}:*")
+                    if k.endswith(b":fence")]
+    if lock_store.startswith("postgresql://"):
         # the locks were taken there: every name has a fence row
         with psycopg_connect(lock_store) as conn:
             rows = conn.execute("SELECT count(*) FROM dlock_locks WHERE prefix = %s",
