@@ -64,7 +64,11 @@ def with_loss_reasons(client: Any, items: Sequence[tuple[str, str, int]],
 
 
 class RedisRenewTarget:
-    """Renews holds on the server of one client with ``RENEW_MANY``."""
+    """Renews holds on the server of one client with ``RENEW_MANY`` (a subclass may
+    name another script of the same contract: ``script``)."""
+
+    #: The script that renews many holds (KEYS: the holds; ARGV: owner, ttl pairs).
+    script: Any = RENEW_MANY
 
     def __init__(self, client: Any) -> None:
         self.client = _dedicated_client(client)
@@ -83,7 +87,7 @@ class RedisRenewTarget:
             args: list[Any] = []
             for i in indexes:
                 args += (items[i][1], items[i][2])
-            for i, reply in zip(indexes, RENEW_MANY(self.client, keys, args),
+            for i, reply in zip(indexes, self.script(self.client, keys, args),
                                 strict=True):
                 out[i] = int(reply)
         return with_loss_reasons(self.client, items, out)

@@ -38,7 +38,6 @@ from ...core.hold import (
     check_lock_options,
     new_op_id,
 )
-from ...core.renew_target import LossNote
 from ...core.scheduler import RenewalScheduler
 from .hashtag import lock_key
 from .keyspace import (
@@ -55,7 +54,7 @@ from .keyspace import (
 )
 from .refusals import refusal
 from .released import read_loss_reason
-from .renewal import _dedicated_client, with_loss_reasons
+from .renewal import RedisRenewTarget
 from .semaphore_scripts import (
     HOLDER_SUFFIX,
     SEM_ACQUIRE,
@@ -288,34 +287,11 @@ class RedisSemaphore(Hold):
                 f"depth={self._depth} fence={self._fence}>")
 
 
-class SemaphoreRenewTarget:
+class SemaphoreRenewTarget(RedisRenewTarget):
     """Renews semaphore holds on the server of one client with ``SEM_RENEW_MANY``
     (on its own connection, as :class:`~.renewal.RedisRenewTarget`)."""
 
-    def __init__(self, client: Any) -> None:
-        self.client = _dedicated_client(client)
-        keyslot = getattr(client, "keyslot", None)
-        self._keyslot = keyslot if callable(keyslot) else None
-
-    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int | LossNote]:
-        groups: dict[int, list[int]] = {}
-        for i, (key, _, _) in enumerate(items):
-            slot = int(self._keyslot(key)) if self._keyslot is not None else 0
-            groups.setdefault(slot, []).append(i)
-        codes = [0] * len(items)
-        for indexes in groups.values():
-            keys = [items[i][0] for i in indexes]
-            args: list[Any] = []
-            for i in indexes:
-                args += (items[i][1], items[i][2])
-            for i, reply in zip(indexes, SEM_RENEW_MANY(self.client, keys, args),
-                                strict=True):
-                codes[i] = int(reply)
-        return with_loss_reasons(self.client, items, codes)
-
-    def close(self) -> None:
-        if self.client is not None and hasattr(self.client, "connection_pool"):
-            self.client.connection_pool.disconnect()
+    script = SEM_RENEW_MANY
 
 
 _targets: weakref.WeakKeyDictionary[Any, SemaphoreRenewTarget] = \
