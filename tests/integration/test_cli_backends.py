@@ -1,7 +1,7 @@
-"""``celery dlock ls / show / release / top`` on the PostgreSQL backend: an app whose
-``dlock_url`` is ``postgresql://`` (``python -m celery -A config_app dlock ...`` in a
-subprocess), and ``--url postgresql://...``; what the backend does not keep yet (the
-contention history) is said in one line."""
+"""``celery dlock ls / show / release / top`` on the backends other than Redis: an app
+whose ``dlock_url`` is ``postgresql://`` or ``zookeeper://`` (``python -m celery -A
+config_app dlock ...`` in a subprocess), and ``--url postgresql://...``; what a backend
+does not keep yet (the contention history) is said in one line."""
 
 from __future__ import annotations
 
@@ -82,3 +82,42 @@ def test_an_unknown_scheme_is_one_line_naming_the_known_ones(postgres_server):
     assert "--url: mysql:// locks are not supported yet" in out.stderr
     assert "postgresql://" in out.stderr and "secret" not in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_ls_show_release_and_top_on_zookeeper(zk_server):
+    """The same commands on a ZooKeeper ``dlock_url`` (the reason of a force release
+    is not kept there: docs/backends.md)."""
+    pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper extra)")
+    url = zk_server.url
+    prefix = f"cli{uuid.uuid4().hex[:8]}"
+    lock = lock_from_url(url, "stock:42", ttl=60, prefix=prefix,
+                         info={"task_name": "shop.buy", "task_id": "t-1"})
+    lock.acquire()
+    try:
+        listed = _dlock(url, "--prefix", prefix, "ls", "--json")
+        assert listed.returncode == 0, listed.stderr
+        [row] = json.loads(listed.stdout)
+        assert row["key"] == "stock:42" and row["task_name"] == "shop.buy"
+        assert row["fence"] == lock.fence and row["count"] == 1
+
+        shown = _dlock(url, "--prefix", prefix, "show", "stock:42")
+        assert shown.returncode == 0, shown.stderr
+        assert "shop.buy" in shown.stdout
+
+        top = _dlock(url, "--prefix", prefix, "top", "--iterations", "1")
+        assert top.returncode == 0, top.stderr
+        assert "1 held" in top.stdout and "stock:42" in top.stdout
+        assert "not kept by the zookeeper backend yet" in top.stdout
+
+        freed = _dlock(url, "--prefix", prefix, "release", "stock:42", "--force")
+        assert freed.returncode == 0, freed.stderr
+        assert "Released lock 'stock:42'" in freed.stdout
+        assert not lock.owned()
+        after = _dlock(url, "--prefix", prefix, "ls", "--json")
+        assert json.loads(after.stdout) == []
+    finally:
+        if lock.depth:
+            try:
+                lock.release()
+            except Exception:
+                pass
