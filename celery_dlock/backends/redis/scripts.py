@@ -200,7 +200,7 @@ return reply
 #         (left alone).  A re-sent call (same operation id) returns its first result:
 #         a non-final one from the hold's ``ops``; a final one from the fence counter,
 #         which the final release leaves at the hold's fence + 1 (see ``freed``: the
-#         answer holds until a second later hold is granted).
+#         answer holds until the next hold of the name ends).
 # The final release leaves no key behind but the fence counter.
 RELEASE = LuaScript(
     "release",
