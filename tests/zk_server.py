@@ -115,6 +115,13 @@ class ZkServer:
         raise RuntimeError(f"ZooKeeper did not answer on port {self.port} in "
                            f"{timeout:g}s")
 
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the server's log (for a failing test's message)."""
+        try:
+            return (self.dir / "server.log").read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(no server log: {exc})"
+
     def answers(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:

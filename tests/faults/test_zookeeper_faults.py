@@ -42,10 +42,11 @@ def own_zk() -> Iterator[ZkServer]:
     except RuntimeError as exc:
         pytest.skip(f"ZooKeeper server not available: {exc}")
     try:
-        server.start()
+        try:
+            server.start()
+        except RuntimeError as exc:
+            pytest.skip(f"ZooKeeper server did not start: {exc}")
         yield server
-    except RuntimeError as exc:
-        pytest.skip(f"ZooKeeper server did not start: {exc}")
     finally:
         close_sessions(server.hosts)  # no client goes on calling a server that is gone
         server.cleanup()
@@ -208,6 +209,34 @@ def test_session_expiry_while_held_tells_the_holder_first_never_two_holders(own_
 
 
 @pytest.mark.slow
+def test_a_reconnect_the_server_never_answers_is_tried_again_within_the_session(
+        own_zk, name):
+    # A reconnecting client whose connection request goes unanswered (a server that
+    # took the connection and then starved, or restarted under it) gives that
+    # attempt up after connect_timeout and tries again, long before its session
+    # (the ttl) is over: it does not wait the whole session timeout on one attempt.
+    told: list[object] = []
+    with FaultProxy(own_zk.port) as proxy:
+        via = f"zookeeper://127.0.0.1:{proxy.port}?connect_timeout=2"
+        holder = ZooKeeperLock(via, name, 30, owner="holder", on_lost=told.append)
+        assert holder.acquire(blocking=False)
+        session = holder._node.session
+        session_id, password = session.client.client_id
+        # The next connection request carries the session's password: its reply
+        # is swallowed, and the connection stays open.
+        swallowed = proxy.drop_reply(password)
+        proxy.cut_all()
+        assert swallowed.wait(10), "the client never asked to reconnect"
+        cut = time.monotonic()
+        assert wait_until(lambda: _answer(holder.owned), timeout=20), \
+            (told, holder.lost_reason)
+        assert time.monotonic() - cut < 20  # the session is 30 s: it never lapsed
+        assert session.session_id() == session_id and not told and not holder.lost
+        holder.release()
+        close_sessions(f"127.0.0.1:{proxy.port}")
+
+
+@pytest.mark.slow
 def test_a_session_the_server_closed_is_reported_at_once_not_at_the_deadline(
         zk_server, name):
     from kazoo.client import KazooClient
@@ -254,7 +283,8 @@ def test_a_hold_survives_a_server_restart_and_fences_go_on(own_zk, name):
     assert holder.acquire(blocking=False)
     fence = holder.fence
     own_zk.restart()  # the session is restored from the server's log
-    assert wait_until(lambda: _answer(holder.owned), timeout=40)
+    assert wait_until(lambda: _answer(holder.owned), timeout=40), \
+        (told, holder.lost_reason, own_zk.log_tail())
     assert not other.acquire(blocking=False)
     assert not told and not holder.lost
     holder.release()

@@ -86,16 +86,30 @@ class ZkSession:
             connection_retry=KazooRetry(max_tries=-1, delay=0.05, max_delay=0.5,
                                         max_jitter=0.05),
             command_retry=None, logger=logging.getLogger("celery_dlock.kazoo"))
-        self._watch_granted_timeout()
+        self._adapt_connection()
         self.client.add_listener(self._on_state)
 
-    def _watch_granted_timeout(self) -> None:
+    def connect_attempt_timeout(self) -> float:
+        """How long one connection attempt may wait for the server (seconds): the
+        URL's ``connect_timeout``, at most a third of the session timeout, at least
+        1 s."""
+        return min(self.spec.connect_timeout, max(1.0, self.timeout_ms / 3000.0))
+
+    def _adapt_connection(self) -> None:
         # kazoo keeps the negotiated timeout to itself: it returns the read timeout
-        # (two thirds of it) from its connection handler's _connect.
+        # (two thirds of it) from its connection handler's _connect.  And it waits
+        # for the server's answer to a connection request as long as the whole
+        # session timeout: a server that took the connection but never answers it
+        # (one restarting, or starved) would keep a reconnecting client from trying
+        # again until the session is over.  One attempt waits at most
+        # connect_attempt_timeout(); then kazoo tries again.
         conn = getattr(self.client, "_connection", None)
         connect = getattr(conn, "_connect", None)
-        if conn is None or connect is None:  # pragma: no cover - another kazoo
-            return
+        invoke = getattr(conn, "_invoke", None)
+        handler = getattr(self.client, "handler", None)
+        create = getattr(handler, "create_connection", None)
+        if conn is None or connect is None or invoke is None or create is None:
+            return  # pragma: no cover - another kazoo
 
         def _connect(*args: Any) -> Any:
             reply = connect(*args)
@@ -105,7 +119,18 @@ class ZkSession:
                 pass
             return reply
 
+        def _invoke(timeout: float, *args: Any, **kwargs: Any) -> Any:
+            return invoke(min(timeout, self.connect_attempt_timeout()), *args, **kwargs)
+
+        def _create_connection(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("timeout") is not None:
+                kwargs["timeout"] = min(kwargs["timeout"],
+                                        self.connect_attempt_timeout())
+            return create(*args, **kwargs)
+
         conn._connect = _connect
+        conn._invoke = _invoke
+        handler.create_connection = _create_connection  # type: ignore[union-attr]
 
     # -- state --------------------------------------------------------------------------
 
