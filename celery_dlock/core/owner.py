@@ -81,8 +81,9 @@ def process_token() -> str:
 
 
 def new_owner_token() -> str:
-    """A fresh random owner token (``host:pid:uuid4``), for one execution attempt."""
-    return f"{_hostname}:{os.getpid()}:{uuid.uuid4().hex}"
+    """A fresh random owner token (``host:pid:`` and 128 random bits in hex), for one
+    execution attempt."""
+    return f"{_hostname}:{os.getpid()}:{os.urandom(16).hex()}"
 
 
 def _thread_owner() -> str:

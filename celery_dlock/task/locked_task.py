@@ -356,7 +356,12 @@ class LockedTask(Task):  # type: ignore[misc]
         # Everything the body runs (its except and finally blocks, with-exits, a
         # fallback after MaxRetriesExceededError) runs before the release below.
         try:
-            result = super().__call__(*args, **kwargs)
+            if request.called_directly:
+                result = super().__call__(*args, **kwargs)
+            else:
+                # The worker's (or apply()'s) tracer pushed this call's request and
+                # task already: Task.__call__ would push a copy of them.
+                result = self.run(*args, **kwargs)
         except BaseException as exc:
             attempt.running = False
             attempts.reset(reset)
