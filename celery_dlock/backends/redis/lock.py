@@ -26,41 +26,32 @@ deadline, kept operation ids, losses) is the one every lock kind shares,
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from ...core.errors import BackendUnavailable, DLockError, Holder
+from ...core.errors import DLockError, Holder
 from ...core.hold import (
     DEFAULT_PREFIX,
-    Grant,
-    Hold,
-    Refused,
     acquire_timeout,
     check_lock_options,
     new_op_id,
 )
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
+from .calls import RedisHold
 from .keyspace import LockKeys, check_client, decode, parse_holder
-from .refusals import refusal
 from .released import read_loss_reason
 from .renewal import renew_target
-from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, READ_HOLD, RELEASE, LuaScript
-from .server_checks import check_server
-from .waiters import QUEUE_LEASE, WAKE_GRACE, ring_wait, wait_slice
+from .scripts import ACQUIRE, EXTEND, LEAVE_QUEUE, READ_HOLD, RELEASE
 
 __all__ = ["DEFAULT_PREFIX", "RedisLock", "acquire_timeout"]
 
 logger = logging.getLogger("celery_dlock.lock")
 
-#: ACQUIRE's first reply element for a re-entry whose hold is gone.
-_REENTRY_GONE = 2
 
-
-class RedisLock(Hold):
+class RedisLock(RedisHold):
     """A reentrant distributed lock on one Redis (or one Redis Cluster slot).
 
     :param client: a synchronous ``redis.Redis`` (or ``RedisCluster``) client.
@@ -92,6 +83,10 @@ class RedisLock(Hold):
     another application under a lock's key as :class:`LockKeyConflict`.
     """
 
+    keys: LockKeys
+    _acquire_script = ACQUIRE
+    _extend_script = EXTEND
+
     def __init__(
         self,
         client: Any,
@@ -119,58 +114,10 @@ class RedisLock(Hold):
         self.keys = LockKeys.for_name(prefix, name)
         self._info_args = info_args
 
-    # -- talking to Redis -----------------------------------------------------------
+    # -- talking to Redis (the rest: RedisHold) -------------------------------------
 
-    def _error(self, exc: RedisError, what: str) -> DLockError:
-        """The DLockError for a failed Redis call."""
-        refused = refusal(exc, self.client, self.keys, self.name)
-        if refused is not None:
-            return refused
-        return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
-                                  lock_name=self.name)
-
-    def _run(self, script: LuaScript, args: Sequence[Any]) -> Any:
-        try:
-            return script(self.client, (self.keys.lock,), args)
-        except RedisError as exc:
-            raise self._error(exc, script.name) from exc
-
-    def _command(self, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except RedisError as exc:
-            raise self._error(exc, getattr(fn, "__name__", "a command")) from exc
-
-    def _send_acquire(self, owner: str, op: str, *, queue: bool,
-                      reentry: bool) -> Grant | Refused | int:
-        check_server(self.client)
-        lease_ms = int(QUEUE_LEASE * 1000) if queue else 0
-        expect = ""
-        if reentry:
-            fence = self._fence
-            expect = "*" if fence is None else str(fence)
-        ttl_ms = self._acquire_ttl_ms(reentry)
-        reply = self._run(ACQUIRE, (owner, ttl_ms, lease_ms, op, expect,
-                                    "pid", os.getpid(), *self._info_args))
-        code = int(reply[0])
-        if code == 1:
-            return Grant(int(reply[1]), int(reply[2]) > 1)
-        if code == _REENTRY_GONE:
-            return int(reply[1])
-        pttl = int(reply[1])
-        self.last_holder = parse_holder(reply[3:], pttl, int(reply[2]))
-        # An expiry rings no doorbell: wake up when the holder's ttl ends, or when the
-        # first in line's grace to take a free lock does.
-        return Refused((pttl / 1000.0 if pttl >= 0 else WAKE_GRACE) + 0.001)
-
-    def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
-        slice_ = wait_slice(self.client)
-        if left is not None:
-            slice_ = min(slice_, left)
-        if refused.retry_in is not None:
-            slice_ = min(slice_, refused.retry_in)
-        if slice_ > 0:
-            self._command(ring_wait, self.client, self.keys.doorbell(owner), slice_)
+    def _lock_keys(self) -> LockKeys:
+        return self.keys
 
     def _leave_line(self, owner: str) -> None:
         try:
@@ -189,11 +136,6 @@ class RedisLock(Hold):
         # that it freed the lock: no marker key is left behind for it.
         fence = "" if self._fence is None else str(self._fence)
         return int(self._run(RELEASE, (owner, op, fence))[0])
-
-    def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
-        # EXTEND only ever moves the expiry later: a second execution changes
-        # nothing, so it needs no operation id.
-        return int(self._run(EXTEND, (owner, ttl_ms)))
 
     def _read_status(self, owner: str) -> int:
         holder = self._command(self.client.hget, self.keys.lock, "owner")

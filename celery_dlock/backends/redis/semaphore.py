@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 from redis.exceptions import RedisError, ResponseError
 
 from ...core.errors import (
-    BackendUnavailable,
     DLockError,
     Holder,
     InvalidLockConfig,
@@ -32,13 +31,11 @@ from ...core.errors import (
 )
 from ...core.hold import (
     DEFAULT_PREFIX,
-    Grant,
-    Hold,
-    Refused,
     check_lock_options,
     new_op_id,
 )
 from ...core.scheduler import RenewalScheduler
+from .calls import RedisHold
 from .hashtag import lock_key
 from .keyspace import (
     DOORBELL_SUFFIX,
@@ -52,7 +49,6 @@ from .keyspace import (
     decode,
     parse_holder,
 )
-from .refusals import refusal
 from .released import read_loss_reason
 from .renewal import RedisRenewTarget
 from .semaphore_scripts import (
@@ -65,14 +61,10 @@ from .semaphore_scripts import (
     SEM_RENEW_MANY,
     SEM_STATUS,
 )
-from .server_checks import check_server
-from .waiters import QUEUE_LEASE, WAKE_GRACE, ring_wait, wait_slice
 
 __all__ = ["RedisSemaphore", "SemaphoreKeys", "check_limit", "read_holders"]
 
 logger = logging.getLogger("celery_dlock.lock")
-
-_REENTRY_GONE = 2
 
 
 def check_limit(limit: Any, name: str | None = None) -> int:
@@ -126,7 +118,7 @@ def read_holders(client: Any, key: str) -> tuple[int, list[tuple[int, list[Any]]
     return _parse_read(SEM_READ(client, (key,), ()))
 
 
-class RedisSemaphore(Hold):
+class RedisSemaphore(RedisHold):
     """``limit`` holders at once of one name, on one Redis (or one Cluster slot).
 
     The same surface as :class:`~celery_dlock.RedisLock` (``acquire(blocking,
@@ -135,6 +127,10 @@ class RedisSemaphore(Hold):
     hold it at once.  Each hold has its own fencing token; the same owner re-enters
     its own slot.  Every process that uses one name must give it the same limit.
     """
+
+    keys: SemaphoreKeys
+    _acquire_script = SEM_ACQUIRE
+    _extend_script = SEM_EXTEND
 
     def __init__(
         self,
@@ -167,15 +163,16 @@ class RedisSemaphore(Hold):
 
     # -- talking to Redis -----------------------------------------------------------
 
+    def _extra_args(self) -> tuple[Any, ...]:
+        return (self.limit,)
+
+    def _lock_keys(self) -> LockKeys:
+        return LockKeys(*self.keys)
+
     def _error(self, exc: RedisError, what: str) -> DLockError:
         if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):
             return LockKeyConflict(self._foreign_keys(), lock_name=self.name)
-        lock_keys = LockKeys(*self.keys)
-        refused = refusal(exc, self.client, lock_keys, self.name)
-        if refused is not None:
-            return refused
-        return BackendUnavailable(f"Redis unavailable during {what}: {exc}",
-                                  lock_name=self.name)
+        return super()._error(exc, what)
 
     def _foreign_keys(self) -> str:
         """A sentence naming the keys of this semaphore that hold another kind of
@@ -194,45 +191,6 @@ class RedisSemaphore(Hold):
         return f"{what} (a lock of the same name, or another application's): " \
             f"{UNTOUCHED}"
 
-    def _run(self, script: Any, args: Sequence[Any]) -> Any:
-        try:
-            return script(self.client, (self.keys.lock,), args)
-        except RedisError as exc:
-            raise self._error(exc, script.name) from exc
-
-    def _send_acquire(self, owner: str, op: str, *, queue: bool,
-                      reentry: bool) -> Grant | Refused | int:
-        check_server(self.client)
-        lease_ms = int(QUEUE_LEASE * 1000) if queue else 0
-        expect = ""
-        if reentry:
-            fence = self._fence
-            expect = "*" if fence is None else str(fence)
-        ttl_ms = self._acquire_ttl_ms(reentry)  # never past a max_hold bound
-        reply = self._run(SEM_ACQUIRE, (owner, ttl_ms, lease_ms, op, expect,
-                                        self.limit, "pid", os.getpid(),
-                                        *self._info_args))
-        code = int(reply[0])
-        if code == 1:
-            return Grant(int(reply[1]), int(reply[2]) > 1)
-        if code == _REENTRY_GONE:
-            return int(reply[1])
-        pttl = int(reply[1])
-        self.last_holder = parse_holder(reply[3:], pttl, int(reply[2]))
-        return Refused((pttl / 1000.0 if pttl >= 0 else WAKE_GRACE) + 0.001)
-
-    def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
-        slice_ = wait_slice(self.client)
-        if left is not None:
-            slice_ = min(slice_, left)
-        if refused.retry_in is not None:
-            slice_ = min(slice_, refused.retry_in)
-        if slice_ > 0:
-            try:
-                ring_wait(self.client, self.keys.doorbell(owner), slice_)
-            except RedisError as exc:
-                raise self._error(exc, "a wait") from exc
-
     def _leave_line(self, owner: str) -> None:
         try:
             SEM_LEAVE_QUEUE(self.client, (self.keys.lock,), (owner, self.limit))
@@ -247,10 +205,6 @@ class RedisSemaphore(Hold):
 
     def _send_release(self, owner: str, op: str) -> int:
         return int(self._run(SEM_RELEASE, (owner, op, self.limit))[0])
-
-    def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
-        # Only ever moves the expiry later: a second execution changes nothing.
-        return int(self._run(SEM_EXTEND, (owner, ttl_ms)))
 
     def _read_status(self, owner: str) -> int:
         return int(self._run(SEM_STATUS, (owner,)))
