@@ -220,6 +220,19 @@ local function ring(lock, owner, now)
   call('ZADD', lock .. LEASES_SUFFIX, 'XX', 'LT', now + WAKE_GRACE, owner)
 end
 
+-- Put ``owner`` in the FIFO line (keeping its place when it is in it already), with a
+-- lease of ``lease`` ms from ``now``.  The expiry first (on a line that does not exist
+-- yet it changes nothing): a user who may not run PEXPIRE is stopped before the line
+-- is written.
+local function join_line(queue, leases, owner, now, lease)
+  call('PEXPIRE', queue, LINE_TTL)
+  local t = call('TIME')
+  call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
+  call('ZADD', leases, now + lease, owner)
+  call('PEXPIRE', queue, LINE_TTL)
+  call('PEXPIRE', leases, LINE_TTL)
+end
+
 -- Ring the doorbell of the first waiter in line of ``lock``, if any.
 local function wake_head(lock, now)
   local queue, leases = lock .. QUEUE_SUFFIX, lock .. LEASES_SUFFIX

@@ -175,14 +175,7 @@ else
 end
 local lease = tonumber(ARGV[3])
 if lease > 0 then
-  -- The expiry first (on a line that does not exist yet it changes nothing): a user
-  -- who may not run PEXPIRE is stopped before the line is written.
-  call('PEXPIRE', queue, LINE_TTL)
-  local t = call('TIME')
-  call('ZADD', queue, 'NX', tonumber(t[1]) * 1000000 + tonumber(t[2]), owner)
-  call('ZADD', leases, now + lease, owner)
-  call('PEXPIRE', queue, LINE_TTL)
-  call('PEXPIRE', leases, LINE_TTL)
+  join_line(queue, leases, owner, now, lease)
 end
 local reply = {0, pttl, now}
 local fields = call('HGETALL', lock)

@@ -213,12 +213,7 @@ end
 if not pttl then pttl = -1 end
 local lease = tonumber(ARGV[3])
 if lease > 0 then
-  call('PEXPIRE', queue, LINE_TTL)
-  local t2 = call('TIME')
-  call('ZADD', queue, 'NX', tonumber(t2[1]) * 1000000 + tonumber(t2[2]), owner)
-  call('ZADD', leases, now + lease, owner)
-  call('PEXPIRE', queue, LINE_TTL)
-  call('PEXPIRE', leases, LINE_TTL)
+  join_line(queue, leases, owner, now, lease)
 end
 local reply = {0, pttl, now}
 for i = 1, #fields do reply[i + 3] = fields[i] end
