@@ -125,12 +125,14 @@ def test_a_zookeeper_url_gives_a_zookeeper_lock():
     assert isinstance(lock, ZooKeeperLock) and lock.ttl == 5  # no server call yet
 
 
-def test_a_postgresql_dlock_url_is_accepted_and_record_events_refused():
+@pytest.mark.parametrize("url", ["postgresql://u@h/db", "mysql://u:pw@h/db",
+                                 "mariadb://u@h/db"])
+def test_a_sql_dlock_url_is_accepted_and_record_events_refused(url):
     from celery_dlock.task.config import check_conf
 
-    check_conf({"dlock_url": "postgresql://u@h/db"})  # no server call
+    check_conf({"dlock_url": url})  # no server call
     with pytest.raises(InvalidLockConfig, match="dlock_record_events needs a Redis"):
-        check_conf({"dlock_url": "postgresql://u@h/db", "dlock_record_events": True})
+        check_conf({"dlock_url": url, "dlock_record_events": True})
     with pytest.raises(InvalidLockConfig, match="known schemes"):
         check_conf({"dlock_url": "ftp://h/x"})
 
@@ -152,10 +154,14 @@ def test_postgresql_is_found_as_redis_is(conf, found):
     assert sql_url_of(conf) == found
 
 
-def test_enqueue_time_modes_are_refused_on_postgresql_in_one_line():
-    pytest.importorskip("psycopg")
+@pytest.mark.parametrize(("driver", "url", "kind"), [
+    ("psycopg", "postgresql://u@127.0.0.1:1/db", "postgres"),
+    ("pymysql", "mysql://u@127.0.0.1:1/db", "mysql"),
+])
+def test_enqueue_time_modes_are_refused_on_sql_in_one_line(driver, url, kind):
+    pytest.importorskip(driver)
     from celery_dlock.core.errors import NotSupported
     from celery_dlock.task.backend import backend_from_url, markers_for
 
-    with pytest.raises(NotSupported, match="postgres backend does not keep"):
-        markers_for(None, backend_from_url("postgresql://u@127.0.0.1:1/db"))
+    with pytest.raises(NotSupported, match=f"{kind} backend does not keep"):
+        markers_for(None, backend_from_url(url))
