@@ -3,9 +3,10 @@ several processes.
 
 Writer processes (``fencing_writer.py``) take one lock name on the suite's
 redis-server (or, for ``sigstop-postgres-lock`` and ``sigstop-mysql-lock``, in the
-database server's lease table) and increment a fenced counter row in SQLite, PostgreSQL or MariaDB.  One holder
-is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or simply
-idle with ``auto_renew=False``); the others take the lock in turn meanwhile.  When the
+database server's lease table) and increment a fenced counter row in SQLite,
+PostgreSQL or MariaDB.  One holder is paused past its ttl while holding (SIGSTOP with
+the scheduler frozen too, or simply idle with ``auto_renew=False``); the others take
+the lock in turn meanwhile.  When the
 paused holder resumes and writes with its old fence, the database refuses it and the
 row stays as the newer holders left it; no increment is lost and the log of accepted
 writes never goes back in fence order.
