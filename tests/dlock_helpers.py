@@ -91,7 +91,7 @@ def counter_worker(redis_url: str, prefix: str, name: str, counter: str, n: int,
              if u.startswith(("redis://", "unix://"))]
 
     def make_lock() -> Any:
-        if urls[0].startswith(("postgresql://", "zookeeper://")):
+        if urls[0].startswith(("postgresql://", "mysql://", "zookeeper://")):
             return lock_from_url(urls[0], name, ttl=10, prefix=prefix,
                                  blocking_timeout=60)
         if len(nodes) == 1:

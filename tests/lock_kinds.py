@@ -37,7 +37,7 @@ __all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "NO_LONGER_SESSION",
 #: of one slot, which behaves as a lock).  ``$DLOCK_LOCK_KINDS`` (comma-separated)
 #: narrows them: CI's reruns of the lock core on other Redis servers name only the
 #: kinds those servers keep.
-_ALL_KINDS = ("redis", "redlock", "semaphore", "postgres", "zookeeper")
+_ALL_KINDS = ("redis", "redlock", "semaphore", "postgres", "mysql", "zookeeper")
 KINDS = tuple(k for k in _ALL_KINDS
               if k in (os.environ.get("DLOCK_LOCK_KINDS") or ",".join(_ALL_KINDS))
               .split(","))
@@ -54,11 +54,13 @@ NO_LONGER_SESSION = ("ZooKeeper: a hold lives as long as its session, whose time
 NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after a random "
            "delay, not woken in turn by a release: docs/deployments.md, Redlock")
 
-#: Why a test of foreign data at a lock's key is skipped on PostgreSQL: its locks are
-#: rows of one table; another application's data there is a table of another shape
-#: (docs/backends.md, Errors; tests/faults/test_postgres_faults.py).
-NO_KEYS = ("PostgreSQL keeps no key per lock: another application's data is a table "
-           "at the lease table's name, tested in tests/faults/test_postgres_faults.py::"
+#: Why a test of foreign data at a lock's key is skipped on the SQL kinds: their locks
+#: are rows of one table; another application's data there is a table of another
+#: shape (docs/backends.md, Errors; tests/faults/test_postgres_faults.py,
+#: tests/faults/test_mysql_faults.py).
+NO_KEYS = ("PostgreSQL and MySQL keep no key per lock: another application's data is a "
+           "table at the lease table's name, tested in tests/faults/"
+           "test_postgres_faults.py and test_mysql_faults.py::"
            "test_another_applications_table_at_our_name_is_a_conflict "
            "(docs/backends.md, Errors)")
 
@@ -445,6 +447,13 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         yield PgKind("postgres", clients,
                      lambda n, ttl, **kw: make_lock_postgres(url, n, ttl, **kw), True,
                      [url])
+    elif kind == "mysql":
+        from my_kind import make_my_kind
+
+        my = make_my_kind(request.getfixturevalue("mariadb_url"))
+        yield my
+        my.clients[0].close()
+        return
     elif kind == "semaphore":
         url = request.getfixturevalue("redis_url")
         clients = [redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)]

@@ -130,16 +130,18 @@ class MariaDBServer:
         path.chmod(0o600)
         return path
 
-    def _try_start(self, init: Path) -> str | None:
-        """Start on a fresh free port; None when it serves, else the reason."""
-        self.port = _free_port()
+    def _try_start(self, init: Path | None, port: int | None = None) -> str | None:
+        """Start on ``port`` (default: a fresh free one), running ``init`` first when
+        given; None when it serves, else the reason."""
+        self.port = port or _free_port()
         self.log.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [str(self.server), "--no-defaults", *self.as_root,
              f"--datadir={self.data}", f"--socket={self.socket}",
              f"--pid-file={self.dir / 'mariadb.pid'}", f"--log-error={self.log}",
              f"--port={self.port}", "--bind-address=127.0.0.1",
-             f"--init-file={init}", "--skip-name-resolve", "--skip-log-bin",
+             *([f"--init-file={init}"] if init is not None else []),
+             "--skip-name-resolve", "--skip-log-bin",
              "--innodb-flush-log-at-trx-commit=0", "--innodb-doublewrite=0",
              "--innodb-buffer-pool-size=32M",
              "--performance-schema=OFF", "--max-connections=60",
@@ -188,6 +190,25 @@ class MariaDBServer:
             proc.send_signal(signal.SIGKILL)  # the data is thrown away anyway
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
+
+    def halt(self) -> None:
+        """Stop the server, its data kept (a clean shutdown: every connection is
+        closed)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+    def restart(self) -> None:
+        """Start it again, on the same port, after :meth:`halt`."""
+        failed = self._try_start(None, port=self.port)
+        if failed is not None:
+            raise Unavailable(failed)
 
     def stop(self) -> None:
         self._kill()

@@ -4,7 +4,8 @@ The backend is chosen from the app's configuration in this one place (one Redis,
 Cluster, Sentinel or a unix socket: a :class:`RedisBackend`; several servers, from a
 list ``dlock_url``, ``redlock://a;redlock://b;...`` or a ``dlock_client`` returning a
 list: a :class:`RedlockBackend`; a ``postgresql://`` URL: the PostgreSQL backend,
-whose driver is imported only then).  Everything else in ``task/`` and ``ops/`` speaks
+``mysql://`` or ``mariadb://``: the MySQL/MariaDB one, whose driver is imported only
+then).  Everything else in ``task/`` and ``ops/`` speaks
 :mod:`celery_dlock.core.protocol` only.
 
 :func:`lock_from_url` is the same door for code without a Celery app.
@@ -57,6 +58,14 @@ def _sql_backend(kind: str, url: str) -> Backend:
             raise InvalidLockConfig(f"postgresql:// locks need psycopg 3: pip install "
                                     f"'celery-dlock[postgres]' ({exc})") from None
         return PostgresBackend(url)
+    if kind == "mysql":
+        try:
+            # Imported only now: ``import celery_dlock`` imports no SQL driver.
+            from ..backends.sql.my_backend import MySQLBackend  # noqa: PLC0415
+        except ImportError as exc:  # the extra is not installed
+            raise InvalidLockConfig(f"mysql:// and mariadb:// locks need PyMySQL: pip "
+                                    f"install 'celery-dlock[mysql]' ({exc})") from None
+        return MySQLBackend(url)
     if kind == "zookeeper":
         try:
             # Imported only now: ``import celery_dlock`` imports no driver.
@@ -76,9 +85,10 @@ _by_url_lock = threading.Lock()
 def backend_from_url(url: Any) -> Backend:
     """This process's backend for a lock URL: ``redis://``, ``rediss://``,
     ``unix://``, ``redis+cluster://``, ``sentinel://``, a Redlock list (3 or more
-    ``redlock://`` URLs separated by ``;``, or a list of Redis URLs), ``postgresql://``
-    or ``postgres://``.  :class:`InvalidLockConfig` for any other, naming the known
-    schemes (the URL masked)."""
+    ``redlock://`` URLs separated by ``;``, or a list of Redis URLs), ``postgresql://``,
+    ``postgres://``, ``mysql://``, ``mariadb://`` or ``zookeeper://``.
+    :class:`InvalidLockConfig` for any other, naming the known schemes (the URL
+    masked)."""
     key = ";".join(url) if isinstance(url, (list, tuple)) else url
     if not isinstance(key, str):
         check_known(url, "lock URL")
@@ -114,9 +124,10 @@ def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
                   blocking_timeout: float | None = None) -> Lock:
     """A lock named ``name`` on the backend ``url`` names (see
     :func:`backend_from_url`): a :class:`~celery_dlock.RedisLock`,
-    :class:`~celery_dlock.RedlockLock` or PostgreSQL lock, each with the same surface
-    (``acquire``, ``release``, ``extend``, ``owned``, ``ensure_held``, ``holder``,
-    ``depth``, ``fence``, ``on_lost``, the context manager).  No server call."""
+    :class:`~celery_dlock.RedlockLock`, PostgreSQL, MySQL/MariaDB or ZooKeeper lock,
+    each with the same surface (``acquire``, ``release``, ``extend``, ``owned``,
+    ``ensure_held``, ``holder``, ``depth``, ``fence``, ``on_lost``, the context
+    manager).  No server call."""
     lock = backend_from_url(url).lock(name, ttl, prefix=prefix, info=info, owner=owner,
                                       on_lost=on_lost, auto_renew=auto_renew,
                                       pause_budget=pause_budget)

@@ -20,13 +20,14 @@ __all__ = ["KNOWN_SCHEMES", "NOT_YET", "SQL_SCHEMES", "celery_sql_url", "check_k
 #: The URL schemes of the backends other than Redis (SQL databases, ZooKeeper), and
 #: the backend each names: the door (:mod:`.backend`) makes them from the URL alone.
 SQL_SCHEMES = {"postgresql": "postgres", "postgres": "postgres",
-               "zookeeper": "zookeeper"}
+               "mysql": "mysql", "mariadb": "mysql", "zookeeper": "zookeeper"}
 #: Schemes of backends that are planned but not there yet.
-NOT_YET = ("mysql", "mariadb")
+NOT_YET: tuple[str, ...] = ()
 #: Every scheme a lock URL may have, for error messages.
 KNOWN_SCHEMES = ("redis://, rediss://, unix://, redis+cluster://, sentinel://, "
                  "redlock://a;redlock://b;redlock://c (or a list of 3+ Redis URLs), "
-                 "postgresql://, postgres://, zookeeper://host:port[,host:port][/chroot]")
+                 "postgresql://, postgres://, mysql://, mariadb://, "
+                 "zookeeper://host:port[,host:port][/chroot]")
 
 
 # Celery's spellings of a PostgreSQL broker (kombu's SQLAlchemy transport) and result
@@ -52,8 +53,8 @@ def _scheme(url: Any) -> str | None:
 
 
 def sql_kind(url: Any) -> str | None:
-    """The backend other than Redis that ``url`` names (``postgres``, ``zookeeper``),
-    or None."""
+    """The backend other than Redis that ``url`` names (``postgres``, ``mysql``,
+    ``zookeeper``), or None."""
     scheme = _scheme(url)
     return SQL_SCHEMES.get(scheme) if scheme is not None else None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mariadb_server import connect_args, mariadb_url  # noqa: F401 (a fixture)
+from mariadb_server import connect_args  # mariadb_url: tests/conftest.py
 from pg_server import PostgresServer, Unavailable
 
 _postgres: dict[str, Any] = {}

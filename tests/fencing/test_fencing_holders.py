@@ -1,11 +1,12 @@
-"""Fenced writes under a real ``RedisLock`` (and a PostgreSQL lock), from several
-processes.
+"""Fenced writes under a real ``RedisLock`` (and a PostgreSQL or MySQL lock), from
+several processes.
 
 Writer processes (``fencing_writer.py``) take one lock name on the suite's
-redis-server (or, for ``sigstop-postgres-lock``, in the PostgreSQL server's lease
-table) and increment a fenced counter row in SQLite, PostgreSQL or MariaDB.  One holder
-is paused past its ttl while holding (SIGSTOP with the scheduler frozen too, or simply
-idle with ``auto_renew=False``); the others take the lock in turn meanwhile.  When the
+redis-server (or, for ``sigstop-postgres-lock`` and ``sigstop-mysql-lock``, in the
+database server's lease table) and increment a fenced counter row in SQLite,
+PostgreSQL or MariaDB.  One holder is paused past its ttl while holding (SIGSTOP with
+the scheduler frozen too, or simply idle with ``auto_renew=False``); the others take
+the lock in turn meanwhile.  When the
 paused holder resumes and writes with its old fence, the database refuses it and the
 row stays as the newer holders left it; no increment is lost and the log of accepted
 writes never goes back in fence order.
@@ -121,6 +122,7 @@ def snapshot(db: Db, table: str) -> tuple[tuple[Any, ...], list[tuple[Any, ...]]
                                            ("postgresql", "sigstop"),
                                            ("mariadb", "sigstop"),
                                            ("postgresql", "sigstop-postgres-lock"),
+                                           ("mariadb", "sigstop-mysql-lock"),
                                            ("sqlite", "idle-without-renewal")],
                          indirect=["db"])
 def test_holder_paused_past_its_ttl_is_refused_by_the_database(
@@ -129,8 +131,8 @@ def test_holder_paused_past_its_ttl_is_refused_by_the_database(
     table, _ = prepare(db)
     common = ["--redis-url", redis_url, "--prefix", prefix, "--name", name,
               "--ttl", str(TTL), "--db", db.kind, "--table", table]
-    if pause == "sigstop-postgres-lock":
-        common += ["--lock-url", db.dsn]
+    if pause in ("sigstop-postgres-lock", "sigstop-mysql-lock"):
+        common += ["--lock-url", db.dsn]  # the lock in the database it fences
     paused_argv = [*common, "--who", "paused"]
     if pause == "idle-without-renewal":
         paused_argv.append("--no-renew")

@@ -1,7 +1,7 @@
 """``celery dlock ls / show / release / top`` on the backends other than Redis: an app
-whose ``dlock_url`` is ``postgresql://`` or ``zookeeper://`` (``python -m celery -A
-config_app dlock ...`` in a subprocess), and ``--url postgresql://...``; what a backend
-does not keep yet (the contention history) is said in one line."""
+whose ``dlock_url`` is ``postgresql://``, ``mysql://`` or ``zookeeper://`` (``python
+-m celery -A config_app dlock ...`` in a subprocess), and ``--url`` with the same URL;
+what a backend does not keep yet (the contention history) is said in one line."""
 
 from __future__ import annotations
 
@@ -32,8 +32,17 @@ def _dlock(pg_url: str, *args: str) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, check=False)
 
 
-def test_ls_show_release_and_top_on_postgres(postgres_server):
-    url = postgres_server.url
+@pytest.fixture(params=["postgres", "mysql"])
+def sql_url(request: pytest.FixtureRequest) -> str:
+    """The URL of the suite's PostgreSQL or MariaDB server."""
+    if request.param == "mysql":
+        return str(request.getfixturevalue("mariadb_url"))
+    return str(request.getfixturevalue("postgres_server").url)
+
+
+def test_ls_show_release_and_top_on_sql(sql_url):
+    url = sql_url
+    kind = "mysql" if url.startswith("mysql://") else "postgres"
     prefix = f"cli{uuid.uuid4().hex[:8]}"
     lock = lock_from_url(url, "stock:42", ttl=60, prefix=prefix,
                          info={"task_name": "shop.buy", "task_id": "t-1"})
@@ -57,7 +66,7 @@ def test_ls_show_release_and_top_on_postgres(postgres_server):
         top = _dlock(url, "--prefix", prefix, "top", "--iterations", "1")
         assert top.returncode == 0, top.stderr
         assert "1 held" in top.stdout and "stock:42" in top.stdout
-        assert "not kept by the postgres backend yet" in top.stdout
+        assert f"not kept by the {kind} backend yet" in top.stdout
 
         freed = _dlock(url, "--prefix", prefix, "release", "stock:42", "--force",
                        "--reason", "stuck job")
@@ -77,10 +86,11 @@ def test_ls_show_release_and_top_on_postgres(postgres_server):
 
 
 def test_an_unknown_scheme_is_one_line_naming_the_known_ones(postgres_server):
-    out = _dlock(postgres_server.url, "--url", "mysql://u:secret@db/x", "ls")
+    out = _dlock(postgres_server.url, "--url", "mongodb://u:secret@db/x", "ls")
     assert out.returncode != 0
-    assert "--url: mysql:// locks are not supported yet" in out.stderr
-    assert "postgresql://" in out.stderr and "secret" not in out.stderr
+    assert "--url must be a URL of a known scheme" in out.stderr
+    assert "postgresql://" in out.stderr and "mysql://" in out.stderr
+    assert "secret" not in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -53,13 +53,15 @@ def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
 # -- 1. inventory ----------------------------------------------------------------------
 
 
-@pytest.fixture(params=["redis", "postgres", "zookeeper"])
+@pytest.fixture(params=["redis", "postgres", "mysql", "zookeeper"])
 def lock_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Where the workers' locks live: the suite's Redis (``prefork_app``'s default),
-    PostgreSQL or ZooKeeper (``dlock_url`` in the workers' configuration)."""
+    PostgreSQL, MariaDB or ZooKeeper (``dlock_url`` in the workers' configuration)."""
     url: str
     if request.param == "postgres":
         url = request.getfixturevalue("postgres_server").url
+    elif request.param == "mysql":
+        url = request.getfixturevalue("mariadb_url")
     elif request.param == "zookeeper":
         pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper "
                             "extra)")
@@ -115,6 +117,15 @@ def test_inventory_no_oversell_with_lock_and_oversell_without(harness: Harness,
             rows = conn.execute("SELECT count(*) FROM dlock_locks WHERE prefix = %s",
                                 (h.prefix,)).fetchone()
         assert rows is not None and rows[0] >= 1
+    if lock_store.startswith("mysql://"):
+        import pymysql
+        from mariadb_server import connect_args
+
+        with pymysql.connect(**connect_args(lock_store)) as conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM dlock_locks WHERE prefix = %s",
+                        (h.prefix,))
+            found = cur.fetchone()
+        assert found is not None and found[0] >= 1
 
 
 # -- 2. a 1 s lock renewed for a 3.5 s run ---------------------------------------------

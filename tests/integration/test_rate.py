@@ -122,7 +122,7 @@ def test_a_rate_cannot_be_set_per_call(redis_url):
 
 @pytest.mark.parametrize("url", [
     ";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3)),
-    "postgresql://dlock@127.0.0.1:1/dlock"])
+    "postgresql://dlock@127.0.0.1:1/dlock", "mysql://dlock@127.0.0.1:1/dlock"])
 def test_a_backend_without_rates_refuses_lock_rate_at_worker_start(url):
     app = Celery("rate-redlock", broker="memory://", set_as_current=False)
     app.finalize()

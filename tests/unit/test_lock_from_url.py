@@ -63,14 +63,58 @@ def test_options_reach_the_lock():
         lock_from_url("redis://127.0.0.1:1/0", "n", blocking_timeout=-1)
 
 
-@pytest.mark.parametrize("url", ["ftp://u:secret@host/x", "nonsense", "mysql://u:secret@h/x",
-                                 42])
+@pytest.mark.parametrize("url", ["ftp://u:secret@host/x", "nonsense",
+                                 "mongodb://u:secret@h/x", 42])
 def test_an_unknown_scheme_names_the_known_ones(url):
     with pytest.raises(InvalidLockConfig) as info:
         lock_from_url(url, "n")
     text = str(info.value)
     assert "postgresql://" in text and "redis://" in text and "zookeeper://" in text
+    assert "mysql://" in text and "mariadb://" in text
     assert "secret" not in text
+
+
+@pytest.mark.parametrize("scheme", ["mysql", "mariadb", "MySQL"])
+def test_a_mysql_url_imports_the_driver_only_then(scheme):
+    pytest.importorskip("pymysql")
+    code = ("import sys, celery_dlock\n"
+            f"lock = celery_dlock.lock_from_url('{scheme}://u:pw@127.0.0.1:1/db', 'n')\n"
+            "print(type(lock).__name__, 'pymysql' in sys.modules, 'psycopg' in "
+            "sys.modules, 'pw' in repr(lock))")
+    assert _python(code) == "MySQLLock True False False"
+
+
+def test_import_celery_dlock_imports_no_mysql_driver():
+    code = ("import sys, celery_dlock\n"
+            "celery_dlock.lock_from_url('redis://127.0.0.1:1/0', 'n')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pymysql'))")
+    assert _python(code) == "[]"
+
+
+def test_without_pymysql_the_error_names_the_extra():
+    code = ("import sys\n"
+            "sys.modules['pymysql'] = None\n"
+            "import celery_dlock\n"
+            "try:\n"
+            "    celery_dlock.lock_from_url('mysql://u:secret@h/db', 'n')\n"
+            "except celery_dlock.InvalidLockConfig as exc:\n"
+            "    print(exc)\n")
+    said = _python(code)
+    assert "pip install 'celery-dlock[mysql]'" in said and "secret" not in said
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("mysql://u:secret@h/db?colour=red", "unknown parameter 'colour'"),
+    ("mysql://u:secret@h", "names no database"),
+    ("mysql://u:secret@h/db?dlock_table=a;drop", "not a table name"),
+    ("mysql://u:secret@h/db?read_timeout=soon", "not a number of seconds"),
+    ("mysql://u:secret@h:port/db", "port"),
+])
+def test_a_mysql_url_it_cannot_read_is_one_clear_error(url, says):
+    pytest.importorskip("pymysql")
+    with pytest.raises(InvalidLockConfig) as info:
+        lock_from_url(url, "n")
+    assert says in str(info.value) and "secret" not in str(info.value)
 
 
 def test_a_zookeeper_url_gives_a_zookeeper_lock():
@@ -81,12 +125,14 @@ def test_a_zookeeper_url_gives_a_zookeeper_lock():
     assert isinstance(lock, ZooKeeperLock) and lock.ttl == 5  # no server call yet
 
 
-def test_a_postgresql_dlock_url_is_accepted_and_record_events_refused():
+@pytest.mark.parametrize("url", ["postgresql://u@h/db", "mysql://u:pw@h/db",
+                                 "mariadb://u@h/db"])
+def test_a_sql_dlock_url_is_accepted_and_record_events_refused(url):
     from celery_dlock.task.config import check_conf
 
-    check_conf({"dlock_url": "postgresql://u@h/db"})  # no server call
+    check_conf({"dlock_url": url})  # no server call
     with pytest.raises(InvalidLockConfig, match="dlock_record_events needs a Redis"):
-        check_conf({"dlock_url": "postgresql://u@h/db", "dlock_record_events": True})
+        check_conf({"dlock_url": url, "dlock_record_events": True})
     with pytest.raises(InvalidLockConfig, match="known schemes"):
         check_conf({"dlock_url": "ftp://h/x"})
 
@@ -108,10 +154,14 @@ def test_postgresql_is_found_as_redis_is(conf, found):
     assert sql_url_of(conf) == found
 
 
-def test_enqueue_time_modes_are_refused_on_postgresql_in_one_line():
-    pytest.importorskip("psycopg")
+@pytest.mark.parametrize(("driver", "url", "kind"), [
+    ("psycopg", "postgresql://u@127.0.0.1:1/db", "postgres"),
+    ("pymysql", "mysql://u@127.0.0.1:1/db", "mysql"),
+])
+def test_enqueue_time_modes_are_refused_on_sql_in_one_line(driver, url, kind):
+    pytest.importorskip(driver)
     from celery_dlock.core.errors import NotSupported
     from celery_dlock.task.backend import backend_from_url, markers_for
 
-    with pytest.raises(NotSupported, match="postgres backend does not keep"):
-        markers_for(None, backend_from_url("postgresql://u@127.0.0.1:1/db"))
+    with pytest.raises(NotSupported, match=f"{kind} backend does not keep"):
+        markers_for(None, backend_from_url(url))

@@ -9,8 +9,9 @@ from typing import Any
 from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
 from ...core.text import clean_text
+from .lease import hold_info as _info
 from .pg_server import PgServer, server_for
-from .postgres import PostgresLock, holder_of
+from .postgres import PostgresLock
 from .statements import FORCE_RELEASE, HOLD, HOLDS
 from .waiting import channel_of
 
@@ -18,20 +19,6 @@ __all__ = ["POSTGRES_SCHEMES", "PostgresBackend"]
 
 #: The URL schemes of this backend.
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-
-
-def _info(row: tuple[Any, ...]) -> HoldInfo:
-    holder = holder_of(row)
-    extra = dict(holder.info)
-    pid = extra.pop("pid", None)
-    task_name = extra.pop("task_name", None)
-    task_id = extra.pop("task_id", None)
-    worker = extra.pop("worker", None)
-    host = extra.pop("host", None)
-    return HoldInfo(key=str(row[0]), task_name=task_name, task_id=task_id,
-                    worker=worker, pid=int(pid) if pid and pid.isdigit() else None,
-                    owner=holder.owner or "", count=holder.count, fence=holder.fence,
-                    ttl=holder.ttl, held_for=holder.age, host=host, extra=extra)
 
 
 class PostgresBackend:

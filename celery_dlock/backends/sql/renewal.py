@@ -13,7 +13,6 @@ scheduler on a fresh connection.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Sequence
@@ -23,21 +22,12 @@ import psycopg
 
 from ...core.protocol import GONE, OK, TAKEN
 from ...core.renew_target import LossNote
+from .lease import renew_key, split_key
 from .pg_server import PgServer
 from .released import forced_reason
 from .statements import RENEW_MANY, STATUS_MANY
 
 __all__ = ["PgRenewTarget", "renew_key", "renew_target", "split_key"]
-
-
-def renew_key(prefix: str, name: str) -> str:
-    """The key the scheduler knows a hold by."""
-    return json.dumps([prefix, name])
-
-
-def split_key(key: str) -> tuple[str, str]:
-    prefix, name = json.loads(key)
-    return str(prefix), str(name)
 
 
 class PgRenewTarget:

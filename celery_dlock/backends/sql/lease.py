@@ -1,0 +1,236 @@
+"""What every SQL dialect's lock shares: :class:`LeaseLock`, the lease-row lock.
+
+A lease row per lock name (docs/backends.md): the holder's owner, its count of
+acquires, the name's fence counter (kept past release), an expiry on the server's
+clock, the latest operation ids and the last force release's note.  How a row is read
+and written is the dialect's (PostgreSQL: :mod:`.postgres`, MySQL/MariaDB:
+:mod:`.mysql`): a few ``_try_*`` methods, each one operation on one row, idempotent
+under its operation id.  What the answers mean (granted, refused, gone, taken, a
+re-sent release already applied, who released a hold by force) is decided here once,
+for every dialect; the bookkeeping is :class:`~celery_dlock.core.hold.Hold`'s.
+
+No driver is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from ...core.errors import Holder
+from ...core.hold import Grant, Hold, Refused, new_op_id
+from ...core.holds import HoldInfo
+from ...core.protocol import GONE, OK, STILL_HELD, TAKEN
+from .released import forced_reason
+
+__all__ = ["LeaseLock", "Status", "hold_info", "holder_of", "renew_key", "split_key"]
+
+logger = logging.getLogger("celery_dlock.lock")
+
+
+def renew_key(prefix: str, name: str) -> str:
+    """The key the scheduler knows a hold by."""
+    return json.dumps([prefix, name])
+
+
+def split_key(key: str) -> tuple[str, str]:
+    prefix, name = json.loads(key)
+    return str(prefix), str(name)
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """A JSON object column as a mapping (a driver may give it parsed, or as text)."""
+    if isinstance(value, (bytes, bytearray, str)):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, Mapping) else {}
+
+
+def holder_of(row: tuple[Any, ...]) -> Holder:
+    """The :class:`Holder` of a hold row: ``name, owner, count, fence, age (s), ttl
+    left (s), info``."""
+    _, owner, count, fence, age, ttl, info = row
+    return Holder(owner=_text(owner), count=int(count), fence=int(fence),
+                  age=None if age is None else max(0.0, float(age)),
+                  ttl=None if ttl is None else max(0.0, float(ttl)),
+                  info={str(k): str(v) for k, v in _mapping(info).items()})
+
+
+def hold_info(row: tuple[Any, ...]) -> HoldInfo:
+    """The :class:`HoldInfo` (``celery dlock``'s view) of a hold row."""
+    holder = holder_of(row)
+    extra = dict(holder.info)
+    pid = extra.pop("pid", None)
+    task_name = extra.pop("task_name", None)
+    task_id = extra.pop("task_id", None)
+    worker = extra.pop("worker", None)
+    host = extra.pop("host", None)
+    return HoldInfo(key=_text(row[0]) or "", task_name=task_name, task_id=task_id,
+                    worker=worker, pid=int(pid) if pid and pid.isdigit() else None,
+                    owner=holder.owner or "", count=holder.count, fence=holder.fence,
+                    ttl=holder.ttl, held_for=holder.age, host=host, extra=extra)
+
+
+class Status(NamedTuple):
+    """A lock's row as one owner sees it: who holds it (None: nobody), whether that
+    hold is live, whether an operation id was applied, and the last force release's
+    note."""
+
+    owner: str | None
+    live: bool
+    applied: bool
+    forced: Any
+
+
+class LeaseLock(Hold):
+    """The lease-row lock of every SQL dialect (the dialect subclasses it)."""
+
+    prefix: str
+
+    # -- what a dialect provides --------------------------------------------------------
+
+    def _try_acquire(self, owner: str, op: str, ttl_ms: int
+                     ) -> tuple[int, int] | None:
+        """Take the lock for ``owner`` (or re-enter its live hold) when free, expired
+        or its own: ``(fence, count)``; None when another owner holds it."""
+        raise NotImplementedError
+
+    def _try_reenter(self, owner: str, op: str, ttl_ms: int,
+                     fence: int | None) -> int | None:
+        """Re-enter ``owner``'s live hold with ``fence`` (None: any): its fence, or
+        None when that hold is gone."""
+        raise NotImplementedError
+
+    def _try_release(self, owner: str, op: str) -> int | None:
+        """Undo one acquire of ``owner``'s live hold unless ``op`` was applied: the
+        new count (0: freed, and the waiters told), or None."""
+        raise NotImplementedError
+
+    def _try_extend(self, owner: str, ttl_ms: int) -> bool:
+        """Make ``owner``'s live hold expire no sooner than ``ttl_ms`` from now (only
+        ever later): whether it was held."""
+        raise NotImplementedError
+
+    def _status_of(self, owner: str, op: str) -> Status | None:
+        """The row's :class:`Status` (None: no row)."""
+        raise NotImplementedError
+
+    def _hold_row(self) -> tuple[Any, ...] | None:
+        """The live hold's row (see :func:`holder_of`), or None."""
+        raise NotImplementedError
+
+    def _sleep_turn(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for the lock to be freed."""
+        raise NotImplementedError
+
+    def _stop_waiting(self) -> None:
+        """The acquire ended: let go of what waiting took."""
+
+    # -- the lease row's answers -------------------------------------------------------
+
+    def _status(self, owner: str, op: str = "") -> tuple[int, bool, Any]:
+        """``OK``/``GONE``/``TAKEN`` for ``owner``, whether ``op`` was applied, and
+        the last force release's note."""
+        found = self._status_of(owner, op)
+        if found is None:
+            return GONE, False, None
+        if found.owner is None or not found.live:
+            return GONE, found.applied, found.forced
+        return (OK if found.owner == owner else TAKEN), found.applied, found.forced
+
+    def _send_acquire(self, owner: str, op: str, *, queue: bool,
+                      reentry: bool) -> Grant | Refused | int:
+        ttl = self._acquire_ttl_ms(reentry)  # never past a max_hold bound
+        if reentry:
+            fence = self._try_reenter(owner, op, ttl, self._fence)
+            if fence is None:
+                return TAKEN if self._status(owner)[0] == TAKEN else GONE
+            return Grant(fence, True)
+        granted = self._try_acquire(owner, op, ttl)
+        if granted is not None:
+            self._stop_waiting()
+            return Grant(granted[0], granted[1] > 1)
+        held = self._hold_row()
+        if held is None:  # freed between the two statements: try again at once
+            self.last_holder = None
+            return Refused(0.0)
+        self.last_holder = holder_of(held)
+        ttl_left = self.last_holder.ttl
+        return Refused(None if ttl_left is None else ttl_left + 0.001)
+
+    def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
+        slice_ = self.wait_slice if left is None else min(self.wait_slice, left)
+        if refused.retry_in is not None:
+            slice_ = min(slice_, refused.retry_in)
+        if slice_ > 0:
+            self._sleep_turn(slice_)
+
+    #: The longest single wait of a blocked acquirer before it tries again (seconds).
+    wait_slice = 2.0
+
+    def _leave_line(self, owner: str) -> None:
+        self._stop_waiting()
+
+    def _give_back(self, owner: str) -> None:
+        try:
+            self._send_release(owner, new_op_id())
+        except Exception as exc:  # it expires by itself
+            logger.debug("could not give back %r: %s", self.name, exc)
+
+    def _send_release(self, owner: str, op: str) -> int:
+        count = self._try_release(owner, op)
+        if count is not None:
+            return OK if count == 0 else STILL_HELD
+        code, applied, _ = self._status(owner, op)
+        if applied:  # a re-sent release the server already applied
+            return STILL_HELD if code == OK else OK
+        return code
+
+    def _send_extend(self, owner: str, ttl_ms: int, op: str) -> int:
+        # Extending only ever moves the expiry later: a second execution changes
+        # nothing.
+        if self._try_extend(owner, ttl_ms):
+            return OK
+        return self._status(owner)[0]
+
+    def _read_status(self, owner: str) -> int:
+        return self._status(owner)[0]
+
+    def _renew_key(self) -> str:
+        return renew_key(self.prefix, self.name)
+
+    def _explain_loss(self, default: str, owner: str, fence: int | None) -> str:
+        """``default``, or who released this hold by force and why."""
+        try:
+            forced = self._status(owner)[2]
+        except Exception:
+            return default
+        note = forced_reason(_mapping(forced) or None, owner, fence)
+        return default if note is None else note[1]
+
+    # -- reading ----------------------------------------------------------------------
+
+    def locked(self) -> bool:
+        """Whether anyone holds the lock."""
+        return self._hold_row() is not None
+
+    def holder(self) -> Holder | None:
+        """Who holds the lock now (None when free)."""
+        row = self._hold_row()
+        return holder_of(row) if row is not None else None
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.name!r} ttl={self.ttl:g}s "
+                f"depth={self._depth} fence={self._fence}>")

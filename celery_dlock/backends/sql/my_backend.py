@@ -1,0 +1,113 @@
+"""The MySQL/MariaDB backend behind :class:`~celery_dlock.core.protocol.Backend`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from ...core.errors import InvalidLockConfig
+from ...core.holds import HoldChanged, HoldInfo
+from ...core.text import clean_text
+from .lease import hold_info
+from .my_schema import lock_id
+from .my_server import MyServer, server_for
+from .my_statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS
+from .mysql import MySQLLock
+
+__all__ = ["MYSQL_SCHEMES", "MySQLBackend"]
+
+#: The URL schemes of this backend.
+MYSQL_SCHEMES = ("mysql://", "mariadb://")
+
+
+def _matches(info: Any, conditions: Mapping[str, str]) -> bool:
+    try:
+        found = json.loads(info or "{}")
+    except ValueError:
+        return not conditions
+    return isinstance(found, dict) and all(
+        str(found.get(k)) == v and k in found for k, v in conditions.items())
+
+
+class MySQLBackend:
+    """The locks kept in one MySQL or MariaDB server's lease table."""
+
+    kind = "mysql"
+    fences = True
+
+    def __init__(self, url: str | MyServer) -> None:
+        self.server = url if isinstance(url, MyServer) else server_for(url)
+
+    def lock(self, name: str, ttl: float, *, prefix: str,
+             info: Mapping[str, object] | None = None, owner: str | None = None,
+             on_lost: Callable[[Any], object] | None = None,
+             auto_renew: bool = True, pause_budget: float | None = None,
+             max_hold: float | None = None, limit: int = 1) -> MySQLLock:
+        if limit != 1:
+            raise InvalidLockConfig(
+                f"lock_limit={limit!r}: the mysql backend keeps locks of one holder; "
+                f"semaphores (lock_limit > 1) need a Redis backend (docs/backends.md)",
+                lock_name=name)
+        return MySQLLock(self.server, name, ttl, prefix=prefix, info=info,
+                         owner=owner, on_lost=on_lost, auto_renew=auto_renew,
+                         pause_budget=pause_budget, max_hold=max_hold)
+
+    def _rows(self, statement: str, params: Mapping[str, Any], what: str,
+              name: str | None = None) -> list[tuple[Any, ...]]:
+        def work(cur: Any) -> list[tuple[Any, ...]]:
+            cur.execute(statement.format(t=self.server.table), params)
+            return [tuple(row) for row in cur.fetchall()]
+        return self.server.run(work, what, name)
+
+    def read(self, prefix: str, name: str) -> HoldInfo | None:
+        rows = self._rows(HOLD, {"id": lock_id(prefix, name)}, "a read", name)
+        return hold_info(rows[0]) if rows else None
+
+    def holds(self, prefix: str) -> Iterator[HoldInfo]:
+        for row in self._rows(HOLDS, {"prefix": prefix}, "a read"):
+            yield hold_info(row)
+
+    def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
+        """Always 0: waiters poll and keep no line (docs/backends.md)."""
+        return dict.fromkeys(names, 0)
+
+    def storage_key(self, prefix: str, name: str) -> str:
+        return f"{self.server.table_name}[{prefix}, {name}]"
+
+    def force_release(self, prefix: str, name: str, *, fence: int | None = None,
+                      by: str | None = None, reason: str | None = None,
+                      conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+        wanted = {str(k): str(v) for k, v in (conditions or {}).items()}
+        params = {"id": lock_id(prefix, name)}
+
+        def work(cur: Any) -> tuple[tuple[Any, ...], bool] | None:
+            cur.execute(FORCE_ROW.format(t=self.server.table), params)
+            row = cur.fetchone()
+            if row is None:
+                return None
+            row = tuple(row)
+            if (fence is not None and int(row[3]) != fence) or \
+                    not _matches(row[6], wanted):
+                return row, False
+            owner = row[1].decode() if isinstance(row[1], bytes) else row[1]
+            note = json.dumps({"fence": int(row[3]), "owner": owner,
+                               "by": clean_text(by), "reason": clean_text(reason)})
+            cur.execute(FORCE_FREE.format(t=self.server.table),
+                        {**params, "forced": note})
+            return row, True
+
+        done = self.server.run(work, "force release", name, transaction=True)
+        if done is None:
+            return None
+        found = hold_info(done[0])
+        if done[1]:
+            return found
+        if fence is not None and found.fence != fence:
+            raise HoldChanged(f"lock {name!r} is now held by another hold (fence "
+                              f"{found.fence}, not {fence}): nothing was freed",
+                              lock_name=name, current=found)
+        return None
+
+    def __repr__(self) -> str:
+        return f"<MySQLBackend {self.server.shown}>"

@@ -1,0 +1,71 @@
+"""The MySQL/MariaDB lease table: its definition, the check that a table found at its
+name is ours, and the words of a refusal (docs/backends.md, MySQL / MariaDB).
+
+The columns are PostgreSQL's (:mod:`.schema`) in MySQL's types, and one more: the
+primary key ``lock_id`` is the SHA-256 of prefix and name (hex), so a name of any
+length is one short key and is compared byte for byte (``prefix``, ``name`` and
+``owner`` are ``BLOB``: no collation folds case or trailing blanks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+__all__ = ["COLUMNS", "FREE", "GRANTS", "create_sql", "lock_id", "missing_columns",
+           "quote_table"]
+
+#: Each column and the ``DATA_TYPE`` information_schema reports for it.
+COLUMNS: dict[str, str] = {
+    "lock_id": "char",
+    "prefix": "blob",
+    "name": "blob",
+    "owner": "blob",
+    "count": "int",
+    "fence": "bigint",
+    "acquired_at": "datetime",
+    "expires_at": "datetime",
+    "ttl_ms": "bigint",
+    "info": "text",
+    "ops": "text",
+    "forced": "text",
+}
+
+#: ``expires_at`` of a free row.
+FREE = "1970-01-01 00:00:00"
+
+#: What a user who may not create tables needs on a table made for it beforehand.
+GRANTS = "GRANT SELECT, INSERT, UPDATE ON {table} TO <user>"
+
+_NAME = re.compile(r"^[A-Za-z0-9_$]{1,64}(\.[A-Za-z0-9_$]{1,64})?$")
+
+
+def lock_id(prefix: str, name: str) -> str:
+    """The row's key of a lock."""
+    return hashlib.sha256(f"{prefix}\x00{name}".encode()).hexdigest()
+
+
+def quote_table(table: str) -> str | None:
+    """``table`` (``name`` or ``database.name``) quoted, or None when it is not a
+    plain name."""
+    if not _NAME.match(table):
+        return None
+    return ".".join(f"`{part}`" for part in table.split("."))
+
+
+def create_sql(table: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for ``table`` (an already quoted name)."""
+    return (f"CREATE TABLE IF NOT EXISTS {table} ("
+            "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+            "prefix BLOB NOT NULL, name BLOB NOT NULL, owner BLOB NULL, "
+            "`count` INT NOT NULL DEFAULT 0, fence BIGINT NOT NULL DEFAULT 0, "
+            "acquired_at DATETIME(6) NULL, expires_at DATETIME(6) NOT NULL, "
+            "ttl_ms BIGINT NOT NULL DEFAULT 0, info TEXT NOT NULL, ops TEXT NOT NULL, "
+            "forced TEXT NULL, PRIMARY KEY (lock_id), KEY dlock_prefix (prefix(64))"
+            ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
+
+
+def missing_columns(found: dict[str, str]) -> list[str]:
+    """The columns (``name type``) a table with columns ``found`` lacks."""
+    return [f"{col} {kind}" for col, kind in COLUMNS.items()
+            if found.get(col, "").lower() != kind]

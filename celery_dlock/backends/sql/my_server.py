@@ -1,0 +1,352 @@
+"""One MySQL or MariaDB server as this process sees it: :class:`MyServer`.
+
+A server is named by its URL (``mysql://`` or ``mariadb://``); each process keeps one
+:class:`MyServer` per URL (:func:`server_for`), rebuilt after a fork, with
+
+* one connection for the locks' calls (autocommit; PyMySQL connections are not
+  thread-safe, so the threads take turns), opened on first use and again after a
+  failure;
+* the lease table checked (or created) once.
+
+Every call is either one autocommitted statement or one short transaction (a locked
+read of one row and one write: :mod:`.mysql`).  A call that fails on a connection
+that was already open is sent once more on a fresh one (every operation is idempotent
+under its operation id; a transaction cut short is rolled back by the server): a
+server restart costs the caller nothing but that round trip.
+
+Bounded waits: ``connect_timeout`` 3 s, ``read_timeout`` and ``write_timeout`` 5 s
+(PyMySQL's socket timeouts; the URL may set others), and a row lock is waited for at
+most 2 s (``innodb_lock_wait_timeout``).
+
+Errors: a server that does not answer, or a connection that breaks, is
+:class:`BackendUnavailable`; a table at our name with other columns is
+:class:`LockKeyConflict` (nothing changed); a user without a privilege the locks need
+is :class:`InvalidLockConfig` naming the GRANT (docs/backends.md).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import pymysql
+from pymysql.constants import CLIENT
+
+from ...core.errors import (
+    BackendUnavailable,
+    DLockError,
+    InvalidLockConfig,
+    LockKeyConflict,
+)
+from ...core.urls import mask_url
+from .my_schema import GRANTS, create_sql, missing_columns, quote_table
+from .schema import DEFAULT_TABLE
+
+__all__ = ["CONNECT_TIMEOUT", "READ_TIMEOUT", "MyServer", "server_for"]
+
+_T = TypeVar("_T")
+
+#: Seconds to wait for a connection.
+CONNECT_TIMEOUT = 3.0
+#: Seconds a reply (or a write) may take before the connection counts as dead.
+READ_TIMEOUT = 5.0
+#: Seconds a statement waits for a row lock another transaction holds.
+LOCK_WAIT_TIMEOUT = 2
+
+_TIMEOUTS = ("connect_timeout", "read_timeout", "write_timeout")
+_SSL = {"ssl_ca": "ca", "ssl_cert": "cert", "ssl_key": "key"}
+#: Error numbers that say the server, not the statement, failed (besides the
+#: client's own 2000-2999): too many connections, shutting down, a connection killed,
+#: a lock wait or deadlock (the transaction was rolled back), a statement timeout.
+_UNAVAILABLE = {1040, 1053, 1077, 1205, 1213, 1927, 3024, 4031}
+#: Privileges refused.
+_DENIED = {1044, 1045, 1142, 1143, 1227, 1370}
+#: A table of another shape: unknown column, no default, NULL, bad value, too long.
+_FOREIGN = {1048, 1054, 1292, 1364, 1366, 1406}
+_NO_TABLE = 1146
+#: A transaction the server rolled back that may simply be run again: a deadlock,
+#: and a first acquire of a name whose row another inserted at the same moment.
+_ROLLED_BACK = {1213, 1062}
+
+
+def _errno(exc: BaseException) -> int:
+    args: tuple[Any, ...] = getattr(exc, "args", ())
+    return args[0] if args and isinstance(args[0], int) else 0
+
+
+def _message(exc: BaseException) -> str:
+    args: tuple[Any, ...] = getattr(exc, "args", ())
+    text = str(args[1]) if len(args) > 1 else str(exc)
+    return (text.strip().splitlines() or [type(exc).__name__])[0]
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server could not be reached or did not answer (rather
+    than refusing a statement)."""
+    if isinstance(exc, (OSError, pymysql.err.InterfaceError)):
+        return True
+    if not isinstance(exc, pymysql.err.MySQLError):
+        return False
+    code = _errno(exc)
+    return code == 0 or 2000 <= code < 3000 or code in _UNAVAILABLE
+
+
+def connect_args(url: str) -> tuple[dict[str, Any], str]:
+    """PyMySQL's ``connect()`` keywords for ``url`` with this backend's defaults,
+    and the table ``?dlock_table=`` names (:class:`InvalidLockConfig` for a URL it
+    cannot read; nothing of the password is shown)."""
+    shown = mask_url(url)
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("mysql", "mariadb"):
+        raise InvalidLockConfig(f"not a mysql:// or mariadb:// URL: {shown!r}")
+    try:
+        port = parts.port or 3306
+    except ValueError:
+        raise InvalidLockConfig(f"the port of {shown!r} is not a number") from None
+    args: dict[str, Any] = {
+        "host": parts.hostname or "localhost", "port": port,
+        "user": unquote(parts.username or "") or None,
+        "password": unquote(parts.password or ""),
+        "database": unquote(parts.path.lstrip("/")) or None,
+        "connect_timeout": CONNECT_TIMEOUT, "read_timeout": READ_TIMEOUT,
+        "write_timeout": READ_TIMEOUT}
+    table = DEFAULT_TABLE
+    ssl: dict[str, str] = {}
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key == "dlock_table":
+            table = value
+        elif key in _TIMEOUTS:
+            try:
+                args[key] = float(value)
+            except ValueError:
+                raise InvalidLockConfig(f"{key}={value!r} in {shown!r} is not a "
+                                        f"number of seconds") from None
+            if not args[key] > 0:
+                raise InvalidLockConfig(f"{key} in {shown!r} must be > 0")
+        elif key == "unix_socket":
+            args["unix_socket"] = value
+        elif key in _SSL:
+            ssl[_SSL[key]] = value
+        else:
+            raise InvalidLockConfig(
+                f"unknown parameter {key!r} in the MySQL URL {shown!r} (known: "
+                f"dlock_table, {', '.join(_TIMEOUTS)}, unix_socket, "
+                f"{', '.join(_SSL)})")
+    if ssl:
+        args["ssl"] = ssl
+    if args["database"] is None and "." not in table:
+        raise InvalidLockConfig(f"the MySQL URL {shown!r} names no database: "
+                                f"mysql://user:password@host:3306/DATABASE")
+    if quote_table(table) is None:
+        raise InvalidLockConfig(f"dlock_table={table!r} is not a table name (letters, "
+                                f"digits, _ and $, optionally database.table)")
+    return args, table
+
+
+class MyServer:
+    """One server's connection and table, shared by the locks of a process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.shown = mask_url(url)
+        self._args, self.table_name = connect_args(url)
+        self.table = quote_table(self.table_name) or ""
+        self._lock = threading.Lock()
+        self._conn: pymysql.connections.Connection[Any] | None = None
+        self._pid = os.getpid()
+        self._checked = False
+
+    # -- connections ----------------------------------------------------------------
+
+    def connect(self) -> pymysql.connections.Connection[Any]:
+        """A new autocommit connection (rowcount: the rows matched)."""
+        try:
+            return pymysql.connect(
+                **self._args, autocommit=True, charset="utf8mb4",
+                client_flag=CLIENT.FOUND_ROWS,
+                init_command=f"SET SESSION innodb_lock_wait_timeout = "
+                             f"{LOCK_WAIT_TIMEOUT}")
+        except Exception as exc:
+            raise self.error(exc, "connect") from None
+
+    def unavailable(self, exc: BaseException, what: str,
+                    lock_name: str | None = None) -> DLockError:
+        text = _message(exc).replace(self.url, self.shown)
+        return BackendUnavailable(f"MySQL unavailable at {self.shown} during {what}: "
+                                  f"{text}", lock_name=lock_name)
+
+    def error(self, exc: BaseException, what: str,
+              lock_name: str | None = None) -> DLockError:
+        """The DLockError for ``exc``."""
+        if isinstance(exc, DLockError):
+            return exc
+        code = _errno(exc)
+        if code in _DENIED:
+            return InvalidLockConfig(
+                f"MySQL at {self.shown} refused {what}: {_message(exc)}; the user needs "
+                f"{GRANTS.format(table=self.table_name)} (docs/backends.md, "
+                f"least-privilege setup)", lock_name=lock_name)
+        if is_unavailable(exc):
+            return self.unavailable(exc, what, lock_name)
+        if code in _FOREIGN:
+            return LockKeyConflict(
+                f"the table {self.table_name} at {self.shown} is not celery-dlock's "
+                f"lease table ({_message(exc)}); nothing was changed: name another "
+                f"with ?dlock_table=", lock_name=lock_name)
+        return BackendUnavailable(f"MySQL at {self.shown} refused {what}: "
+                                  f"{_message(exc)}", lock_name=lock_name)
+
+    def _connection(self) -> tuple[pymysql.connections.Connection[Any], bool]:
+        """The shared connection, and whether it was just opened (``self._lock``
+        held)."""
+        conn = self._conn
+        if conn is not None and conn.open:
+            return conn, False
+        conn = self._conn = self.connect()
+        return conn, True
+
+    def _drop(self, conn: pymysql.connections.Connection[Any]) -> None:
+        if self._conn is conn:
+            self._conn = None
+        try:
+            conn.close()
+        except Exception:
+            pass
+
+    def run(self, work: Callable[[Any], _T], what: str, lock_name: str | None = None,
+            *, transaction: bool = False) -> _T:
+        """``work(cursor)`` on the shared connection (in one transaction when told),
+        the table checked first: its result.  Run once more on a fresh connection
+        when a reused one failed, or when the server rolled the transaction back on
+        a deadlock (whatever is sent here may be sent twice)."""
+        self.ensure_table(lock_name)
+        if self._pid != os.getpid():  # a forked child: the parent's connection
+            self._pid, self._conn, self._lock = os.getpid(), None, threading.Lock()
+        with self._lock:
+            for attempt in (1, 2):
+                conn, fresh = self._connection()
+                try:
+                    with conn.cursor() as cur:
+                        if not transaction:
+                            return work(cur)
+                        conn.begin()
+                        try:
+                            result = work(cur)
+                        except BaseException:
+                            conn.rollback()
+                            raise
+                        conn.commit()
+                        return result
+                except Exception as exc:
+                    code = _errno(exc)
+                    if code == _NO_TABLE and attempt == 1:
+                        self._checked = False  # gone (a restore, a new server): again
+                        self.ensure_table(lock_name)
+                        continue
+                    if transaction and code in _ROLLED_BACK and attempt == 1:
+                        continue  # rolled back: the deadlock is gone, the row is there
+                    if not is_unavailable(exc) or isinstance(exc, DLockError):
+                        raise self.error(exc, what, lock_name) from None
+                    self._drop(conn)
+                    if fresh or attempt == 2:
+                        raise self.error(exc, what, lock_name) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # -- the table ------------------------------------------------------------------
+
+    def _columns(self, cur: Any) -> dict[str, str] | None:
+        schema, _, table = self.table_name.rpartition(".")
+        cur.execute("SELECT COLUMN_NAME, DATA_TYPE FROM information_schema.COLUMNS "
+                    "WHERE TABLE_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s",
+                    (schema or None, table))
+        rows = cur.fetchall()
+        return {str(n).lower(): str(t).lower() for n, t in rows} if rows else None
+
+    def ensure_table(self, lock_name: str | None = None) -> None:
+        """Check the lease table once per process (create it when missing):
+        :class:`LockKeyConflict` when a table of another shape is at its name."""
+        if self._checked:
+            return
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                found = self._columns(cur)
+                if found is None:
+                    try:
+                        cur.execute(create_sql(self.table))
+                    except pymysql.err.MySQLError as exc:
+                        if _errno(exc) in _DENIED:
+                            raise InvalidLockConfig(
+                                f"the lease table {self.table_name} does not exist at "
+                                f"{self.shown} and this user may not create it "
+                                f"({_message(exc)}): create it once as in "
+                                f"docs/backends.md and "
+                                f"{GRANTS.format(table=self.table_name)}",
+                                lock_name=lock_name) from None
+                        if _errno(exc) != 1050:  # 1050: made at the same moment
+                            raise
+                    found = self._columns(cur)
+                if found is None:  # it exists, and this user may not see it
+                    raise InvalidLockConfig(
+                        f"the lease table {self.table_name} at {self.shown} is not "
+                        f"readable by this user: {GRANTS.format(table=self.table_name)}",
+                        lock_name=lock_name)
+                missing = missing_columns(found)
+                if missing:
+                    raise LockKeyConflict(
+                        f"a table {self.table_name} at {self.shown} is not "
+                        f"celery-dlock's lease table (it lacks {', '.join(missing)}); "
+                        f"nothing was changed: name another with ?dlock_table=",
+                        lock_name=lock_name)
+        except DLockError:
+            raise
+        except Exception as exc:
+            raise self.error(exc, "the table check", lock_name) from None
+        finally:
+            try:
+                conn.close()
+            except Exception:
+                pass
+        self._checked = True
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<MyServer {self.shown} table={self.table_name}>"
+
+
+_servers: dict[str, MyServer] = {}
+_servers_lock = threading.Lock()
+
+
+def server_for(url: str) -> MyServer:
+    """This process's :class:`MyServer` for ``url``."""
+    with _servers_lock:
+        server = _servers.get(url)
+        if server is None:
+            server = _servers[url] = MyServer(url)
+        return server
+
+
+def servers() -> Sequence[MyServer]:
+    with _servers_lock:
+        return list(_servers.values())
+
+
+def _after_fork_in_child() -> None:
+    global _servers_lock
+    _servers.clear()  # the parent's connections are not the child's
+    _servers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

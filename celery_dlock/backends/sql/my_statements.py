@@ -1,0 +1,103 @@
+"""The MySQL/MariaDB statements of the lease table (PyMySQL's ``%(name)s``
+parameters; ``{t}`` is the quoted table).
+
+Every time is the server's: ``UTC_TIMESTAMP(6)`` (one value per statement, whatever
+the session's time zone).  The rows are keyed by ``lock_id``
+(:func:`~.my_schema.lock_id`).  Operation ids (``ops``, a comma-separated list of the
+last :data:`OPS_KEPT`) let a re-sent acquire or release be answered as the first.
+The statements that decide (acquire, re-entry, release, force release) run in one
+short transaction after :data:`ROW` locked the row (:mod:`.mysql`): MySQL has no
+``RETURNING`` and evaluates an ``UPDATE``'s assignments left to right, so one
+statement cannot both decide and report; the decision is made on the locked row, the
+write is one statement.  Extend and renewal only ever move the expiry later and are
+one autocommitted ``UPDATE`` each.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXTEND", "FORCE_FREE", "FORCE_ROW", "HOLD", "HOLDS", "INSERT", "OPS_KEPT",
+           "REENTER", "RELEASE", "ROW", "STATUS", "TAKE", "renew_many", "status_many"]
+
+#: How many operation ids each row keeps.
+OPS_KEPT = 64
+
+NOW = "UTC_TIMESTAMP(6)"
+_EPOCH_US = f"TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', {NOW})"
+_EXPIRY = f"{NOW} + INTERVAL %(ttl_us)s MICROSECOND"
+_OPS = f"SUBSTRING_INDEX(CONCAT_WS(',', NULLIF(ops, ''), %(op)s), ',', -{OPS_KEPT})"
+_APPLIED = "(%(op)s <> '' AND FIND_IN_SET(%(op)s, ops) > 0)"
+_LIVE = f"owner IS NOT NULL AND expires_at > {NOW}"
+
+#: The row, locked: owner, count, fence, live, whether ``op`` was applied, and the
+#: server's time in microseconds since the epoch (the floor of a fresh fence).
+ROW = (f"SELECT owner, `count`, fence, expires_at > {NOW}, {_APPLIED}, {_EPOCH_US} "
+       "FROM {t} WHERE lock_id = %(id)s FOR UPDATE")
+
+#: The first hold of a name (its row did not exist): fence = the server's time.
+INSERT = ("INSERT INTO {t} (lock_id, prefix, name, owner, `count`, fence, acquired_at, "
+          "expires_at, ttl_ms, info, ops) VALUES (%(id)s, %(prefix)s, %(name)s, "
+          f"%(owner)s, 1, {_EPOCH_US}, {NOW}, {_EXPIRY}, %(ttl)s, %(info)s, %(op)s)")
+
+#: A fresh hold on an existing row (free, expired, or another hold of the caller's
+#: that lapsed), with the fence the transaction chose.
+TAKE = (f"UPDATE {{t}} SET owner = %(owner)s, `count` = 1, fence = %(fence)s, "
+        f"acquired_at = {NOW}, expires_at = {_EXPIRY}, ttl_ms = %(ttl)s, "
+        f"info = %(info)s, ops = {_OPS} WHERE lock_id = %(id)s")
+
+#: A re-entry (``add``: 1, or 0 for a re-sent one): never shortens the hold.
+REENTER = (f"UPDATE {{t}} SET `count` = `count` + %(add)s, "
+           f"expires_at = GREATEST(expires_at, {_EXPIRY}), "
+           f"ttl_ms = GREATEST(ttl_ms, %(ttl)s), ops = {_OPS} WHERE lock_id = %(id)s")
+
+#: One release: the new ``count`` (0 frees the row; its fence stays).
+RELEASE = ("UPDATE {t} SET `count` = %(count)s, "
+           "owner = IF(%(count)s = 0, NULL, owner), "
+           "expires_at = IF(%(count)s = 0, '1970-01-01 00:00:00', expires_at), "
+           f"ops = {_OPS} WHERE lock_id = %(id)s")
+
+#: Make ``owner``'s live hold expire no sooner than ttl from now (matched rows: 1
+#: when held).
+EXTEND = (f"UPDATE {{t}} SET expires_at = GREATEST(expires_at, {_EXPIRY}), "
+          "ttl_ms = GREATEST(ttl_ms, %(ttl)s) "
+          f"WHERE lock_id = %(id)s AND owner = %(owner)s AND expires_at > {NOW}")
+
+#: owner, live, whether ``op`` was applied, the last force release's note.
+STATUS = (f"SELECT owner, expires_at > {NOW}, {_APPLIED}, forced "
+          "FROM {t} WHERE lock_id = %(id)s")
+
+_HOLD_COLUMNS = (
+    "name, owner, `count`, fence, "
+    f"TIMESTAMPDIFF(MICROSECOND, acquired_at, {NOW}) / 1000000, "
+    f"TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) / 1000000, info")
+
+#: The live hold of a name: name, owner, count, fence, age, ttl left (s), info.
+HOLD = f"SELECT {_HOLD_COLUMNS} FROM {{t}} WHERE lock_id = %(id)s AND {_LIVE}"
+
+#: Every live hold under a prefix.
+HOLDS = (f"SELECT {_HOLD_COLUMNS} FROM {{t}} WHERE prefix = %(prefix)s AND {_LIVE} "
+         "ORDER BY name")
+
+#: The live hold, locked, for a force release (HOLD's columns).
+FORCE_ROW = f"{HOLD} FOR UPDATE"
+
+#: Free the row whoever holds it, leaving who did it and why.
+FORCE_FREE = ("UPDATE {t} SET owner = NULL, `count` = 0, "
+              "expires_at = '1970-01-01 00:00:00', forced = %(forced)s "
+              "WHERE lock_id = %(id)s")
+
+
+def renew_many(table: str, count: int) -> str:
+    """Renew ``count`` holds in one statement; its parameters: ``(lock_id, ttl_us)``
+    per hold, then ``(lock_id, owner)`` per hold.  Matched rows: the holds renewed."""
+    cases = " ".join(["WHEN %s THEN %s"] * count)
+    pairs = ", ".join(["(%s, %s)"] * count)
+    return (f"UPDATE {table} SET expires_at = GREATEST(expires_at, {NOW} + INTERVAL "
+            f"(CASE lock_id {cases} END) MICROSECOND) "
+            f"WHERE (lock_id, owner) IN ({pairs}) AND expires_at > {NOW}")
+
+
+def status_many(table: str, count: int) -> str:
+    """For the holds a renewal missed: lock_id, owner, live, forced."""
+    ids = ", ".join(["%s"] * count)
+    return (f"SELECT lock_id, owner, expires_at > {NOW}, forced FROM {table} "
+            f"WHERE lock_id IN ({ids})")

@@ -1,0 +1,206 @@
+"""``MySQLLock``: a reentrant, renewed, owner-checked lock kept in a MySQL or MariaDB
+lease table (docs/backends.md, MySQL / MariaDB).
+
+One InnoDB row per lock name (:mod:`.my_schema`), on the server's clock.  Acquire,
+re-entry and release are each one short transaction: the row read ``FOR UPDATE``,
+the answer decided on it, one write (:mod:`.my_statements` says why one statement
+cannot); extend and renewal are one autocommitted ``UPDATE``.  A call re-sent after a
+lost reply (with the same operation id) is answered as the first; fences are a
+per-name counter kept in the row past release.  MySQL cannot wake a waiter: a blocked
+acquirer polls, with a backoff bounded by :data:`POLL_MAX` and by the holder's
+remaining ttl.  The process's scheduler renews every hold of a server with one
+statement per interval (:mod:`.my_renewal`).  What the answers mean is
+:class:`~.lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
+:class:`~celery_dlock.core.hold.Hold`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ...core.hold import DEFAULT_PREFIX, check_lock_options
+from ...core.renew_target import RenewTarget
+from ...core.scheduler import RenewalScheduler
+from .lease import LeaseLock, Status
+from .my_renewal import renew_target
+from .my_schema import lock_id
+from .my_server import MyServer, server_for
+from .my_statements import (
+    EXTEND,
+    HOLD,
+    INSERT,
+    REENTER,
+    RELEASE,
+    ROW,
+    STATUS,
+    TAKE,
+)
+
+__all__ = ["POLL_MAX", "POLL_MIN", "MySQLLock"]
+
+#: The first and the longest sleep of a blocked acquirer between two tries (seconds;
+#: the sleep doubles from one to the other, with a little jitter).
+POLL_MIN = 0.02
+POLL_MAX = 0.5
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, (bytes, bytearray)) else value
+
+
+class MySQLLock(LeaseLock):
+    """A reentrant distributed lock in a MySQL or MariaDB table.
+
+    :param url: the server's ``mysql://user:password@host:port/database`` (or
+        ``mariadb://``) URL (``?dlock_table=`` names another table than
+        ``dlock_locks``), or a :class:`~.my_server.MyServer`.
+    Every other parameter is :class:`~celery_dlock.RedisLock`'s.
+
+    A server that cannot be reached is :class:`BackendUnavailable`; a table of
+    another application at the lease table's name :class:`LockKeyConflict`; a user
+    who may not create the table (or write it) :class:`InvalidLockConfig` naming the
+    GRANT it needs.
+    """
+
+    wait_slice = POLL_MAX
+
+    def __init__(
+        self,
+        url: str | MyServer,
+        name: str,
+        ttl: float = 30.0,
+        *,
+        auto_renew: bool = True,
+        owner: str | None = None,
+        on_lost: Callable[[MySQLLock], object] | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        info: Mapping[str, object] | None = None,
+        blocking_timeout: float | None = None,
+        scheduler: RenewalScheduler | None = None,
+        pause_budget: float | None = None,
+        max_hold: float | None = None,
+    ) -> None:
+        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
+                                       pause_budget)
+        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
+                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
+                         pause_budget=pause_budget, max_hold=max_hold)
+        self.server = url if isinstance(url, MyServer) else server_for(url)
+        self.prefix = prefix
+        self.lock_id = lock_id(prefix, name)
+        self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
+        self._poll = POLL_MIN
+
+    # -- talking to MySQL -------------------------------------------------------------
+
+    def _params(self, owner: str, **more: Any) -> dict[str, Any]:
+        return {"id": self.lock_id, "owner": owner, **more}
+
+    def _sql(self, statement: str) -> str:
+        return statement.format(t=self.server.table)
+
+    def _one(self, statement: str, params: Mapping[str, Any],
+             what: str) -> tuple[Any, ...] | None:
+        def work(cur: Any) -> tuple[Any, ...] | None:
+            cur.execute(self._sql(statement), params)
+            row = cur.fetchone()
+            return None if row is None else tuple(row)
+        return self.server.run(work, what, self.name)
+
+    def _try_acquire(self, owner: str, op: str, ttl_ms: int
+                     ) -> tuple[int, int] | None:
+        info = json.dumps({**self._info, "pid": str(os.getpid())})
+        params = self._params(owner, op=op, ttl=ttl_ms, ttl_us=ttl_ms * 1000, info=info,
+                              prefix=self.prefix, name=self.name)
+
+        def work(cur: Any) -> tuple[int, int] | None:
+            cur.execute(self._sql(ROW), params)
+            row = cur.fetchone()
+            if row is None:
+                cur.execute(self._sql(INSERT), params)
+                cur.execute(self._sql("SELECT fence FROM {t} WHERE lock_id = %(id)s"),
+                            params)
+                return int(cur.fetchone()[0]), 1
+            holder, count, fence, live, applied, now_us = row
+            holder = _text(holder)
+            if holder is not None and live and holder != owner:
+                return None  # another owner's live hold
+            if holder == owner and live:  # the owner's own hold: a re-entry
+                add = 0 if applied else 1
+                cur.execute(self._sql(REENTER), {**params, "add": add})
+                return int(fence), int(count) + add
+            fence = max(int(fence) + 1, int(now_us))
+            cur.execute(self._sql(TAKE), {**params, "fence": fence})
+            return fence, 1
+
+        return self.server.run(work, "acquire", self.name, transaction=True)
+
+    def _try_reenter(self, owner: str, op: str, ttl_ms: int,
+                     fence: int | None) -> int | None:
+        params = self._params(owner, op=op, ttl=ttl_ms, ttl_us=ttl_ms * 1000)
+
+        def work(cur: Any) -> int | None:
+            cur.execute(self._sql(ROW), params)
+            row = cur.fetchone()
+            if row is None:
+                return None
+            holder, _, found, live, applied, _ = row
+            if _text(holder) != owner or not live or \
+                    (fence is not None and int(found) != fence):
+                return None
+            cur.execute(self._sql(REENTER), {**params, "add": 0 if applied else 1})
+            return int(found)
+
+        return self.server.run(work, "acquire", self.name, transaction=True)
+
+    def _try_release(self, owner: str, op: str) -> int | None:
+        params = self._params(owner, op=op)
+
+        def work(cur: Any) -> int | None:
+            cur.execute(self._sql(ROW), params)
+            row = cur.fetchone()
+            if row is None:
+                return None
+            holder, count, _, live, applied, _ = row
+            if _text(holder) != owner or not live or applied:
+                return None
+            left = max(0, int(count) - 1)
+            cur.execute(self._sql(RELEASE), {**params, "count": left})
+            return left
+
+        return self.server.run(work, "release", self.name, transaction=True)
+
+    def _try_extend(self, owner: str, ttl_ms: int) -> bool:
+        params = self._params(owner, ttl=ttl_ms, ttl_us=ttl_ms * 1000)
+
+        def work(cur: Any) -> bool:
+            return bool(cur.execute(self._sql(EXTEND), params))
+
+        return self.server.run(work, "extend", self.name)
+
+    def _status_of(self, owner: str, op: str) -> Status | None:
+        row = self._one(STATUS, self._params(owner, op=op), "a read")
+        if row is None:
+            return None
+        holder, live, applied, forced = row
+        return Status(_text(holder), bool(live), bool(applied), forced)
+
+    def _hold_row(self) -> tuple[Any, ...] | None:
+        return self._one(HOLD, self._params(""), "a read")
+
+    def _sleep_turn(self, seconds: float) -> None:
+        """Poll: MySQL cannot wake a waiter.  The sleep doubles from
+        :data:`POLL_MIN` to :data:`POLL_MAX` (jittered, so waiters spread out)."""
+        time.sleep(min(seconds, self._poll * random.uniform(0.8, 1.2)))
+        self._poll = min(POLL_MAX, self._poll * 2)
+
+    def _stop_waiting(self) -> None:
+        self._poll = POLL_MIN
+
+    def _renew_target(self) -> RenewTarget | None:
+        target: RenewTarget = renew_target(self.server)
+        return target
