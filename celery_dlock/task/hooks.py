@@ -181,8 +181,6 @@ def free_lock_after_exit(task: Any, task_id: str, pid: int, hostname: str | None
 
 #: How often (seconds) the main process checks the children running locked tasks.
 CHILD_WATCH_INTERVAL = 0.05
-#: How many empty checks in a row end the watching thread (about 2 s).
-CHILD_WATCH_LINGER = 40
 
 
 def _still_running(request: Any) -> bool:
@@ -220,15 +218,10 @@ class _ChildWatch:
             self._entries.pop(request, None)
 
     def _run(self) -> None:
-        idle = 0
         while True:
             time.sleep(CHILD_WATCH_INTERVAL)
             with self._lock:
-                # Requests that end normally unwatch themselves, so the watch is often
-                # empty between two tasks: the thread waits a while for the next one
-                # before it ends, rather than being started again for every task.
-                idle = 0 if self._entries else idle + 1
-                if idle > CHILD_WATCH_LINGER:
+                if not self._entries:
                     self._thread = None
                     return
                 entries = list(self._entries.items())

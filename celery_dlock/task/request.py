@@ -42,10 +42,6 @@ class LockedRequest(Request):  # type: ignore[misc]
                                self.task.name, self.id, exc)
         return result
 
-    def on_success(self, failed__retval__runtime: Any, **kwargs: Any) -> Any:
-        unwatch_child(self)  # it ended: nothing left to free, nothing to scan
-        return super().on_success(failed__retval__runtime, **kwargs)
-
     def on_failure(self, exc_info: Any, send_failed_event: bool = True,
                    return_ok: bool = False) -> Any:
         unwatch_child(self)
