@@ -114,9 +114,12 @@ def _progress(out: TextIO, label: str, done: int, total: int, width: int = 36) -
 
 @contextmanager
 def _workers(url: str, prefix: str, queue: str, count: int, concurrency: int,
-             out: TextIO, grace: float = 30.0) -> Iterator[list[str]]:
+             out: TextIO, grace: float = 10.0) -> Iterator[list[str]]:
     """``count`` prefork workers on ``queue``; stopped on the way out: a warm shutdown
-    (SIGTERM), and SIGKILL for a worker still running ``grace`` seconds later."""
+    (SIGTERM), and SIGKILL for a worker still running ``grace`` seconds later.  The
+    demo's tasks take milliseconds, so a warm shutdown takes a second or two; now and
+    then a prefork child waits at exit for its parent to read its last results while
+    the parent waits for it to exit (billiard), until the grace ends it."""
     env = dict(os.environ, DLOCK_DEMO_REDIS_URL=url, DLOCK_DEMO_PREFIX=prefix,
                DLOCK_DEMO_QUEUE=queue)
     procs: list[subprocess.Popen[bytes]] = []
