@@ -339,7 +339,7 @@ def summarise(per_round: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
         extra = [k for k in samples[0] if k.endswith("_ms") and k != "cpu_ms"
                  and k.removesuffix("_ms") not in PARTS]
         for key in (*(f"{part}_ms" for part in PARTS), *extra, "other_cpus_busy"):
-            values = [s.get(key) for s in samples]
+            values = [s[key] for s in samples]
             row[key] = None if None in values else statistics.median(values)
         rows.append(row)
     return rows
