@@ -1,8 +1,8 @@
 """(i) Per lock backend: the lock cycle, a renewal pass, and tasks/s on a real worker.
 
-Every backend of :data:`BACKENDS` (Redis, PostgreSQL, ZooKeeper), side by side in one
-run, through the same door: ``lock_from_url(url, name, ttl=30)`` (auto_renew on, the
-default) and a ``LockedTask`` whose app's ``dlock_url`` is that URL.
+Every backend of ``_backends.BACKENDS`` (Redis, PostgreSQL, ZooKeeper), side by side
+in one run, through the same door: ``lock_from_url(url, name, ttl=30)`` (auto_renew
+on, the default) and a ``LockedTask`` whose app's ``dlock_url`` is that URL.
 
 1. **Lock cycle**: ``acquire(blocking=False)`` + ``release()`` on one client, on
    distinct names (a new lock object and name per cycle, as a ``LockedTask`` makes
@@ -12,7 +12,7 @@ default) and a ``LockedTask`` whose app's ``dlock_url`` is that URL.
    p50, p99 and mean wall time per cycle, the CPU time of this process per cycle
    (``time.process_time()``: the renewal scheduler's and the drivers' threads
    included), the requests the client sent per cycle (Redis commands, PostgreSQL
-   statements, ZooKeeper requests: see :class:`Requests`), the lock server's CPU
+   statements, ZooKeeper requests: see ``_backends.Requests``), the lock server's CPU
    time per cycle (``/proc``, when it runs on this machine), and ``x Redis``: the
    median of the per-round ratio of the p50 to Redis's p50 on the same names.
 2. **Renewal pass**: ``--holds`` holds (default 1 and 100) taken on a scheduler
@@ -41,25 +41,19 @@ skipped, with a one-line reason.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import importlib.util
 import itertools
-import logging
 import os
 import secrets
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
-from urllib.parse import urlsplit
 
+import _backends as bk
 import _common as c
 import bench_e2e as e2e
 import psutil
@@ -70,7 +64,6 @@ from celery_dlock.core.scheduler import RenewalScheduler
 from celery_dlock.core.urls import mask_url
 
 NAME = "bench_backends"
-TESTS = c.HERE.parent / "tests"
 TITLE_CYCLE = "### i. Lock cycle per backend: acquire(blocking=False) + release()"
 TITLE_RENEW = "### i. One renewal pass per backend"
 TITLE_E2E = "### i. Tasks/s per lock backend on a real prefork worker"
@@ -112,204 +105,6 @@ E2E_COLUMNS = [
 LOCKED = "LockedTask (hashed args)"
 
 
-class Skip(Exception):
-    """A backend cannot run here: the message is the one-line reason."""
-
-
-# -- the backends --------------------------------------------------------------------
-
-
-def _load(path: Path, name: str) -> ModuleType:
-    """A module of the test suite, imported by its path (``tests/`` is no package)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise Skip(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as exc:
-        raise Skip(f"{path.relative_to(c.HERE.parent)} needs {exc.name} "
-                   f"(pip install -e '.[test]')") from None
-    return module
-
-
-def redis_url(args: argparse.Namespace, stack: contextlib.ExitStack,
-              broker: str) -> str:
-    return broker  # the broker's Redis: the default place of a LockedTask's locks
-
-
-def postgres_url(args: argparse.Namespace, stack: contextlib.ExitStack,
-                 broker: str) -> str:
-    try:
-        import psycopg  # noqa: F401
-    except ImportError as exc:
-        raise Skip(f"no driver: {exc} (pip install 'celery-dlock[postgres]')") from None
-    if args.postgres_url:
-        return str(args.postgres_url)
-    pg = _load(TESTS / "fencing" / "pg_server.py", "_bench_pg_server")
-    try:
-        server = pg.PostgresServer()
-        stack.callback(server.stop)
-        server.start()
-    except pg.Unavailable as exc:
-        raise Skip(f"no server: {exc}") from None
-    return str(server.url)
-
-
-def zookeeper_url(args: argparse.Namespace, stack: contextlib.ExitStack,
-                  broker: str) -> str:
-    try:
-        import kazoo  # noqa: F401
-    except ImportError as exc:
-        raise Skip(f"no driver: {exc} (pip install 'celery-dlock[zookeeper]')") from None
-    from celery_dlock.backends.zookeeper.session import close_sessions
-
-    def close() -> None:
-        # Ours close before the server stops; kazoo's warnings of the connections it
-        # drops on the way out are not the benchmark's.
-        logging.getLogger("kazoo").setLevel(logging.ERROR)
-        close_sessions()
-
-    if args.zookeeper_url:
-        stack.callback(close)
-        return str(args.zookeeper_url)
-    zk = _load(TESTS / "zk_server.py", "_bench_zk_server")
-
-    class Server(zk.ZkServer):  # type: ignore[misc,name-defined]
-        """The suite's server, writing its transaction log without an fsync per
-        write (``--zookeeper-fsync`` keeps ZooKeeper's default), as the other
-        servers here keep nothing on disk (redis-server) or run with ``fsync=off``
-        (PostgreSQL)."""
-
-        def _config(self) -> Path:
-            cfg: Path = super()._config()
-            if not args.zookeeper_fsync:
-                cfg.write_text(cfg.read_text() + "forceSync=no\n")
-            return cfg
-
-    try:
-        server = Server()
-    except RuntimeError as exc:
-        raise Skip(f"no server: {exc}") from None
-    stack.callback(server.cleanup)
-    try:
-        server.start()
-    except RuntimeError as exc:
-        raise Skip(f"the server did not start: {exc}") from None
-    stack.callback(close)
-    return str(server.url)
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One row of :data:`BACKENDS`: a name, and how to get a URL for it (start a
-    server, or take the one given; :class:`Skip` saying why not)."""
-
-    name: str
-    url: Callable[[argparse.Namespace, contextlib.ExitStack, str], str]
-
-
-#: Every backend benchmarked, Redis first (the reference of ``x Redis``).  Adding one
-#: is one entry.  (mysql: add when the MySQL/MariaDB backend lands, with
-#: tests/mariadb_server.py's server; and count its driver's statements in
-#: :class:`Requests`.)
-BACKENDS = (
-    Backend("redis", redis_url),
-    Backend("postgres", postgres_url),
-    Backend("zookeeper", zookeeper_url),
-)
-REFERENCE = BACKENDS[0].name
-
-
-def start_backends(args: argparse.Namespace, stack: contextlib.ExitStack,
-                   broker: str) -> tuple[dict[str, str], dict[str, str]]:
-    """``({name: url}, {name: why skipped})`` for the backends asked for."""
-    wanted = args.backends.split(",") if args.backends else [b.name for b in BACKENDS]
-    urls: dict[str, str] = {}
-    skipped: dict[str, str] = {}
-    for backend in BACKENDS:
-        if backend.name not in wanted:
-            continue
-        try:
-            url = backend.url(args, stack, broker)
-            # One lock first: the driver imports, the connection (and for PostgreSQL
-            # the table) are made here, not in the first measured cycle.
-            lock = lock_from_url(url, f"{c.run_id()}:probe", ttl=30)
-            if not lock.acquire(blocking=False):
-                raise Skip("a probe lock could not be taken")
-            lock.release()
-        except Skip as exc:
-            skipped[backend.name] = str(exc)
-            print(f"skipped {backend.name}: {exc}")
-            continue
-        except Exception as exc:  # a server given that does not answer, a bad URL
-            skipped[backend.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            print(f"skipped {backend.name}: {skipped[backend.name]}")
-            continue
-        urls[backend.name] = url
-    return urls, skipped
-
-
-class Requests:
-    """Counts the requests this process's drivers send to a server: redis-py
-    commands (``execute_command``; a pipeline's are not counted, and celery-dlock's
-    lock cycle sends none), psycopg statements (``Connection.execute``: each one an
-    autocommitted round trip), kazoo requests (``KazooClient._call``: a ZooKeeper
-    request; requests sent before the first reply is read share one round trip)."""
-
-    sent = 0
-
-    @classmethod
-    def install(cls) -> None:
-        def counting(cls_: Any, attr: str) -> None:
-            original = getattr(cls_, attr)
-
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                cls.sent += 1
-                return original(*args, **kwargs)
-
-            setattr(cls_, attr, wrapper)
-
-        counting(redis.Redis, "execute_command")
-        with contextlib.suppress(ImportError):
-            import psycopg
-
-            counting(psycopg.Connection, "execute")
-        with contextlib.suppress(ImportError):
-            from kazoo.client import KazooClient
-
-            counting(KazooClient, "_call")
-
-
-def server_processes(url: str) -> e2e.Processes | None:
-    """The processes of the server at ``url`` (the one listening on its port, and its
-    children: PostgreSQL's backends), when it runs on this machine; else None."""
-    netloc = urlsplit(url).netloc.rsplit("@", 1)[-1].split(",")[0]
-    host, _, port = netloc.rpartition(":")
-    if host.strip("[]") not in ("127.0.0.1", "localhost", "::1") or not port.isdigit():
-        return None
-    try:
-        pid = next(conn.pid for conn in psutil.net_connections("tcp")
-                   if conn.status == psutil.CONN_LISTEN and conn.laddr
-                   and conn.laddr.port == int(port) and conn.pid)
-        main = psutil.Process(pid)
-    except (StopIteration, psutil.Error):
-        return None
-
-    def procs() -> list[psutil.Process]:
-        try:
-            return [main, *main.children(recursive=True)]
-        except psutil.Error:
-            return []
-
-    return procs
-
-
-def group_cpu(groups: list[e2e.Processes]) -> float:
-    """CPU seconds used so far by the processes of ``groups``."""
-    return sum(sum(e2e.group_seconds(g).values()) for g in groups)
-
-
 # -- 1. the lock cycle ----------------------------------------------------------------
 
 
@@ -345,8 +140,8 @@ def measure_cycles(fn: Callable[[], None], cycles: int, warmup: int,
         fn()
     times = []
     perf = time.perf_counter
-    srv0 = group_cpu([server]) if server else None
-    sent0 = Requests.sent
+    srv0 = bk.group_cpu([server]) if server else None
+    sent0 = bk.Requests.sent
     cpu0 = time.process_time()
     t_start = perf()
     for _ in range(cycles):
@@ -355,7 +150,7 @@ def measure_cycles(fn: Callable[[], None], cycles: int, warmup: int,
         times.append(perf() - t0)
     wall = perf() - t_start
     cpu = time.process_time() - cpu0
-    sent = Requests.sent - sent0
+    sent = bk.Requests.sent - sent0
     times.sort()
     p50, p99 = c.percentile(times, 50), c.percentile(times, 99)
     return {
@@ -365,7 +160,7 @@ def measure_cycles(fn: Callable[[], None], cycles: int, warmup: int,
         "cpu_us": cpu / cycles * 1e6,
         "requests": sent / cycles,
         "server_cpu_us": (None if srv0 is None or server is None
-                          else (group_cpu([server]) - srv0) / cycles * 1e6),
+                          else (bk.group_cpu([server]) - srv0) / cycles * 1e6),
     }
 
 
@@ -375,12 +170,12 @@ def run_cycles(urls: dict[str, str], servers: dict[str, e2e.Processes | None],
     variants = cycle_variants(urls, prefix)
     keys = list(variants)
     # The redis-server is counted by LoadMonitor itself.
-    ours = [g for b, g in servers.items() if g is not None and b != REFERENCE]
+    ours = [g for b, g in servers.items() if g is not None and b != bk.REFERENCE]
     per_round: dict[tuple[str, str], list[dict[str, Any]]] = {k: [] for k in keys}
     r = 0
     while r < rounds:
         order = keys[r % len(keys):] + keys[:r % len(keys)]
-        monitor = c.LoadMonitor(control, ours=lambda: group_cpu(ours))
+        monitor = c.LoadMonitor(control, ours=lambda: bk.group_cpu(ours))
         this_round = {k: measure_cycles(variants[k], cycles, warmup, servers[k[0]])
                       for k in order}
         load = monitor.stop()
@@ -392,7 +187,7 @@ def run_cycles(urls: dict[str, str], servers: dict[str, e2e.Processes | None],
         r += 1
     rows = []
     for (backend, names), samples in per_round.items():
-        ref = per_round.get((REFERENCE, names))
+        ref = per_round.get((bk.REFERENCE, names))
         ratios = ([s["p50_us"] / b["p50_us"] for s, b in zip(samples, ref, strict=True)]
                   if ref else [])
         row: dict[str, Any] = {"backend": backend, "names": names,
@@ -434,9 +229,9 @@ def run_renewal(urls: dict[str, str], servers: dict[str, e2e.Processes | None],
             samples = []
             # The server's CPU time over all passes (/proc counts in 10 ms ticks: one
             # pass is too short to see).
-            srv0 = group_cpu([server]) if server else None
+            srv0 = bk.group_cpu([server]) if server else None
             for k in range(1, passes + 1):
-                sent0 = Requests.sent
+                sent0 = bk.Requests.sent
                 cpu0 = time.process_time()
                 t0 = time.perf_counter()
                 hb.renew_due(base + (k + 1) * interval)
@@ -444,9 +239,9 @@ def run_renewal(urls: dict[str, str], servers: dict[str, e2e.Processes | None],
                 cpu = time.process_time() - cpu0
                 samples.append({
                     "wall_ms": wall * 1000, "cpu_ms": cpu * 1000,
-                    "requests": float(Requests.sent - sent0)})
+                    "requests": float(bk.Requests.sent - sent0)})
             server_ms = (None if srv0 is None or server is None
-                         else (group_cpu([server]) - srv0) * 1000 / passes)
+                         else (bk.group_cpu([server]) - srv0) * 1000 / passes)
             if len(hb) != holds:
                 raise RuntimeError(f"{backend}: {holds - len(hb)} holds were lost "
                                    "during renewal")
@@ -502,9 +297,9 @@ def run_tasks(urls: dict[str, str], broker: str, redis_server: Any,
                 return []
 
         def meter(backend: str, locked: bool) -> e2e.CpuMeter:
-            lock_server = servers[backend] if locked and backend != REFERENCE else None
+            lock_server = servers[backend] if locked and backend != bk.REFERENCE else None
             idle = [b for b in urls if b != backend]
-            idle_servers = [g for b, g in servers.items() if b != REFERENCE
+            idle_servers = [g for b, g in servers.items() if b != bk.REFERENCE
                             and g is not None and g is not lock_server]
 
             def bystanders() -> list[psutil.Process]:
@@ -551,7 +346,7 @@ def run_tasks(urls: dict[str, str], broker: str, redis_server: Any,
                 file=sys.stderr)
     control.close()
     rows = e2e.summarise(per_round)
-    ref = per_round.get(f"{LOCKED}, {REFERENCE}")
+    ref = per_round.get(f"{LOCKED}, {bk.REFERENCE}")
     for row in rows:
         if ref is None or row["variant"] == e2e.BASELINE:
             row["ratio_redis"] = None
@@ -567,31 +362,6 @@ def run_tasks(urls: dict[str, str], broker: str, redis_server: Any,
 # -- main ----------------------------------------------------------------------------
 
 
-def server_versions(urls: dict[str, str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for backend, url in urls.items():
-        out[backend] = None
-        with contextlib.suppress(Exception):
-            if backend == "postgres":
-                import psycopg
-
-                with psycopg.connect(url, connect_timeout=5) as conn:
-                    row = conn.execute("SHOW server_version").fetchone()
-                    out[backend] = None if row is None else str(row[0])
-            elif backend == "zookeeper":  # the srvr command (the suite allows it)
-                host, _, port = url.removeprefix("zookeeper://").split("/")[0] \
-                    .split(",")[0].rpartition(":")
-                with socket.create_connection((host, int(port)), timeout=5) as sock:
-                    sock.sendall(b"srvr")
-                    first = sock.recv(4096).decode(errors="replace").splitlines()[0]
-                # "Zookeeper version: 3.8.0-<build>, built on ..."
-                out[backend] = first.split(":", 1)[1].split(",")[0].strip() \
-                    .split("-")[0]
-            elif backend == REFERENCE:
-                out[backend] = redis.Redis.from_url(url).info("server")["redis_version"]
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = c.base_parser(__doc__.split("\n\n")[0], NAME)
     parser.add_argument("--postgres-url", default=None,
@@ -605,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                              "the other servers here write nothing durably)")
     parser.add_argument("--backends", default=None,
                         help="comma-separated subset of "
-                             + ",".join(b.name for b in BACKENDS) + " (default all)")
+                             + ",".join(b.name for b in bk.BACKENDS) + " (default all)")
     parser.add_argument("--parts", default="cycle,renewal,tasks",
                         help="comma-separated subset of cycle,renewal,tasks")
     parser.add_argument("--rounds", type=int, default=None,
@@ -627,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.parts.split(",")
     if set(parts) - {"cycle", "renewal", "tasks"}:
         parser.error(f"--parts: unknown part in {args.parts!r}")
-    known = {b.name for b in BACKENDS}
+    known = {b.name for b in bk.BACKENDS}
     if args.backends and set(args.backends.split(",")) - known:
         parser.error(f"--backends: choose from {sorted(known)}")
     smoke = args.smoke
@@ -645,27 +415,27 @@ def main(argv: list[str] | None = None) -> int:
         "holds": counts, "passes": passes, "tasks": tasks, "task_rounds": task_rounds,
         "warmup": warmup}
     prefix = f"{c.run_id()}-backends"
-    Requests.install()
+    bk.Requests.install()
     c.wait_quiet(args.wait_quiet)
     with contextlib.ExitStack() as stack:
         broker, redis_server = stack.enter_context(c.redis_server(args.redis_url))
         log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="dlock-bk-"))
         os.environ["DLOCK_E2E_REDIS_URL"] = broker
         os.environ["DLOCK_E2E_PREFIX"] = prefix
-        urls, skipped = start_backends(args, stack, broker)
+        urls, skipped = bk.start_backends(args, stack, broker)
         control = redis.Redis.from_url(broker)
         stack.callback(control.close)
         results["machine"] = c.machine_info(control)
-        results["machine"]["servers"] = server_versions(urls)
+        results["machine"]["servers"] = bk.server_versions(urls)
         c.print_machine(results["machine"])
         print("lock servers: " + ", ".join(
             f"{b} {v or '?'}" for b, v in results["machine"]["servers"].items()))
         results["backends"] = {b: mask_url(u) for b, u in urls.items()}
         results["skipped"] = skipped
-        servers = {b: server_processes(u) for b, u in urls.items()}
+        servers = {b: bk.server_processes(u) for b, u in urls.items()}
         results["server_cpu_measured"] = {b: g is not None for b, g in servers.items()}
-        ours = [g for b, g in servers.items() if g is not None and b != REFERENCE]
-        monitor = c.LoadMonitor(control, ours=lambda: group_cpu(ours))
+        ours = [g for b, g in servers.items() if g is not None and b != bk.REFERENCE]
+        monitor = c.LoadMonitor(control, ours=lambda: bk.group_cpu(ours))
         budget = c.RetryBudget(args)
         if not urls:
             print("no backend to measure")
