@@ -15,7 +15,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -211,17 +211,22 @@ class LoadMonitor:
     Busy CPU time of the whole machine (``/proc/stat``) minus this process, its
     waited-for children and the Redis server, divided by the wall time: the average
     number of CPUs that something else kept busy.  Benchmarks on a shared machine
-    are only comparable when this is near 0.
+    are only comparable when this is near 0.  ``ours``, when given, returns the CPU
+    seconds used so far by more processes of the benchmark (servers it started that
+    are not its children: PostgreSQL, ZooKeeper), which are not other work either.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis,
+                 ours: Callable[[], float] | None = None) -> None:
         self.client = client
+        self.ours = ours
         self.loadavg_start = os.getloadavg()[0]
         self._t0 = time.monotonic()
         self._busy0 = _busy_jiffies()
         t = os.times()
         self._own0 = t.user + t.system + t.children_user + t.children_system
         self._srv0 = _server_cpu(client)
+        self._ours0 = ours() if ours else 0.0
 
     def stop(self) -> dict[str, Any]:
         wall = time.monotonic() - self._t0
@@ -229,6 +234,8 @@ class LoadMonitor:
         t = os.times()
         own = t.user + t.system + t.children_user + t.children_system - self._own0
         srv = _server_cpu(self.client) - self._srv0
+        if self.ours:
+            srv += self.ours() - self._ours0
         other = None
         if self._busy0 is not None and busy1 is not None and wall > 0:
             other = max(0.0, (busy1[0] - self._busy0[0] - own - srv) / wall)

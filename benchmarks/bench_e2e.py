@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -83,9 +83,12 @@ OTHERS = ("celery-once QueueOnce", "celery-singleton Singleton")
 # -- the worker ----------------------------------------------------------------------
 
 
-def worker_env(url: str, prefix: str) -> dict[str, str]:
-    """The environment of a worker on ``e2e_app`` (found on ``PYTHONPATH``)."""
-    env = dict(os.environ, DLOCK_E2E_REDIS_URL=url, DLOCK_E2E_PREFIX=prefix)
+def worker_env(url: str, prefix: str,
+               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker on ``e2e_app`` (found on ``PYTHONPATH``), with
+    ``extra`` variables (``DLOCK_E2E_LOCK_URL``: the locks' ``dlock_url``)."""
+    env = dict(os.environ, DLOCK_E2E_REDIS_URL=url, DLOCK_E2E_PREFIX=prefix,
+               **(extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(c.HERE), os.environ.get("PYTHONPATH")) if p)
     return env
@@ -98,16 +101,23 @@ def worker_argv(name: str, *pool: str) -> list[str]:
 
 
 @contextmanager
-def worker(url: str, prefix: str, concurrency: int,
-           log_dir: str) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    """A ``celery worker`` subprocess on ``e2e_app``; yields (process, name, log)."""
-    name = f"{prefix}@localhost"
-    log = Path(log_dir) / "worker.log"
+def worker(url: str, prefix: str, concurrency: int, log_dir: str, *, tag: str = "",
+           env: Mapping[str, str] | None = None, queue: str | None = None,
+           ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """A ``celery worker`` subprocess on ``e2e_app``; yields (process, name, log).
+
+    Several may run at once (``bench_backends.py``): each with its own ``tag`` (in
+    its name and log), ``env`` (:func:`worker_env`'s extra) and ``queue`` (``-Q``;
+    default: the app's default queue)."""
+    name = f"{prefix}{tag}@localhost"
+    log = Path(log_dir) / f"worker{tag}.log"
+    pool = ["--pool=prefork", f"--concurrency={concurrency}"]
+    if queue is not None:
+        pool += ["-Q", queue]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery",
-             *worker_argv(name, "--pool=prefork", f"--concurrency={concurrency}")],
-            env=worker_env(url, prefix), stdin=subprocess.DEVNULL, stdout=out,
+            [sys.executable, "-m", "celery", *worker_argv(name, *pool)],
+            env=worker_env(url, prefix, env), stdin=subprocess.DEVNULL, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc, name, log
@@ -151,12 +161,41 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-class CpuMeter:
-    """CPU seconds used so far by the producer, the worker and the redis-server."""
+#: Processes whose CPU time a meter adds up (found anew at every snapshot).
+Processes = Callable[[], list[psutil.Process]]
 
-    def __init__(self, worker_pid: int, redis_pid: int | None) -> None:
+
+def group_seconds(procs: Processes) -> dict[int, float]:
+    """CPU seconds used so far by each process of a group (the gone ones left out)."""
+    out: dict[int, float] = {}
+    for proc in procs():
+        with suppress(psutil.Error):
+            out[proc.pid] = cpu_seconds(proc)
+    return out
+
+
+def group_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds a group used between two snapshots (a process started meanwhile
+    counts whole; one that ended meanwhile is lost)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+
+
+class CpuMeter:
+    """CPU seconds used so far by the producer, the worker and the redis-server.
+
+    ``extra``: more groups of processes whose time counts in a task's CPU time, each
+    a column of its own (``bench_backends.py``: the lock's server when it is not the
+    redis-server); ``bystanders``: processes of the benchmark that do not serve the
+    batch (idle workers, idle servers), counted neither in the task's CPU time nor as
+    other work on the machine."""
+
+    def __init__(self, worker_pid: int, redis_pid: int | None, *,
+                 extra: Mapping[str, Processes] | None = None,
+                 bystanders: Processes | None = None) -> None:
         self.worker = psutil.Process(worker_pid)
         self.redis = psutil.Process(redis_pid) if redis_pid else None
+        self.extra = dict(extra or {})
+        self.bystanders = bystanders
 
     def children(self) -> list[psutil.Process]:
         return self.worker.children(recursive=True)
@@ -168,6 +207,8 @@ class CpuMeter:
             "worker_main": cpu_seconds(self.worker),
             "children": {p.pid: cpu_seconds(p) for p in kids},
             "redis": cpu_seconds(self.redis) if self.redis else None,
+            "extra": {k: group_seconds(v) for k, v in self.extra.items()},
+            "bystanders": group_seconds(self.bystanders) if self.bystanders else {},
             "machine": c._busy_jiffies(),
         }
 
@@ -186,10 +227,14 @@ class CpuMeter:
         }
         if before["redis"] is not None:
             out["redis"] = after["redis"] - before["redis"]
+        for name, group in after["extra"].items():
+            out[name] = group_delta(before["extra"][name], group)
+        bystanders = group_delta(before["bystanders"], after["bystanders"])
         out["other"] = None
         if before["machine"] is not None and after["machine"] is not None:
-            ours = sum(v for v in out.values() if v is not None)
+            ours = sum(v for v in out.values() if v is not None) + bystanders
             out["other"] = max(0.0, after["machine"][0] - before["machine"][0] - ours)
+        out["bystanders"] = bystanders
         return out
 
 
@@ -247,7 +292,8 @@ def run_batch(task: Any, count: int, numbers: Iterator[int], control: redis.Redi
     if done != done_at:
         raise RuntimeError(f"{task.name}: {done - done_at:+d} tasks ran beyond the "
                            f"{count} sent")
-    total = sum(cpu[part] for part in PARTS if cpu[part] is not None)
+    parts = (*PARTS, *meter.extra)
+    total = sum(cpu[part] for part in parts if cpu[part] is not None)
     sample: dict[str, Any] = {
         "wall_s": wall,
         "send_s": sent,
@@ -257,8 +303,9 @@ def run_batch(task: Any, count: int, numbers: Iterator[int], control: redis.Redi
         "redis_cmds_by_name": {k: v["calls"] / count for k, v in calls.items()},
         # CPUs kept busy by other work on the machine meanwhile (as LoadMonitor).
         "other_cpus_busy": None if cpu["other"] is None else cpu["other"] / wall,
+        "bystanders_ms": cpu["bystanders"] / count * 1000,
     }
-    for part in PARTS:
+    for part in parts:
         value = cpu[part]
         sample[f"{part}_ms"] = None if value is None else value / count * 1000
     return sample
@@ -289,7 +336,9 @@ def summarise(per_round: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
             "rounds_send_s": [s["send_s"] for s in samples],
             "redis_cmds_by_name": samples[-1]["redis_cmds_by_name"],
         }
-        for key in (*(f"{part}_ms" for part in PARTS), "other_cpus_busy"):
+        extra = [k for k in samples[0] if k.endswith("_ms") and k != "cpu_ms"
+                 and k.removesuffix("_ms") not in PARTS]
+        for key in (*(f"{part}_ms" for part in PARTS), *extra, "other_cpus_busy"):
             values = [s[key] for s in samples]
             row[key] = None if None in values else statistics.median(values)
         rows.append(row)

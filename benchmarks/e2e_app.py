@@ -6,6 +6,9 @@ configured from the environment, which the benchmark sets before either import:
 
 * ``DLOCK_E2E_REDIS_URL``  broker, celery-dlock, celery-once and celery-singleton Redis
 * ``DLOCK_E2E_PREFIX``     per-run prefix of every key (queue, counter, locks)
+* ``DLOCK_E2E_LOCK_URL``   optional: the ``dlock_url`` of the ``LockedTask`` variants
+                           (``bench_backends.py``: a PostgreSQL or ZooKeeper URL);
+                           unset, the locks live in the broker's Redis
 
 Every variant runs the same body: one ``INCR`` of the run's counter.  The benchmark
 sets the counter to ``DONE_AT - n`` before sending ``n`` tasks, so the task whose
@@ -30,6 +33,7 @@ QUEUE = f"{PREFIX}:queue"
 COUNTER = f"{PREFIX}:done"
 MARKER = f"{PREFIX}:last"
 DONE_AT = 1 << 40
+LOCK_URL = os.environ.get("DLOCK_E2E_LOCK_URL")
 
 app = Celery("e2e_app", broker=URL, set_as_current=False)
 app.conf.update(
@@ -44,6 +48,8 @@ app.conf.update(
     ONCE={"backend": "celery_once.backends.Redis",
           "settings": {"url": URL, "default_timeout": 60}},
 )
+if LOCK_URL:
+    app.conf.dlock_url = LOCK_URL
 
 # redis-py rebuilds a client's connections in a forked child, so one client serves
 # the main process and every prefork child.

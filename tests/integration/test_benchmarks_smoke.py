@@ -29,6 +29,7 @@ SCRIPTS = {
     "bench_send.py": "| variant | sends/s | us/send | x plain |",
     "bench_memory.py": "| variant | locks | keys/lock held | bytes/lock held |",
     "bench_contention.py": "| variant | waiting | P | hand-offs | hand-offs/s |",
+    "bench_backends.py": "| backend | names | p50 us | p99 us | mean us | x Redis |",
 }
 #: The pool sizes of the e2e scaling smoke run: two small workers, one after the other.
 SCALING_ARGS = ["bench_e2e.py", "--smoke", "--concurrency", "1,2", "--tasks", "20",
@@ -41,6 +42,11 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     url = os.environ.get("DLOCK_TEST_REDIS_URL")
     if url and args[0] != "plot.py":
         extra = ["--redis-url", url]
+    # bench_backends.py starts the other backends' servers itself (skipping, with the
+    # reason, those it cannot), or takes the suite's.
+    pg_url = os.environ.get("DLOCK_TEST_POSTGRES_URL")
+    if pg_url and args[0] == "bench_backends.py":
+        extra += ["--postgres-url", pg_url]
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / args[0]), *args[1:], *extra],
         capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent,
@@ -62,6 +68,27 @@ def test_smoke_mode_runs_and_prints_its_table(script: str, results_dir: Path) ->
     data = json.loads(out.read_text())
     assert data["smoke"] is True
     assert data["machine"]["redis_server"]
+
+
+def test_backends_measures_or_skips_each_backend(results_dir: Path) -> None:
+    out = results_dir / "bench_backends.json"
+    if not out.exists():
+        proc = _run(["bench_backends.py", "--smoke", "--json", str(out)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    measured, skipped = set(data["backends"]), set(data["skipped"])
+    assert "redis" in measured, data["skipped"]
+    assert measured | skipped == {"redis", "postgres", "zookeeper"}
+    assert not measured & skipped
+    assert all(why for why in data["skipped"].values())
+    assert {(r["backend"], r["names"]) for r in data["cycle"]} == {
+        (b, n) for b in measured for n in ("distinct", "hot")}
+    assert {(r["backend"], r["holds"]) for r in data["renewal"]} == {
+        (b, n) for b in measured for n in data["holds"]}
+    assert {r["variant"] for r in data["tasks"]["rows"]} == {
+        "plain task", *(f"LockedTask (hashed args), {b}" for b in measured)}
+    # Every cycle sent requests to its server, as counted on the client.
+    assert all(r["requests"] >= 2 for r in data["cycle"]), data["cycle"]
 
 
 def test_e2e_runs_one_worker_per_pool_size(results_dir: Path) -> None:
