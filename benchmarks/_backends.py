@@ -118,6 +118,24 @@ def zookeeper_url(args: argparse.Namespace, stack: contextlib.ExitStack,
     return str(server.url)
 
 
+def mysql_url(args: argparse.Namespace, stack: contextlib.ExitStack,
+              broker: str) -> str:
+    try:
+        import pymysql  # noqa: F401
+    except ImportError as exc:
+        raise Skip(f"no driver: {exc} (pip install 'celery-dlock[mysql]')") from None
+    if args.mysql_url:
+        return str(args.mysql_url)
+    my = _load(TESTS / "mariadb_server.py", "_bench_mariadb_server")
+    try:
+        server = my.MariaDBServer()
+        stack.callback(server.stop)
+        server.start()
+    except my.Unavailable as exc:
+        raise Skip(f"no server: {exc}") from None
+    return str(server.url)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One row of :data:`BACKENDS`: a name, and how to get a URL for it (start a
@@ -128,12 +146,11 @@ class Backend:
 
 
 #: Every backend benchmarked, Redis first (the reference of ``x Redis``).  Adding one
-#: is one entry.  (mysql: add when the MySQL/MariaDB backend lands, with
-#: tests/mariadb_server.py's server; and count its driver's statements in
-#: :class:`Requests`.)
+#: is one entry (and its driver's requests counted in :class:`Requests`).
 BACKENDS = (
     Backend("redis", redis_url),
     Backend("postgres", postgres_url),
+    Backend("mysql", mysql_url),
     Backend("zookeeper", zookeeper_url),
 )
 REFERENCE = BACKENDS[0].name
@@ -172,7 +189,8 @@ class Requests:
     """Counts the requests this process's drivers send to a server: redis-py
     commands (``execute_command``; a pipeline's are not counted, and celery-dlock's
     lock cycle sends none), psycopg statements (``Connection.execute``: each one an
-    autocommitted round trip), kazoo requests (``KazooClient._call``: a ZooKeeper
+    autocommitted round trip), PyMySQL statements (``Cursor.execute``; a transaction's
+    BEGIN and COMMIT are not counted), kazoo requests (``KazooClient._call``: a ZooKeeper
     request; requests sent before the first reply is read share one round trip)."""
 
     sent = 0
@@ -193,6 +211,10 @@ class Requests:
             import psycopg
 
             counting(psycopg.Connection, "execute")
+        with contextlib.suppress(ImportError):
+            import pymysql.cursors
+
+            counting(pymysql.cursors.Cursor, "execute")
         with contextlib.suppress(ImportError):
             from kazoo.client import KazooClient
 
@@ -248,6 +270,15 @@ def server_versions(urls: dict[str, str]) -> dict[str, str | None]:
                 # "Zookeeper version: 3.8.0-<build>, built on ..."
                 out[backend] = first.split(":", 1)[1].split(",")[0].strip() \
                     .split("-")[0]
+            elif backend == "mysql":
+                import pymysql
+
+                from celery_dlock.backends.sql.my_server import connect_args
+                with contextlib.closing(pymysql.connect(**connect_args(url)[0])) \
+                        as conn, conn.cursor() as cur:
+                    cur.execute("SELECT VERSION()")
+                    row = cur.fetchone()
+                    out[backend] = None if row is None else str(row[0]).split("-")[0]
             elif backend == REFERENCE:
                 out[backend] = redis.Redis.from_url(url).info("server")["redis_version"]
     return out

@@ -30,8 +30,9 @@ on, the default) and a ``LockedTask`` whose app's ``dlock_url`` is that URL.
    servers count neither in a task's CPU time nor as other work.
 
 The servers: one throwaway ``redis-server`` (or ``--redis-url``) is the broker and the
-Redis backend; PostgreSQL and ZooKeeper are started with the test suite's launchers
-(``tests/fencing/pg_server.py``, ``tests/zk_server.py``) unless ``--postgres-url`` /
+Redis backend; PostgreSQL, MariaDB and ZooKeeper are started with the test suite's
+launchers (``tests/fencing/pg_server.py``, ``tests/mariadb_server.py``,
+``tests/zk_server.py``) unless ``--postgres-url`` / ``--mysql-url`` /
 ``--zookeeper-url`` name running ones.  A backend whose driver or server is missing is
 skipped, with a one-line reason.
 
@@ -366,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = c.base_parser(__doc__.split("\n\n")[0], NAME)
     parser.add_argument("--postgres-url", default=None,
                         help="use this PostgreSQL instead of starting a throwaway one")
+    parser.add_argument("--mysql-url", default=None,
+                        help="use this MySQL or MariaDB (mysql://user:pw@host:port/db) "
+                             "instead of starting a throwaway MariaDB")
     parser.add_argument("--zookeeper-url", default=None,
                         help="use this ZooKeeper (zookeeper://host:port) instead of "
                              "starting a throwaway one")
