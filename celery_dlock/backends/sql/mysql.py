@@ -111,7 +111,7 @@ class MySQLLock(LeaseLock):
             return None if row is None else tuple(row)
         return self.server.run(work, what, self.name)
 
-    def _try_acquire(self, owner: str, op: str, ttl_ms: int
+    def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:
         info = json.dumps({**self._info, "pid": str(os.getpid())})
         params = self._params(owner, op=op, ttl=ttl_ms, ttl_us=ttl_ms * 1000, info=info,
