@@ -145,7 +145,7 @@ class LockKind:
     @property
     def has_line(self) -> bool:
         """Whether blocked acquirers of this kind keep a FIFO line in the server."""
-        return self.name in ("redis", "semaphore", "zookeeper", "postgres")
+        return self.name in ("redis", "semaphore", "zookeeper", "postgres", "mysql")
 
     def __str__(self) -> str:
         return self.name
@@ -154,8 +154,7 @@ class LockKind:
 @dataclass(frozen=True)
 class PgKeys:
     """A SQL lock's "keys" as the tests name them: ``lock`` is its row, ``queue`` and
-    ``leases`` its line of waiters (on PostgreSQL, the rows of its line table; on
-    MySQL, nothing), a doorbell nothing (there are none)."""
+    ``leases`` its rows in the line table, a doorbell nothing (there are none)."""
 
     lock: str
 

@@ -20,7 +20,7 @@ from config_app import ENV_CONF
 from celery_dlock import lock_from_url
 
 #: The SQL backends whose blocked acquirers stand in a line ``show`` and ``top`` count.
-LINED = ("postgres",)
+LINED = ("postgres", "mysql")
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ arrival order, leaving the line when they give up, and let in when a holder dies
 The tests of waking and of a dead holder run on every kind whose waiters are woken by
 the server (``lock_kind``: Redis doorbells, a one-slot semaphore's, PostgreSQL
 LISTEN/NOTIFY, ZooKeeper watches); the tests of the line itself on every kind that keeps
-one (a Redis lock, a one-slot semaphore, PostgreSQL, ZooKeeper; not Redlock:
+one (a Redis lock, a one-slot semaphore, PostgreSQL, MySQL, ZooKeeper; not Redlock:
 docs/backends.md); those of the waiters' leases (leaving the line, a waiter that died
 in it) on the kinds whose line is leased (``LEASED``: not ZooKeeper, whose line is its
 sessions')."""
@@ -22,7 +22,6 @@ from lock_kinds import KINDS, NO_LINE
 
 from celery_dlock import RedisLock
 from celery_dlock.backends.redis.waiters import QUEUE_LEASE, WAIT_SLICE
-from celery_dlock.backends.sql import waiting as pg_waiting
 
 
 class Waiter(threading.Thread):
@@ -53,14 +52,24 @@ class Waiter(threading.Thread):
 
 
 #: The kinds whose waiters hold their places in line by a lease they renew (a Redis
-#: lock, a one-slot semaphore: the line is the same; PostgreSQL's line table).
+#: lock, a one-slot semaphore: the line is the same; the SQL backends' line tables).
 LEASED = pytest.mark.parametrize(
-    "lock_kind", [k for k in ("redis", "semaphore", "postgres") if k in KINDS],
+    "lock_kind", [k for k in ("redis", "semaphore", "postgres", "mysql") if k in KINDS],
     indirect=True)
 
-# PostgreSQL's waiters keep their places as long as Redis's: the bounds below hold for
-# both.
-assert (pg_waiting.QUEUE_LEASE, pg_waiting.WAIT_SLICE) == (QUEUE_LEASE, WAIT_SLICE)
+
+def _lease_bounds(kind: str) -> tuple[float, float]:
+    """How long a waiter of ``kind`` keeps its place without trying again, and the
+    longest it sleeps between two tries (seconds)."""
+    if kind == "postgres":
+        from celery_dlock.backends.sql import waiting
+
+        return waiting.QUEUE_LEASE, waiting.WAIT_SLICE
+    if kind == "mysql":
+        from celery_dlock.backends.sql import mysql
+
+        return mysql.QUEUE_LEASE, mysql.POLL_MAX
+    return QUEUE_LEASE, WAIT_SLICE
 
 
 def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
@@ -71,8 +80,8 @@ def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
 
 
 def _line_kind(lock_kind):
-    """The server view of a kind with a line of waiters (Redlock has none, nor MySQL
-    yet: docs/backends.md)."""
+    """The server view of a kind with a line of waiters (Redlock has none:
+    docs/backends.md)."""
     if not lock_kind.has_line:
         pytest.skip(NO_LINE if lock_kind.name == "redlock" else
                     f"the {lock_kind.name} backend keeps no line of waiters "
@@ -182,7 +191,7 @@ def test_waiter_killed_in_line_does_not_block_the_next(lock_kind, redis_url, pre
     holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
     ctx = multiprocessing.get_context("spawn")
-    lock_url = lock_kind.urls[0] if lock_kind.name == "postgres" else None
+    lock_url = lock_kind.urls[0] if lock_kind.name in ("postgres", "mysql") else None
     proc = ctx.Process(target=wait_in_line, args=(redis_url, prefix, name, "doomed",
                                                   getattr(holder, "limit", None),
                                                   lock_url),
@@ -200,7 +209,8 @@ def test_waiter_killed_in_line_does_not_block_the_next(lock_kind, redis_url, pre
         assert patient.error is None and patient.result is True
         assert patient.acquired_at is not None
         # the dead waiter's place lapses with its lease; then the next one goes
-        assert patient.acquired_at - released_at < QUEUE_LEASE + WAIT_SLICE + 3
+        lease, slice_ = _lease_bounds(lock_kind.name)
+        assert patient.acquired_at - released_at < lease + slice_ + 3
         assert not r.exists(holder.keys.queue)
         assert not r.exists(holder.keys.leases)
     finally:
