@@ -185,6 +185,31 @@ def test_waiter_that_times_out_leaves_the_line(lock_kind, prefix, name):
 
 @pytest.mark.slow
 @LEASED
+def test_waiters_keep_their_places_for_longer_than_a_lease(lock_kind, prefix, name):
+    """A waiter renews its lease by trying again: after waiting for longer than a
+    lease and a wait slice, each keeps the place (and arrival) it joined with."""
+    r = lock_kind.server
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
+    holder.acquire()
+    order: list[str] = []
+    waiters = [_start_in_line(r, Waiter(lock_kind.make(name, owner=o, prefix=prefix),
+                                        timeout=60, log=order))
+               for o in ("first", "second")]
+    arrived = [r.zscore(holder.keys.queue, o) for o in ("first", "second")]
+    assert None not in arrived
+    lease, slice_ = _lease_bounds(lock_kind.name)
+    time.sleep(lease + slice_ + 1)
+    assert queue_members(r, holder) == ["first", "second"]
+    assert [r.zscore(holder.keys.queue, o) for o in ("first", "second")] == arrived
+    holder.release()
+    for w in waiters:
+        w.join(20)
+    assert [w.error for w in waiters] == [None, None]
+    assert order == ["first", "second"]
+
+
+@pytest.mark.slow
+@LEASED
 def test_waiter_killed_in_line_does_not_block_the_next(lock_kind, redis_url, prefix,
                                                        name):
     r = lock_kind.server

@@ -101,11 +101,13 @@ LINE = f"SELECT owner FROM {{w}} WHERE {_LINE_LIVE} ORDER BY arrived_at, owner_i
 
 #: Join the line, or keep one's place in it and renew its lease (a place that lapsed
 #: is taken again at the back).  The assignments run left to right: ``arrived_at``
-#: reads the old ``expires_at``.
+#: reads the old ``expires_at``.  A lease with less than a second to gain is left as
+#: it is (no write): a waiter polling twice a second writes its row about once.
 JOIN = ("INSERT INTO {w} (lock_id, owner_id, owner, arrived_at, expires_at) VALUES "
         f"(%(id)s, %(owner_id)s, %(owner)s, {NOW}, {_LEASE}) ON DUPLICATE KEY UPDATE "
         f"arrived_at = IF(expires_at > {NOW}, arrived_at, {NOW}), "
-        f"expires_at = GREATEST(expires_at, {_LEASE})")
+        f"expires_at = IF(expires_at > {_LEASE} - INTERVAL 1 SECOND, expires_at, "
+        f"{_LEASE})")
 
 #: A granted acquirer leaves the line, and the places that lapsed are dropped.
 LEFT = (f"DELETE FROM {{w}} WHERE lock_id = %(id)s "

@@ -15,11 +15,14 @@ from __future__ import annotations
 from psycopg import sql
 
 __all__ = ["ACQUIRE", "EXTEND", "FORCE_RELEASE", "HEAD", "HOLD", "LEAVE", "LINE",
-           "OPS_KEPT", "REENTER", "RELEASE", "RENEW_MANY", "STATUS", "STATUS_MANY",
-           "WAITING_MANY"]
+           "OPS_KEPT", "REENTER", "RELEASE", "RENEW_MANY", "RENEW_SLACK_MS", "STATUS",
+           "STATUS_MANY", "WAITING_MANY"]
 
 #: How many operation ids each row keeps.
 OPS_KEPT = 64
+#: A waiter's place is renewed only when its lease has less than this left to gain
+#: (ms): a waiter woken many times in a row writes its row about once a second.
+RENEW_SLACK_MS = 1000
 
 _TTL = "%(ttl)s::bigint * interval '1 millisecond'"
 _OPS = ("(l.ops || ARRAY[%(op)s]::text[])"
@@ -37,7 +40,8 @@ _HEAD = (f"SELECT w.owner, w.expires_at FROM {{w}} w, c WHERE {_LINE_KEY} "
 #: no live waiter other than the caller is first in line (``turn``); the same owner's
 #: live hold is re-entered whoever waits.  Granted, the caller leaves the line (and
 #: the places of waiters whose lease ran out are dropped); refused with a lease
-#: (``%(lease)s`` ms > 0), it joins the line, or keeps its place and renews its lease.
+#: (``%(lease)s`` ms > 0), it joins the line, or keeps its place and renews its lease
+#: (not more often than :data:`RENEW_SLACK_MS` allows).
 #: The insert is tried only when it is the caller's turn or the row exists (its
 #: conflict then decides), so a row is never made past a waiter.  Each statement
 #: that drops other waiters' places locks the lease row first (the grant's upsert),
@@ -78,7 +82,9 @@ ACQUIRE = sql.SQL(
     "ON CONFLICT (prefix, name, owner) DO UPDATE SET "
     "arrived_at = CASE WHEN w.expires_at > EXCLUDED.arrived_at THEN w.arrived_at "
     "ELSE EXCLUDED.arrived_at END, "
-    "expires_at = GREATEST(w.expires_at, EXCLUDED.expires_at) RETURNING 1) "
+    "expires_at = GREATEST(w.expires_at, EXCLUDED.expires_at) "
+    f"WHERE w.expires_at < EXCLUDED.expires_at - interval '{RENEW_SLACK_MS} ms' "
+    "RETURNING 1) "
     "SELECT a.fence, a.count FROM a")
 
 #: Leave the line of a lock (a blocked acquire gave up): when the caller was first
