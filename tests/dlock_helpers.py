@@ -126,9 +126,12 @@ def hold_until_killed(redis_url: str, prefix: str, name: str, ttl: float,
 
 
 def wait_in_line(redis_url: str, prefix: str, name: str, owner: str,
-                 limit: int | None = None) -> None:
+                 limit: int | None = None, lock_url: str | None = None) -> None:
     """Block in ``acquire`` (joining the line) until killed; with ``limit``, of a
-    ``RedisSemaphore`` of that many slots."""
+    ``RedisSemaphore`` of that many slots; with ``lock_url``, of that URL's backend."""
+    if lock_url is not None:
+        lock_from_url(lock_url, name, owner=owner, prefix=prefix).acquire(timeout=120)
+        return
     client = redis.Redis.from_url(redis_url, socket_timeout=30)
     if limit is not None:
         from celery_dlock import RedisSemaphore

@@ -145,7 +145,7 @@ class LockKind:
     @property
     def has_line(self) -> bool:
         """Whether blocked acquirers of this kind keep a FIFO line in the server."""
-        return self.name in ("redis", "semaphore", "zookeeper")
+        return self.name in ("redis", "semaphore", "zookeeper", "postgres", "mysql")
 
     def __str__(self) -> str:
         return self.name
@@ -153,8 +153,8 @@ class LockKind:
 
 @dataclass(frozen=True)
 class PgKeys:
-    """A PostgreSQL lock's "keys" as the tests name them: ``lock`` is its row; the
-    line's keys name nothing (the backend keeps no line)."""
+    """A SQL lock's "keys" as the tests name them: ``lock`` is its row, ``queue`` and
+    ``leases`` its rows in the line table, a doorbell nothing (there are none)."""
 
     lock: str
 
@@ -175,9 +175,14 @@ class PgKeys:
 
 
 class PgView:
-    """The Redis reads the tests make, answered from the PostgreSQL lease table: a
-    live hold's row is the lock's hash (``owner``, ``count``, ``fence`` and its info
-    fields), its ``expires_at`` its pttl; the line's keys never exist."""
+    """The Redis reads the tests make, answered from the PostgreSQL tables: a live
+    hold's row is the lock's hash (``owner``, ``count``, ``fence`` and its info
+    fields), its ``expires_at`` its pttl; the lock's rows in the line table are its
+    ``queue`` (the live ones, by arrival) and ``leases`` (their expiry, in ms), which
+    exist while any row is left, as Redis's keys do until purged; doorbells never
+    exist."""
+
+    LINE = "dlock_locks_waiters"
 
     def __init__(self, url: str) -> None:
         import psycopg
@@ -186,12 +191,46 @@ class PgView:
         self.conn = psycopg.connect(url, autocommit=True)
 
     @staticmethod
-    def _row_key(key: str) -> tuple[str, str] | None:
+    def _parse(key: str) -> tuple[tuple[str, str], str] | None:
+        """``((prefix, name), part)``: part is ``lock``, ``queue``, ``leases`` or
+        ``doorbell``."""
+        end = key.rfind("]") + 1
+        rest = key[end:]
+        part = rest.split(":")[1] if rest.startswith(":") else "lock"
         try:
-            prefix, name = json.loads(key)
+            prefix, name = json.loads(key[:end])
         except ValueError:
             return None
-        return str(prefix), str(name)
+        return (str(prefix), str(name)), part
+
+    @classmethod
+    def _row_key(cls, key: str) -> tuple[str, str] | None:
+        found = cls._parse(key)
+        return found[0] if found is not None and found[1] == "lock" else None
+
+    def _line(self, key: str) -> list[tuple[str, int, int]] | None:
+        """The live waiters of a ``queue``/``leases`` key: owner, arrival (µs) and
+        lease expiry (ms) on the server's clock; None for another key."""
+        found = self._parse(key)
+        if found is None or found[1] not in ("queue", "leases"):
+            return None
+        rows = self.conn.execute(
+            "SELECT owner, floor(extract(epoch FROM arrived_at) * 1000000)::bigint, "
+            "floor(extract(epoch FROM expires_at) * 1000)::bigint "
+            f"FROM {self.LINE} WHERE prefix = %s AND name = %s "
+            "AND expires_at > clock_timestamp() ORDER BY arrived_at, owner",
+            found[0]).fetchall()
+        return [(str(o), int(a), int(e)) for o, a, e in rows]
+
+    def _line_rows(self, key: str) -> int:
+        """How many rows (live or not) the lock of a ``queue``/``leases`` key has in
+        the line table."""
+        found = self._parse(key)
+        if found is None or found[1] not in ("queue", "leases"):
+            return 0
+        row = self.conn.execute(f"SELECT count(*) FROM {self.LINE} WHERE prefix = %s "
+                                "AND name = %s", found[0]).fetchone()
+        return int(row[0]) if row is not None else 0
 
     def _hold(self, key: str) -> dict[str, Any] | None:
         found = self._row_key(key)
@@ -210,7 +249,7 @@ class PgView:
                 "acquired_at": acquired_at, **(info or {}), "pttl": max(int(pttl), 1)}
 
     def exists(self, *keys: str) -> int:
-        return sum(self._hold(k) is not None for k in keys)
+        return sum(self._hold(k) is not None or self._line_rows(k) > 0 for k in keys)
 
     def hget(self, key: str, field: str) -> bytes | None:
         hold = self._hold(key)
@@ -227,7 +266,17 @@ class PgView:
         return -2 if hold is None else int(hold["pttl"])
 
     def zrange(self, key: str, start: int, end: int) -> list[bytes]:
-        return []
+        line = self._line(key) or []
+        if key.endswith(":leases"):
+            line.sort(key=lambda w: (w[2], w[0]))
+        stop = len(line) if end == -1 else end + 1
+        return [owner.encode() for owner, _, _ in line[start:stop]]
+
+    def zscore(self, key: str, member: str) -> float | None:
+        for owner, arrived, expires in self._line(key) or []:
+            if owner == member:
+                return float(expires if key.endswith(":leases") else arrived)
+        return None
 
     def delete(self, *keys: str) -> int:
         """Forget the holds (their fence counters stay, as a deleted hash's do)."""
@@ -247,6 +296,8 @@ class PgView:
         if found is not None:
             self.conn.execute("DELETE FROM dlock_locks WHERE prefix = %s AND name = %s",
                               found)
+            self.conn.execute(f"DELETE FROM {self.LINE} WHERE prefix = %s "
+                              "AND name = %s", found)
 
     def close(self) -> None:
         self.conn.close()

@@ -35,21 +35,72 @@ def my_lock(url: str, name: str, ttl: float = 30.0, **options: Any) -> MySQLLock
 
 
 class MyView:
-    """The Redis reads the tests make, answered from the MySQL lease table: a live
-    hold's row is the lock's hash (``owner``, ``count``, ``fence`` and its info
-    fields), its ``expires_at`` its pttl; the line's keys never exist."""
+    """The Redis reads the tests make, answered from the MySQL tables: a live hold's
+    row is the lock's hash (``owner``, ``count``, ``fence`` and its info fields), its
+    ``expires_at`` its pttl; the lock's rows in the line table are its ``queue`` (the
+    live ones, by arrival) and ``leases`` (their expiry, in ms), which exist while any
+    row is left; doorbells never exist."""
+
+    LINE = "dlock_locks_waiters"
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.conn = pymysql_connect(url)
 
     @staticmethod
-    def _row_id(key: str) -> str | None:
+    def _parse(key: str) -> tuple[str, str] | None:
+        """``(lock_id, part)``: part is ``lock``, ``queue``, ``leases`` or
+        ``doorbell``."""
+        end = key.rfind("]") + 1
+        rest = key[end:]
+        part = rest.split(":")[1] if rest.startswith(":") else "lock"
         try:
-            prefix, name = json.loads(key)
+            prefix, name = json.loads(key[:end])
         except ValueError:
             return None
-        return lock_id(str(prefix), str(name))
+        return lock_id(str(prefix), str(name)), part
+
+    @classmethod
+    def _row_id(cls, key: str) -> str | None:
+        found = cls._parse(key)
+        return found[0] if found is not None and found[1] == "lock" else None
+
+    def _line(self, key: str) -> list[tuple[str, int, int]] | None:
+        """The live waiters of a ``queue``/``leases`` key: owner, arrival (µs) and
+        lease expiry (ms) on the server's clock; None for another key."""
+        found = self._parse(key)
+        if found is None or found[1] not in ("queue", "leases"):
+            return None
+        rows = self._execute(
+            "SELECT owner, "
+            "TIMESTAMPDIFF(MICROSECOND, '1970-01-01', arrived_at), "
+            "FLOOR(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', expires_at) / 1000) "
+            f"FROM {self.LINE} WHERE lock_id = %s AND expires_at > {_NOW} "
+            "ORDER BY arrived_at, owner_id", found[0]).fetchall()
+        return [(o.decode(), int(a), int(e)) for o, a, e in rows]
+
+    def _line_rows(self, key: str) -> int:
+        """How many rows (live or not) the lock of a ``queue``/``leases`` key has in
+        the line table."""
+        found = self._parse(key)
+        if found is None or found[1] not in ("queue", "leases"):
+            return 0
+        row = self._execute(f"SELECT COUNT(*) FROM {self.LINE} WHERE lock_id = %s",
+                            found[0]).fetchone()
+        return int(row[0])
+
+    def zrange(self, key: str, start: int, end: int) -> list[bytes]:
+        line = self._line(key) or []
+        if key.endswith(":leases"):
+            line.sort(key=lambda w: (w[2], w[0]))
+        stop = len(line) if end == -1 else end + 1
+        return [owner.encode() for owner, _, _ in line[start:stop]]
+
+    def zscore(self, key: str, member: str) -> float | None:
+        for owner, arrived, expires in self._line(key) or []:
+            if owner == member:
+                return float(expires if key.endswith(":leases") else arrived)
+        return None
 
     def _execute(self, sql: str, *params: Any) -> Any:
         if not self.conn.open:
@@ -76,7 +127,7 @@ class MyView:
                 "pttl": max(int(pttl), 1)}
 
     def exists(self, *keys: str) -> int:
-        return sum(self._hold(k) is not None for k in keys)
+        return sum(self._hold(k) is not None or self._line_rows(k) > 0 for k in keys)
 
     def hget(self, key: str, field: str) -> bytes | None:
         hold = self._hold(key)
@@ -91,9 +142,6 @@ class MyView:
     def pttl(self, key: str) -> int:
         hold = self._hold(key)
         return -2 if hold is None else int(hold["pttl"])
-
-    def zrange(self, key: str, start: int, end: int) -> list[bytes]:
-        return []
 
     def delete(self, *keys: str) -> int:
         """Forget the holds (their fence counters stay, as a deleted hash's do)."""
@@ -112,6 +160,7 @@ class MyView:
         row_id = self._row_id(key)
         if row_id is not None:
             self._execute("DELETE FROM dlock_locks WHERE lock_id = %s", row_id)
+            self._execute(f"DELETE FROM {self.LINE} WHERE lock_id = %s", row_id)
 
     def close(self) -> None:
         self.conn.close()

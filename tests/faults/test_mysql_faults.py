@@ -206,20 +206,30 @@ def test_a_server_that_does_not_answer_is_backend_unavailable_in_bounded_time(my
         assert my_db.password not in str(info.value)
 
 
-def test_another_applications_table_at_our_name_is_a_conflict(my_db):
+@pytest.mark.parametrize("at", ["lease table", "line table"])
+def test_another_applications_table_at_our_name_is_a_conflict(my_db, at):
+    """A table of another application at the lease table's name, or at its line's
+    (the lease table's and ``_waiters``): a conflict, and neither table is touched
+    or made."""
+    lease_table = f"theirs_{at[0]}" if at == "lease table" else f"ours_{at[0]}"
+    found = lease_table if at == "lease table" else lease_table + "_waiters"
     with _connect(my_db.url) as conn, conn.cursor() as cur:
-        cur.execute("CREATE TABLE theirs (id INT PRIMARY KEY, name TEXT)")
-        cur.execute("INSERT INTO theirs VALUES (1, 'kept')")
-    lock = lock_from_url(my_db.url + "?dlock_table=theirs", _name())
+        cur.execute(f"CREATE TABLE {found} (id INT PRIMARY KEY, name TEXT)")
+        cur.execute(f"INSERT INTO {found} VALUES (1, 'kept')")
+    lock = lock_from_url(my_db.url + f"?dlock_table={lease_table}", _name())
     with pytest.raises(LockKeyConflict) as info:
         lock.acquire(blocking=False)
-    assert "theirs" in str(info.value) and "nothing was changed" in str(info.value)
+    assert found in str(info.value) and "nothing was changed" in str(info.value)
     with _connect(my_db.url) as conn, conn.cursor() as cur:
-        cur.execute("SELECT * FROM theirs")
+        cur.execute(f"SELECT * FROM {found}")
         assert cur.fetchall() == ((1, "kept"),)
         cur.execute("SELECT count(*) FROM information_schema.COLUMNS "
-                    "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'theirs'")
+                    "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", (found,))
         assert cur.fetchone() == (2,)
+        cur.execute("SELECT count(*) FROM information_schema.TABLES WHERE "
+                    "TABLE_SCHEMA = DATABASE() AND TABLE_NAME LIKE %s",
+                    (lease_table + "%",))
+        assert cur.fetchone() == (1,)  # nothing made beside it
 
 
 def _user(db: MariaDBServer, user: str, *grants: str) -> str:
@@ -240,17 +250,47 @@ def test_a_user_without_create_is_told_the_grants_it_needs(my_db):
         lock.acquire(blocking=False)
     said = str(info.value)
     assert "GRANT SELECT, INSERT, UPDATE ON made_for_you" in said
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON made_for_you_waiters" in said
     assert "pw-limited" not in said
-    # The documented least-privilege setup: an administrator makes the table once.
-    from celery_dlock.backends.sql.my_schema import create_sql
+    from celery_dlock.backends.sql.my_schema import create_line_sql, create_sql
 
+    # The setup of releases without a line: the lease table and its GRANT only.  A
+    # user of it is told, at once, what the line needs (it is never left waiting).
     with _connect(my_db.url) as conn, conn.cursor() as cur:
         cur.execute(create_sql("made_for_you"))
         cur.execute("GRANT SELECT, INSERT, UPDATE ON dlock.made_for_you "
                     "TO 'limited'@'127.0.0.1'")
     lock = lock_from_url(limited + "?dlock_table=made_for_you", _name(), ttl=5)
+    started = time.monotonic()
+    with pytest.raises(InvalidLockConfig) as info:
+        lock.acquire(timeout=30)
+    assert time.monotonic() - started < 10
+    said = str(info.value)
+    assert "line of waiters made_for_you_waiters" in said
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON made_for_you_waiters" in said
+    # The line made, but without DELETE: refused with the GRANT it lacks.
+    with _connect(my_db.url) as conn, conn.cursor() as cur:
+        cur.execute(create_line_sql("made_for_you_waiters"))
+        cur.execute("GRANT SELECT, INSERT, UPDATE ON dlock.made_for_you_waiters "
+                    "TO 'limited'@'127.0.0.1'")
+    name = _name()
+    lock = lock_from_url(limited + "?dlock_table=made_for_you", name, ttl=5)
+    with pytest.raises(InvalidLockConfig) as info:
+        lock.acquire(timeout=30)
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON made_for_you_waiters" in \
+        str(info.value)
+    # The documented least-privilege setup: an administrator makes both tables once.
+    with _connect(my_db.url) as conn, conn.cursor() as cur:
+        cur.execute("GRANT DELETE ON dlock.made_for_you_waiters "
+                    "TO 'limited'@'127.0.0.1'")
+    lock = lock_from_url(limited + "?dlock_table=made_for_you", name, ttl=5)
     with lock:
         assert lock.owned() and lock.fence is not None
+        # a blocked acquirer stands in line, and leaves it when it gives up
+        other = lock_from_url(limited + "?dlock_table=made_for_you", name, ttl=5,
+                              owner="other")
+        assert other.acquire(timeout=0.5) is False
+        assert other.waiting_count() == 0
 
 
 def test_a_user_who_may_read_but_not_write_is_told_the_grant_it_lacks(my_db):

@@ -166,19 +166,30 @@ def test_an_unreachable_server_is_backend_unavailable(own_pg):
     assert "PostgreSQL unavailable" in str(info.value)
 
 
-def test_another_applications_table_at_our_name_is_a_conflict(own_pg):
+@pytest.mark.parametrize("at", ["lease table", "line table"])
+def test_another_applications_table_at_our_name_is_a_conflict(own_pg, at):
+    """A table of another application at the lease table's name, or at its line's
+    (the lease table's and ``_waiters``): a conflict, and neither table is touched
+    or made."""
+    lease_table = "theirs" if at == "lease table" else "ours"
     with psycopg.connect(own_pg.url, autocommit=True) as conn:
         conn.execute("CREATE TABLE theirs (id int PRIMARY KEY, name text)")
         conn.execute("INSERT INTO theirs VALUES (1, 'kept')")
-    lock = lock_from_url(own_pg.url + "?dlock_table=theirs", _name())
+        if at == "line table":
+            conn.execute("ALTER TABLE theirs RENAME TO ours_waiters")
+    lock = lock_from_url(own_pg.url + f"?dlock_table={lease_table}", _name())
     with pytest.raises(LockKeyConflict) as info:
         lock.acquire(blocking=False)
-    assert "theirs" in str(info.value) and "nothing was changed" in str(info.value)
+    found = "theirs" if at == "lease table" else "ours_waiters"
+    assert found in str(info.value) and "nothing was changed" in str(info.value)
     with psycopg.connect(own_pg.url, autocommit=True) as conn:
-        assert conn.execute("SELECT * FROM theirs").fetchall() == [(1, "kept")]
+        assert conn.execute(f"SELECT * FROM {found}").fetchall() == [(1, "kept")]
         columns = conn.execute("SELECT count(*) FROM information_schema.columns "
-                               "WHERE table_name = 'theirs'").fetchone()
+                               "WHERE table_name = %s", (found,)).fetchone()
         assert columns == (2,)
+        made = conn.execute("SELECT count(*) FROM pg_tables WHERE tablename "
+                            "LIKE 'ours%%' OR tablename LIKE 'theirs%%'").fetchone()
+        assert made == (1,)  # nothing made beside it
 
 
 def test_a_user_without_create_is_told_the_grants_it_needs(own_pg):
@@ -190,15 +201,44 @@ def test_a_user_without_create_is_told_the_grants_it_needs(own_pg):
     with pytest.raises(InvalidLockConfig) as info:
         lock.acquire(blocking=False)
     assert "GRANT SELECT, INSERT, UPDATE ON made_for_you" in str(info.value)
-    # The documented least-privilege setup: an administrator makes the table once.
-    from celery_dlock.backends.sql.schema import create_sql
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON made_for_you_waiters" in \
+        str(info.value)
+    from celery_dlock.backends.sql.schema import create_line_sql, create_sql
 
+    # The setup of releases without a line: the lease table and its GRANT only.  A
+    # user of it is told, at once, what the line needs (it is never left waiting).
     with psycopg.connect(own_pg.url, autocommit=True) as conn:
         conn.execute(create_sql("made_for_you"))
         conn.execute("GRANT SELECT, INSERT, UPDATE ON made_for_you TO limited")
     lock = lock_from_url(limited + "?dlock_table=made_for_you", _name(), ttl=5)
+    started = time.monotonic()
+    with pytest.raises(InvalidLockConfig) as info:
+        lock.acquire(timeout=30)
+    assert time.monotonic() - started < 10
+    assert "line of waiters made_for_you_waiters does not exist" in str(info.value)
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON made_for_you_waiters" in \
+        str(info.value)
+    # The line made, but without DELETE: refused with the GRANT it lacks.
+    with psycopg.connect(own_pg.url, autocommit=True) as conn:
+        conn.execute(create_line_sql("made_for_you_waiters"))
+        conn.execute("GRANT SELECT, INSERT, UPDATE ON made_for_you_waiters TO limited")
+    lock = lock_from_url(limited + "?dlock_table=made_for_you", _name(), ttl=5)
+    with pytest.raises(InvalidLockConfig) as info:
+        lock.acquire(timeout=30)
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON made_for_you_waiters" in \
+        str(info.value)
+    # The documented least-privilege setup: an administrator makes both tables once.
+    with psycopg.connect(own_pg.url, autocommit=True) as conn:
+        conn.execute("GRANT DELETE ON made_for_you_waiters TO limited")
+    name = _name()
+    lock = lock_from_url(limited + "?dlock_table=made_for_you", name, ttl=5)
     with lock:
         assert lock.owned() and lock.fence is not None
+        # a blocked acquirer stands in line, and leaves it when it gives up
+        other = lock_from_url(limited + "?dlock_table=made_for_you", name, ttl=5,
+                              owner="other")
+        assert other.acquire(timeout=0.5) is False
+        assert other.waiting_count() == 0
 
 
 def test_many_holds_are_renewed_in_one_statement_per_interval(own_pg):

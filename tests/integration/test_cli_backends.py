@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +18,9 @@ import pytest
 from config_app import ENV_CONF
 
 from celery_dlock import lock_from_url
+
+#: The SQL backends whose blocked acquirers stand in a line ``show`` and ``top`` count.
+LINED = ("postgres", "mysql")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,7 +52,18 @@ def test_ls_show_release_and_top_on_sql(sql_url):
     lock = lock_from_url(url, "stock:42", ttl=60, prefix=prefix,
                          info={"task_name": "shop.buy", "task_id": "t-1"})
     lock.acquire()
+    # A blocked acquirer: it stands in line until the force release below frees the
+    # lock, then takes it and lets go.
+    waiter = lock_from_url(url, "stock:42", ttl=60, prefix=prefix, owner="waiter")
+    waited = threading.Thread(target=lambda: waiter.acquire(timeout=30) and
+                              waiter.release(), daemon=True)
+    waited.start()
     try:
+        if kind in LINED:
+            deadline = time.monotonic() + 10
+            while waiter.waiting_count() < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert waiter.waiting() == ["waiter"]
         listed = _dlock(url, "--prefix", prefix, "ls", "--json")
         assert listed.returncode == 0, listed.stderr
         [row] = json.loads(listed.stdout)
@@ -58,6 +74,7 @@ def test_ls_show_release_and_top_on_sql(sql_url):
         shown = _dlock(url, "--prefix", prefix, "show", "stock:42")
         assert shown.returncode == 0, shown.stderr
         assert "shop.buy" in shown.stdout
+        assert f"waiting: {1 if kind in LINED else 0}" in " ".join(shown.stdout.split())
         assert f"stored_at: dlock_locks[{prefix}, stock:42]" in shown.stdout
 
         by_url = _dlock(url, "--url", url, "--prefix", prefix, "ls")
@@ -66,6 +83,9 @@ def test_ls_show_release_and_top_on_sql(sql_url):
         top = _dlock(url, "--prefix", prefix, "top", "--iterations", "1")
         assert top.returncode == 0, top.stderr
         assert "1 held" in top.stdout and "stock:42" in top.stdout
+        [row] = [line.split() for line in top.stdout.splitlines()
+                 if "stock:42" in line]
+        assert row[-1] == str(1 if kind in LINED else 0), top.stdout
         assert f"not kept by the {kind} backend yet" in top.stdout
 
         freed = _dlock(url, "--prefix", prefix, "release", "stock:42", "--force",
@@ -75,9 +95,12 @@ def test_ls_show_release_and_top_on_sql(sql_url):
         # the holder learns who released it, and why
         assert not lock.owned()
         assert lock.lost_reason is not None and "stuck job" in lock.lost_reason
+        waited.join(30)
+        assert not waited.is_alive()
         after = _dlock(url, "--prefix", prefix, "ls", "--json")
         assert json.loads(after.stdout) == []
     finally:
+        waited.join(30)
         if lock.depth:
             try:
                 lock.release()

@@ -4,8 +4,10 @@ arrival order, leaving the line when they give up, and let in when a holder dies
 The tests of waking and of a dead holder run on every kind whose waiters are woken by
 the server (``lock_kind``: Redis doorbells, a one-slot semaphore's, PostgreSQL
 LISTEN/NOTIFY, ZooKeeper watches); the tests of the line itself on every kind that keeps
-one (a Redis lock, a one-slot semaphore, ZooKeeper; not Redlock or PostgreSQL:
-docs/backends.md); the rest test Redis's leases (``kind``)."""
+one (a Redis lock, a one-slot semaphore, PostgreSQL, MySQL, ZooKeeper; not Redlock:
+docs/backends.md); those of the waiters' leases (leaving the line, a waiter that died
+in it) on the kinds whose line is leased (``LEASED``: not ZooKeeper, whose line is its
+sessions')."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 import pytest
 import redis
 from dlock_helpers import hold_until_killed, queue_members, wait_in_line, wait_until
-from lock_kinds import KINDS, NO_LINE, ONE_SERVER_KINDS, OneServerKind
+from lock_kinds import KINDS, NO_LINE
 
 from celery_dlock import RedisLock
 from celery_dlock.backends.redis.waiters import QUEUE_LEASE, WAIT_SLICE
@@ -49,10 +51,25 @@ class Waiter(threading.Thread):
             self.error = exc
 
 
-@pytest.fixture(params=sorted(ONE_SERVER_KINDS))
-def kind(request: pytest.FixtureRequest) -> OneServerKind:
-    """A lock, and a semaphore of one slot: the line of waiters is the same."""
-    return ONE_SERVER_KINDS[request.param]
+#: The kinds whose waiters hold their places in line by a lease they renew (a Redis
+#: lock, a one-slot semaphore: the line is the same; the SQL backends' line tables).
+LEASED = pytest.mark.parametrize(
+    "lock_kind", [k for k in ("redis", "semaphore", "postgres", "mysql") if k in KINDS],
+    indirect=True)
+
+
+def _lease_bounds(kind: str) -> tuple[float, float]:
+    """How long a waiter of ``kind`` keeps its place without trying again, and the
+    longest it sleeps between two tries (seconds)."""
+    if kind == "postgres":
+        from celery_dlock.backends.sql import waiting
+
+        return waiting.QUEUE_LEASE, waiting.WAIT_SLICE
+    if kind == "mysql":
+        from celery_dlock.backends.sql import mysql
+
+        return mysql.QUEUE_LEASE, mysql.POLL_MAX
+    return QUEUE_LEASE, WAIT_SLICE
 
 
 def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
@@ -63,8 +80,8 @@ def _start_in_line(r: redis.Redis, waiter: Waiter) -> Waiter:
 
 
 def _line_kind(lock_kind):
-    """The server view of a kind with a line of waiters (Redlock and PostgreSQL have
-    none: docs/backends.md)."""
+    """The server view of a kind with a line of waiters (Redlock has none:
+    docs/backends.md)."""
     if not lock_kind.has_line:
         pytest.skip(NO_LINE if lock_kind.name == "redlock" else
                     f"the {lock_kind.name} backend keeps no line of waiters "
@@ -142,13 +159,15 @@ def test_free_lock_goes_to_the_first_in_line_not_a_barger(lock_kind, prefix, nam
     barger.release()
 
 
-def test_waiter_that_times_out_leaves_the_line(kind, r, prefix, name):
-    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
+@LEASED
+def test_waiter_that_times_out_leaves_the_line(lock_kind, prefix, name):
+    r = lock_kind.server
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    quitter = _start_in_line(r, Waiter(kind.make(r, name, owner="quitter",
-                                                 prefix=prefix), timeout=0.5))
-    patient = _start_in_line(r, Waiter(kind.make(r, name, owner="patient",
-                                                 prefix=prefix), timeout=20))
+    quitter = _start_in_line(r, Waiter(lock_kind.make(name, owner="quitter",
+                                                      prefix=prefix), timeout=0.5))
+    patient = _start_in_line(r, Waiter(lock_kind.make(name, owner="patient",
+                                                      prefix=prefix), timeout=20))
     quitter.join(10)
     assert quitter.result is False and quitter.error is None
     assert queue_members(r, holder) == ["patient"]
@@ -165,28 +184,58 @@ def test_waiter_that_times_out_leaves_the_line(kind, r, prefix, name):
 
 
 @pytest.mark.slow
-def test_waiter_killed_in_line_does_not_block_the_next(kind, redis_url, r, prefix,
+@LEASED
+def test_waiters_keep_their_places_for_longer_than_a_lease(lock_kind, prefix, name):
+    """A waiter renews its lease by trying again: after waiting for longer than a
+    lease and a wait slice, each keeps the place (and arrival) it joined with."""
+    r = lock_kind.server
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
+    holder.acquire()
+    order: list[str] = []
+    waiters = [_start_in_line(r, Waiter(lock_kind.make(name, owner=o, prefix=prefix),
+                                        timeout=60, log=order))
+               for o in ("first", "second")]
+    arrived = [r.zscore(holder.keys.queue, o) for o in ("first", "second")]
+    assert None not in arrived
+    lease, slice_ = _lease_bounds(lock_kind.name)
+    time.sleep(lease + slice_ + 1)
+    assert queue_members(r, holder) == ["first", "second"]
+    assert [r.zscore(holder.keys.queue, o) for o in ("first", "second")] == arrived
+    holder.release()
+    for w in waiters:
+        w.join(20)
+    assert [w.error for w in waiters] == [None, None]
+    assert order == ["first", "second"]
+
+
+@pytest.mark.slow
+@LEASED
+def test_waiter_killed_in_line_does_not_block_the_next(lock_kind, redis_url, prefix,
                                                        name):
-    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
+    r = lock_kind.server
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
     ctx = multiprocessing.get_context("spawn")
+    lock_url = lock_kind.urls[0] if lock_kind.name in ("postgres", "mysql") else None
     proc = ctx.Process(target=wait_in_line, args=(redis_url, prefix, name, "doomed",
-                                                  getattr(holder, "limit", None)),
+                                                  getattr(holder, "limit", None),
+                                                  lock_url),
                        daemon=True)
     proc.start()
     try:
         assert wait_until(lambda: "doomed" in queue_members(r, holder), timeout=30)
-        patient = _start_in_line(r, Waiter(kind.make(r, name, owner="patient",
-                                                     prefix=prefix), timeout=30))
+        patient = _start_in_line(r, Waiter(lock_kind.make(name, owner="patient",
+                                                          prefix=prefix), timeout=30))
         proc.kill()
         proc.join(10)
         released_at = time.monotonic()
-        holder.release()  # rings the dead waiter's doorbell: nobody answers
+        holder.release()  # wakes the dead waiter first in line: nobody answers
         patient.join(30)
         assert patient.error is None and patient.result is True
         assert patient.acquired_at is not None
         # the dead waiter's place lapses with its lease; then the next one goes
-        assert patient.acquired_at - released_at < QUEUE_LEASE + WAIT_SLICE + 3
+        lease, slice_ = _lease_bounds(lock_kind.name)
+        assert patient.acquired_at - released_at < lease + slice_ + 3
         assert not r.exists(holder.keys.queue)
         assert not r.exists(holder.keys.leases)
     finally:
@@ -195,15 +244,17 @@ def test_waiter_killed_in_line_does_not_block_the_next(kind, redis_url, r, prefi
             proc.join(5)
 
 
-def test_single_waiter_timing_out_leaves_no_queue_keys(kind, r, prefix, name):
-    holder = kind.make(r, name, ttl=30, owner="holder", prefix=prefix)
+@LEASED
+def test_single_waiter_timing_out_leaves_no_queue_keys(lock_kind, prefix, name):
+    r = lock_kind.server
+    holder = lock_kind.make(name, ttl=30, owner="holder", prefix=prefix)
     holder.acquire()
-    lock = kind.make(r, name, owner="w", prefix=prefix)
+    lock = lock_kind.make(name, owner="w", prefix=prefix)
     assert lock.acquire(timeout=0.3) is False
     assert not r.exists(holder.keys.queue)
     assert not r.exists(holder.keys.leases)
     assert not r.exists(holder.keys.doorbell("w"))
-    assert kind.view(r).hget(holder.keys.lock, "owner") == b"holder"
+    assert r.hget(holder.keys.lock, "owner") == b"holder"
     holder.release()
 
 

@@ -12,7 +12,7 @@ from ...core.text import clean_text
 from .lease import hold_info as _info
 from .pg_server import PgServer, server_for
 from .postgres import PostgresLock
-from .statements import FORCE_RELEASE, HOLD, HOLDS
+from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
 from .waiting import channel_of
 
 __all__ = ["POSTGRES_SCHEMES", "PostgresBackend"]
@@ -46,8 +46,9 @@ class PostgresBackend:
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
-        return self.server.run(statement.format(t=self.server.table), params, what,
-                               name)
+        return self.server.run(statement.format(t=self.server.table,
+                                                w=self.server.line_table),
+                               params, what, name)
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         rows = self._rows(HOLD, {"prefix": prefix, "name": name}, "a read", name)
@@ -58,8 +59,13 @@ class PostgresBackend:
             yield _info(row)
 
     def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
-        """Always 0: waiters sleep on ``LISTEN`` and keep no line (docs/backends.md)."""
-        return dict.fromkeys(names, 0)
+        """How many live waiters stand in each lock's line: one statement."""
+        names = list(names)
+        if not names:
+            return {}
+        counts = {str(name): int(n) for name, n in self._rows(
+            WAITING_MANY, {"prefix": prefix, "names": names}, "a read")}
+        return {name: counts.get(name, 0) for name in names}
 
     def storage_key(self, prefix: str, name: str) -> str:
         return f"{self.server.table_name}[{prefix}, {name}]"

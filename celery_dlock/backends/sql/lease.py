@@ -101,10 +101,12 @@ class LeaseLock(Hold):
 
     # -- what a dialect provides --------------------------------------------------------
 
-    def _try_acquire(self, owner: str, op: str, ttl_ms: int
+    def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:
         """Take the lock for ``owner`` (or re-enter its live hold) when free, expired
-        or its own: ``(fence, count)``; None when another owner holds it."""
+        or its own (and, on a dialect that keeps a line of waiters, nobody else is
+        first in line): ``(fence, count)``; None when refused.  ``queue``: a refused
+        caller joins the line (or keeps its place in it); a granted one leaves it."""
         raise NotImplementedError
 
     def _try_reenter(self, owner: str, op: str, ttl_ms: int,
@@ -130,6 +132,20 @@ class LeaseLock(Hold):
     def _hold_row(self) -> tuple[Any, ...] | None:
         """The live hold's row (see :func:`holder_of`), or None."""
         raise NotImplementedError
+
+    def _line_wait(self, owner: str) -> float:
+        """The lock is free but was refused to ``owner``: how long the first waiter
+        in line (another owner) keeps its place, in seconds; 0.0 when nobody else
+        is first (or the dialect keeps no line)."""
+        return 0.0
+
+    def _try_leave(self, owner: str) -> None:
+        """Take ``owner`` out of the line of waiters (a dialect without one: nothing
+        to do)."""
+
+    def _line(self) -> list[str]:
+        """The owners waiting in line, first in line first (no line: empty)."""
+        return []
 
     def _sleep_turn(self, seconds: float) -> None:
         """Wait at most ``seconds`` for the lock to be freed."""
@@ -158,14 +174,17 @@ class LeaseLock(Hold):
             if fence is None:
                 return TAKEN if self._status(owner)[0] == TAKEN else GONE
             return Grant(fence, True)
-        granted = self._try_acquire(owner, op, ttl)
+        granted = self._try_acquire(owner, op, ttl, queue)
         if granted is not None:
             self._stop_waiting()
             return Grant(granted[0], granted[1] > 1)
         held = self._hold_row()
-        if held is None:  # freed between the two statements: try again at once
+        if held is None:
+            # Free, but the first waiter in line (another owner) has its turn: try
+            # again once its place lapses (it takes the lock long before, if alive).
+            # Nobody else first: freed between the two statements, try again at once.
             self.last_holder = None
-            return Refused(0.0)
+            return Refused(self._line_wait(owner))
         self.last_holder = holder_of(held)
         ttl_left = self.last_holder.ttl
         return Refused(None if ttl_left is None else ttl_left + 0.001)
@@ -181,7 +200,12 @@ class LeaseLock(Hold):
     wait_slice = 2.0
 
     def _leave_line(self, owner: str) -> None:
-        self._stop_waiting()
+        try:
+            self._try_leave(owner)
+        except Exception as exc:  # its place lapses by itself
+            logger.debug("could not leave the line of %r: %s", self.name, exc)
+        finally:
+            self._stop_waiting()
 
     def _give_back(self, owner: str) -> None:
         try:
@@ -230,6 +254,15 @@ class LeaseLock(Hold):
         """Who holds the lock now (None when free)."""
         row = self._hold_row()
         return holder_of(row) if row is not None else None
+
+    def waiting(self) -> list[str]:
+        """The owners waiting in line for the lock, first in line first (their places
+        live)."""
+        return self._line()
+
+    def waiting_count(self) -> int:
+        """How many owners wait in line."""
+        return len(self._line())
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.name!r} ttl={self.ttl:g}s "

@@ -12,7 +12,7 @@ from ...core.text import clean_text
 from .lease import hold_info
 from .my_schema import lock_id
 from .my_server import MyServer, server_for
-from .my_statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS
+from .my_statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
 from .mysql import MySQLLock
 
 __all__ = ["MYSQL_SCHEMES", "MySQLBackend"]
@@ -69,8 +69,17 @@ class MySQLBackend:
             yield hold_info(row)
 
     def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
-        """Always 0: waiters poll and keep no line (docs/backends.md)."""
-        return dict.fromkeys(names, 0)
+        """How many live waiters stand in each lock's line: one statement."""
+        ids = {lock_id(prefix, name): name for name in names}
+        if not ids:
+            return {}
+
+        def work(cur: Any) -> dict[str, int]:
+            cur.execute(waiting_many(self.server.line_table, len(ids)), list(ids))
+            return {str(found): int(n) for found, n in cur.fetchall()}
+
+        counts = self.server.run(work, "a read")
+        return {name: counts.get(key, 0) for key, name in ids.items()}
 
     def storage_key(self, prefix: str, name: str) -> str:
         return f"{self.server.table_name}[{prefix}, {name}]"

@@ -1,10 +1,14 @@
-"""The MySQL/MariaDB lease table: its definition, the check that a table found at its
-name is ours, and the words of a refusal (docs/backends.md, MySQL / MariaDB).
+"""The MySQL/MariaDB tables: the lease table and its line of waiters, their
+definitions, the check that a table found at their names is ours, and the words of a
+refusal (docs/backends.md, MySQL / MariaDB).
 
-The columns are PostgreSQL's (:mod:`.schema`) in MySQL's types, and one more: the
-primary key ``lock_id`` is the SHA-256 of prefix and name (hex), so a name of any
-length is one short key and is compared byte for byte (``prefix``, ``name`` and
-``owner`` are ``BLOB``: no collation folds case or trailing blanks).
+The lease table's columns are PostgreSQL's (:mod:`.schema`) in MySQL's types, and one
+more: the primary key ``lock_id`` is the SHA-256 of prefix and name (hex), so a name
+of any length is one short key and is compared byte for byte (``prefix``, ``name``
+and ``owner`` are ``BLOB``: no collation folds case or trailing blanks).  The line
+table (the lease table's name and ``_waiters``) has a row per blocked acquirer:
+``lock_id``, ``owner_id`` (:func:`owner_id`, the SHA-256 of the owner) and
+``owner``, ``arrived_at`` (its order) and ``expires_at`` (its lease).
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-__all__ = ["COLUMNS", "FREE", "GRANTS", "create_sql", "lock_id", "missing_columns",
-           "quote_table"]
+__all__ = ["COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS", "create_line_sql", "create_sql",
+           "lock_id", "missing_columns", "owner_id", "quote_table"]
 
 #: Each column and the ``DATA_TYPE`` information_schema reports for it.
 COLUMNS: dict[str, str] = {
@@ -34,8 +38,19 @@ COLUMNS: dict[str, str] = {
 #: ``expires_at`` of a free row.
 FREE = "1970-01-01 00:00:00"
 
-#: What a user who may not create tables needs on a table made for it beforehand.
-GRANTS = "GRANT SELECT, INSERT, UPDATE ON {table} TO <user>"
+#: The line table's columns, as :data:`COLUMNS`.
+LINE_COLUMNS: dict[str, str] = {
+    "lock_id": "char",
+    "owner_id": "char",
+    "owner": "blob",
+    "arrived_at": "datetime",
+    "expires_at": "datetime",
+}
+
+#: What a user who may not create tables needs on the tables made for it beforehand
+#: (``{table}`` the lease table, ``{line}`` its line).
+GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
+          "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
 
 _NAME = re.compile(r"^[A-Za-z0-9_$]{1,64}(\.[A-Za-z0-9_$]{1,64})?$")
 
@@ -43,6 +58,11 @@ _NAME = re.compile(r"^[A-Za-z0-9_$]{1,64}(\.[A-Za-z0-9_$]{1,64})?$")
 def lock_id(prefix: str, name: str) -> str:
     """The row's key of a lock."""
     return hashlib.sha256(f"{prefix}\x00{name}".encode()).hexdigest()
+
+
+def owner_id(owner: str) -> str:
+    """The line table's key of an owner (any length, compared byte for byte)."""
+    return hashlib.sha256(owner.encode()).hexdigest()
 
 
 def quote_table(table: str) -> str | None:
@@ -65,7 +85,19 @@ def create_sql(table: str) -> str:
             ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
 
 
-def missing_columns(found: dict[str, str]) -> list[str]:
-    """The columns (``name type``) a table with columns ``found`` lacks."""
-    return [f"{col} {kind}" for col, kind in COLUMNS.items()
+def create_line_sql(table: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for the line table ``table`` (quoted)."""
+    return (f"CREATE TABLE IF NOT EXISTS {table} ("
+            "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+            "owner_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+            "owner BLOB NOT NULL, arrived_at DATETIME(6) NOT NULL, "
+            "expires_at DATETIME(6) NOT NULL, PRIMARY KEY (lock_id, owner_id)"
+            ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
+
+
+def missing_columns(found: dict[str, str],
+                    wanted: dict[str, str] = COLUMNS) -> list[str]:
+    """The columns (``name type``) of ``wanted`` a table with columns ``found``
+    lacks."""
+    return [f"{col} {kind}" for col, kind in wanted.items()
             if found.get(col, "").lower() != kind]

@@ -6,7 +6,7 @@ A server is named by its URL (``mysql://`` or ``mariadb://``); each process keep
 * one connection for the locks' calls (autocommit; PyMySQL connections are not
   thread-safe, so the threads take turns), opened on first use and again after a
   failure;
-* the lease table checked (or created) once.
+* the lease table and its line of waiters checked (or created) once.
 
 Every call is either one autocommitted statement or one short transaction (a locked
 read of one row and one write: :mod:`.mysql`).  A call that fails on a connection
@@ -19,9 +19,9 @@ Bounded waits: ``connect_timeout`` 3 s, ``read_timeout`` and ``write_timeout`` 5
 most 2 s (``innodb_lock_wait_timeout``).
 
 Errors: a server that does not answer, or a connection that breaks, is
-:class:`BackendUnavailable`; a table at our name with other columns is
+:class:`BackendUnavailable`; a table at either name with other columns is
 :class:`LockKeyConflict` (nothing changed); a user without a privilege the locks need
-is :class:`InvalidLockConfig` naming the GRANT (docs/backends.md).
+is :class:`InvalidLockConfig` naming the GRANTs (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -42,8 +42,16 @@ from ...core.errors import (
     LockKeyConflict,
 )
 from ...core.urls import mask_url
-from .my_schema import GRANTS, create_sql, missing_columns, quote_table
-from .schema import DEFAULT_TABLE
+from .my_schema import (
+    COLUMNS,
+    GRANTS,
+    LINE_COLUMNS,
+    create_line_sql,
+    create_sql,
+    missing_columns,
+    quote_table,
+)
+from .schema import DEFAULT_TABLE, line_table_of
 
 __all__ = ["CONNECT_TIMEOUT", "READ_TIMEOUT", "MyServer", "server_for"]
 
@@ -143,6 +151,10 @@ def connect_args(url: str) -> tuple[dict[str, Any], str]:
     if quote_table(table) is None:
         raise InvalidLockConfig(f"dlock_table={table!r} is not a table name (letters, "
                                 f"digits, _ and $, optionally database.table)")
+    if quote_table(line_table_of(table)) is None:
+        raise InvalidLockConfig(f"dlock_table={table!r} is too long: its line of "
+                                f"waiters, {line_table_of(table)!r}, must be a table "
+                                f"name of at most 64 characters")
     return args, table
 
 
@@ -154,6 +166,8 @@ class MyServer:
         self.shown = mask_url(url)
         self._args, self.table_name = connect_args(url)
         self.table = quote_table(self.table_name) or ""
+        self.line_table_name = line_table_of(self.table_name)
+        self.line_table = quote_table(self.line_table_name) or ""
         self._lock = threading.Lock()
         self._conn: pymysql.connections.Connection[Any] | None = None
         self._pid = os.getpid()
@@ -178,6 +192,11 @@ class MyServer:
         return BackendUnavailable(f"MySQL unavailable at {self.shown} during {what}: "
                                   f"{text}", lock_name=lock_name)
 
+    @property
+    def grants(self) -> str:
+        """The GRANTs a user of these tables needs."""
+        return GRANTS.format(table=self.table_name, line=self.line_table_name)
+
     def error(self, exc: BaseException, what: str,
               lock_name: str | None = None) -> DLockError:
         """The DLockError for ``exc``."""
@@ -187,15 +206,15 @@ class MyServer:
         if code in _DENIED:
             return InvalidLockConfig(
                 f"MySQL at {self.shown} refused {what}: {_message(exc)}; the user needs "
-                f"{GRANTS.format(table=self.table_name)} (docs/backends.md, "
-                f"least-privilege setup)", lock_name=lock_name)
+                f"{self.grants} (docs/backends.md, least-privilege setup)",
+                lock_name=lock_name)
         if is_unavailable(exc):
             return self.unavailable(exc, what, lock_name)
         if code in _FOREIGN:
             return LockKeyConflict(
-                f"the table {self.table_name} at {self.shown} is not celery-dlock's "
-                f"lease table ({_message(exc)}); nothing was changed: name another "
-                f"with ?dlock_table=", lock_name=lock_name)
+                f"the table {self.table_name} (or {self.line_table_name}) at "
+                f"{self.shown} is not celery-dlock's ({_message(exc)}); nothing was "
+                f"changed: name another with ?dlock_table=", lock_name=lock_name)
         return BackendUnavailable(f"MySQL at {self.shown} refused {what}: "
                                   f"{_message(exc)}", lock_name=lock_name)
 
@@ -257,8 +276,8 @@ class MyServer:
 
     # -- the table ------------------------------------------------------------------
 
-    def _columns(self, cur: Any) -> dict[str, str] | None:
-        schema, _, table = self.table_name.rpartition(".")
+    def _columns(self, cur: Any, table_name: str) -> dict[str, str] | None:
+        schema, _, table = table_name.rpartition(".")
         cur.execute("SELECT COLUMN_NAME, DATA_TYPE FROM information_schema.COLUMNS "
                     "WHERE TABLE_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s",
                     (schema or None, table))
@@ -266,41 +285,32 @@ class MyServer:
         return {str(n).lower(): str(t).lower() for n, t in rows} if rows else None
 
     def ensure_table(self, lock_name: str | None = None) -> None:
-        """Check the lease table once per process (create it when missing):
-        :class:`LockKeyConflict` when a table of another shape is at its name."""
+        """Check the lease table and its line once per process (create them when
+        missing): :class:`LockKeyConflict`, and nothing made, when a table of another
+        shape is at either name."""
         if self._checked:
             return
+        tables = ((self.table_name, self.table, "lease table", create_sql, COLUMNS),
+                  (self.line_table_name, self.line_table, "line of waiters",
+                   create_line_sql, LINE_COLUMNS))
         conn = self.connect()
         try:
             with conn.cursor() as cur:
-                found = self._columns(cur)
-                if found is None:
-                    try:
-                        cur.execute(create_sql(self.table))
-                    except pymysql.err.MySQLError as exc:
-                        if _errno(exc) in _DENIED:
+                found = [self._columns(cur, name) for name, *_ in tables]
+                for (name, _, what, _, wanted), columns in zip(tables, found,
+                                                               strict=True):
+                    if columns is not None:
+                        self._check_shape(name, what, columns, wanted, lock_name)
+                for (name, quoted, what, create, wanted), columns in zip(
+                        tables, found, strict=True):
+                    if columns is None:
+                        self._create(cur, name, quoted, what, create, lock_name)
+                        made = self._columns(cur, name)
+                        if made is None:  # it exists, and this user may not see it
                             raise InvalidLockConfig(
-                                f"the lease table {self.table_name} does not exist at "
-                                f"{self.shown} and this user may not create it "
-                                f"({_message(exc)}): create it once as in "
-                                f"docs/backends.md and "
-                                f"{GRANTS.format(table=self.table_name)}",
-                                lock_name=lock_name) from None
-                        if _errno(exc) != 1050:  # 1050: made at the same moment
-                            raise
-                    found = self._columns(cur)
-                if found is None:  # it exists, and this user may not see it
-                    raise InvalidLockConfig(
-                        f"the lease table {self.table_name} at {self.shown} is not "
-                        f"readable by this user: {GRANTS.format(table=self.table_name)}",
-                        lock_name=lock_name)
-                missing = missing_columns(found)
-                if missing:
-                    raise LockKeyConflict(
-                        f"a table {self.table_name} at {self.shown} is not "
-                        f"celery-dlock's lease table (it lacks {', '.join(missing)}); "
-                        f"nothing was changed: name another with ?dlock_table=",
-                        lock_name=lock_name)
+                                f"the {what} {name} at {self.shown} is not readable "
+                                f"by this user: {self.grants}", lock_name=lock_name)
+                        self._check_shape(name, what, made, wanted, lock_name)
         except DLockError:
             raise
         except Exception as exc:
@@ -311,6 +321,29 @@ class MyServer:
             except Exception:
                 pass
         self._checked = True
+
+    def _create(self, cur: Any, name: str, quoted: str, what: str,
+                create: Callable[[str], str], lock_name: str | None) -> None:
+        try:
+            cur.execute(create(quoted))
+        except pymysql.err.MySQLError as exc:
+            if _errno(exc) in _DENIED:
+                raise InvalidLockConfig(
+                    f"the {what} {name} does not exist at {self.shown} (or this user "
+                    f"may not see it) and this user may not create it "
+                    f"({_message(exc)}): create it once as in docs/backends.md and "
+                    f"{self.grants}", lock_name=lock_name) from None
+            if _errno(exc) != 1050:  # 1050: made at the same moment
+                raise
+
+    def _check_shape(self, name: str, what: str, found: dict[str, str],
+                     wanted: dict[str, str], lock_name: str | None) -> None:
+        missing = missing_columns(found, wanted)
+        if missing:
+            raise LockKeyConflict(
+                f"a table {name} at {self.shown} is not celery-dlock's {what} (it "
+                f"lacks {', '.join(missing)}); nothing was changed: name another "
+                f"with ?dlock_table=", lock_name=lock_name)
 
     def close(self) -> None:
         with self._lock:

@@ -10,13 +10,16 @@ short transaction after :data:`ROW` locked the row (:mod:`.mysql`): MySQL has no
 ``RETURNING`` and evaluates an ``UPDATE``'s assignments left to right, so one
 statement cannot both decide and report; the decision is made on the locked row, the
 write is one statement.  Extend and renewal only ever move the expiry later and are
-one autocommitted ``UPDATE`` each.
+one autocommitted ``UPDATE`` each.  ``{w}`` is the line of waiters' table: an acquire
+refused joins it (:data:`JOIN`), one granted leaves it (:data:`LEFT`), in the
+acquire's transaction, after the lease row was locked.
 """
 
 from __future__ import annotations
 
-__all__ = ["EXTEND", "FORCE_FREE", "FORCE_ROW", "HOLD", "HOLDS", "INSERT", "OPS_KEPT",
-           "REENTER", "RELEASE", "ROW", "STATUS", "TAKE", "renew_many", "status_many"]
+__all__ = ["EXTEND", "FORCE_FREE", "FORCE_ROW", "HEAD", "HOLD", "HOLDS", "INSERT",
+           "JOIN", "LEAVE", "LEFT", "LINE", "OPS_KEPT", "REENTER", "RELEASE", "ROW",
+           "STATUS", "TAKE", "renew_many", "status_many", "waiting_many"]
 
 #: How many operation ids each row keeps.
 OPS_KEPT = 64
@@ -84,6 +87,42 @@ FORCE_ROW = f"{HOLD} FOR UPDATE"
 FORCE_FREE = ("UPDATE {t} SET owner = NULL, `count` = 0, "
               "expires_at = '1970-01-01 00:00:00', forced = %(forced)s "
               "WHERE lock_id = %(id)s")
+
+
+_LINE_LIVE = f"lock_id = %(id)s AND expires_at > {NOW}"
+_LEASE = f"{NOW} + INTERVAL %(lease_us)s MICROSECOND"
+
+#: The first live waiter in line: owner, the seconds its place has left.
+HEAD = (f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) / 1000000 "
+        f"FROM {{w}} WHERE {_LINE_LIVE} ORDER BY arrived_at, owner_id LIMIT 1")
+
+#: The live waiters, first in line first: owner.
+LINE = f"SELECT owner FROM {{w}} WHERE {_LINE_LIVE} ORDER BY arrived_at, owner_id"
+
+#: Join the line, or keep one's place in it and renew its lease (a place that lapsed
+#: is taken again at the back).  The assignments run left to right: ``arrived_at``
+#: reads the old ``expires_at``.  A lease with less than a second to gain is left as
+#: it is (no write): a waiter polling twice a second writes its row about once.
+JOIN = ("INSERT INTO {w} (lock_id, owner_id, owner, arrived_at, expires_at) VALUES "
+        f"(%(id)s, %(owner_id)s, %(owner)s, {NOW}, {_LEASE}) ON DUPLICATE KEY UPDATE "
+        f"arrived_at = IF(expires_at > {NOW}, arrived_at, {NOW}), "
+        f"expires_at = IF(expires_at > {_LEASE} - INTERVAL 1 SECOND, expires_at, "
+        f"{_LEASE})")
+
+#: A granted acquirer leaves the line, and the places that lapsed are dropped.
+LEFT = (f"DELETE FROM {{w}} WHERE lock_id = %(id)s "
+        f"AND (owner_id = %(owner_id)s OR expires_at <= {NOW})")
+
+#: A waiter that gave up leaves the line.
+LEAVE = "DELETE FROM {w} WHERE lock_id = %(id)s AND owner_id = %(owner_id)s"
+
+
+def waiting_many(table: str, count: int) -> str:
+    """How many live waiters each of ``count`` locks has (parameters: their
+    lock_ids): lock_id, count."""
+    ids = ", ".join(["%s"] * count)
+    return (f"SELECT lock_id, COUNT(*) FROM {table} WHERE lock_id IN ({ids}) "
+            f"AND expires_at > {NOW} GROUP BY lock_id")
 
 
 def renew_many(table: str, count: int) -> str:

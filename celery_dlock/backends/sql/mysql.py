@@ -6,10 +6,13 @@ re-entry and release are each one short transaction: the row read ``FOR UPDATE``
 the answer decided on it, one write (:mod:`.my_statements` says why one statement
 cannot); extend and renewal are one autocommitted ``UPDATE``.  A call re-sent after a
 lost reply (with the same operation id) is answered as the first; fences are a
-per-name counter kept in the row past release.  MySQL cannot wake a waiter: a blocked
-acquirer polls, with a backoff bounded by :data:`POLL_MAX` and by the holder's
-remaining ttl.  The process's scheduler renews every hold of a server with one
-statement per interval (:mod:`.my_renewal`).  What the answers mean is
+per-name counter kept in the row past release.  Blocked acquirers stand in a FIFO line
+table beside it (:mod:`.my_schema`), each with a lease it renews by trying again: a
+free lock goes to the first live waiter in line (or to anyone when the line is
+empty), and a non-blocking acquire never overtakes a waiter.  MySQL cannot wake a
+waiter: a blocked acquirer polls, with a backoff bounded by :data:`POLL_MAX` and by
+the holder's remaining ttl.  The process's scheduler renews every hold of a server
+with one statement per interval (:mod:`.my_renewal`).  What the answers mean is
 :class:`~.lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
 :class:`~celery_dlock.core.hold.Hold`'s.
 """
@@ -28,12 +31,17 @@ from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
 from .lease import LeaseLock, Status
 from .my_renewal import renew_target
-from .my_schema import lock_id
+from .my_schema import lock_id, owner_id
 from .my_server import MyServer, server_for
 from .my_statements import (
     EXTEND,
+    HEAD,
     HOLD,
     INSERT,
+    JOIN,
+    LEAVE,
+    LEFT,
+    LINE,
     REENTER,
     RELEASE,
     ROW,
@@ -41,12 +49,15 @@ from .my_statements import (
     TAKE,
 )
 
-__all__ = ["POLL_MAX", "POLL_MIN", "MySQLLock"]
+__all__ = ["POLL_MAX", "POLL_MIN", "QUEUE_LEASE", "MySQLLock"]
 
 #: The first and the longest sleep of a blocked acquirer between two tries (seconds;
 #: the sleep doubles from one to the other, with a little jitter).
 POLL_MIN = 0.02
 POLL_MAX = 0.5
+#: How long a waiter keeps its place in line without trying again (seconds): the
+#: same as PostgreSQL's and Redis's, ten of its longest polls.
+QUEUE_LEASE = 5.0
 
 def _text(value: Any) -> str | None:
     return value.decode() if isinstance(value, (bytes, bytearray)) else value
@@ -101,7 +112,7 @@ class MySQLLock(LeaseLock):
         return {"id": self.lock_id, "owner": owner, **more}
 
     def _sql(self, statement: str) -> str:
-        return statement.format(t=self.server.table)
+        return statement.format(t=self.server.table, w=self.server.line_table)
 
     def _one(self, statement: str, params: Mapping[str, Any],
              what: str) -> tuple[Any, ...] | None:
@@ -111,33 +122,70 @@ class MySQLLock(LeaseLock):
             return None if row is None else tuple(row)
         return self.server.run(work, what, self.name)
 
-    def _try_acquire(self, owner: str, op: str, ttl_ms: int
+    def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:
         info = json.dumps({**self._info, "pid": str(os.getpid())})
         params = self._params(owner, op=op, ttl=ttl_ms, ttl_us=ttl_ms * 1000, info=info,
-                              prefix=self.prefix, name=self.name)
+                              prefix=self.prefix, name=self.name,
+                              owner_id=owner_id(owner),
+                              lease_us=int(QUEUE_LEASE * 1_000_000))
+
+        def refused(cur: Any) -> None:
+            if queue:  # join the line, or keep one's place and renew its lease
+                cur.execute(self._sql(JOIN), params)
 
         def work(cur: Any) -> tuple[int, int] | None:
-            cur.execute(self._sql(ROW), params)
+            cur.execute(self._sql(ROW), params)  # the lease row locked from here
             row = cur.fetchone()
+            if row is not None:
+                holder, count, fence, live, applied, _ = row
+                holder = _text(holder)
+                if holder == owner and live:  # the owner's own hold: a re-entry
+                    add = 0 if applied else 1
+                    cur.execute(self._sql(REENTER), {**params, "add": add})
+                    return int(fence), int(count) + add
+                if holder is not None and live:  # another owner's live hold
+                    refused(cur)
+                    return None
+            # Free (or expired, or never held): the first live waiter's turn.
+            cur.execute(self._sql(HEAD), params)
+            head = cur.fetchone()
+            if head is not None and _text(head[0]) != owner:
+                refused(cur)
+                return None
             if row is None:
                 cur.execute(self._sql(INSERT), params)
                 cur.execute(self._sql("SELECT fence FROM {t} WHERE lock_id = %(id)s"),
                             params)
-                return int(cur.fetchone()[0]), 1
-            holder, count, fence, live, applied, now_us = row
-            holder = _text(holder)
-            if holder is not None and live and holder != owner:
-                return None  # another owner's live hold
-            if holder == owner and live:  # the owner's own hold: a re-entry
-                add = 0 if applied else 1
-                cur.execute(self._sql(REENTER), {**params, "add": add})
-                return int(fence), int(count) + add
-            fence = max(int(fence) + 1, int(now_us))
-            cur.execute(self._sql(TAKE), {**params, "fence": fence})
+                fence = int(cur.fetchone()[0])
+            else:
+                fence = max(int(row[2]) + 1, int(row[5]))
+                cur.execute(self._sql(TAKE), {**params, "fence": fence})
+            cur.execute(self._sql(LEFT), params)
             return fence, 1
 
         return self.server.run(work, "acquire", self.name, transaction=True)
+
+    def _line_wait(self, owner: str) -> float:
+        head = self._one(HEAD, self._params(owner), "a read")
+        if head is None or _text(head[0]) == owner:
+            return 0.0
+        return max(0.0, float(head[1])) + 0.001
+
+    def _try_leave(self, owner: str) -> None:
+        params = self._params(owner, owner_id=owner_id(owner))
+
+        def work(cur: Any) -> None:
+            cur.execute(self._sql(LEAVE), params)
+
+        self.server.run(work, "leaving the line", self.name)
+
+    def _line(self) -> list[str]:
+        def work(cur: Any) -> list[str]:
+            cur.execute(self._sql(LINE), self._params(""))
+            return [_text(row[0]) or "" for row in cur.fetchall()]
+
+        return self.server.run(work, "a read", self.name)
 
     def _try_reenter(self, owner: str, op: str, ttl_ms: int,
                      fence: int | None) -> int | None:

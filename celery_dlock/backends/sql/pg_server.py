@@ -5,7 +5,7 @@ A server is named by its URL; each process keeps one :class:`PgServer` per URL
 
 * one connection for the locks' calls (autocommit; psycopg serialises the threads
   that share it), opened on first use and opened again after a failure;
-* the lease table checked (or created) once.
+* the lease table and its line of waiters checked (or created) once.
 
 No call depends on session state: every operation is one autocommitted statement
 (two on the rare paths), so the server may be reached through PgBouncer in
@@ -14,16 +14,16 @@ once more on a fresh one (every operation is idempotent under its operation id):
 server restart costs the caller nothing but that round trip.
 
 Errors: a server that does not answer, or a connection that breaks, is
-:class:`BackendUnavailable`; a table at our name with other columns is
-:class:`LockKeyConflict` (nothing changed); a user who may not create the table is
-:class:`InvalidLockConfig` naming the GRANTs it needs (docs/backends.md).
+:class:`BackendUnavailable`; a table at either name with other columns is
+:class:`LockKeyConflict` (nothing changed); a user who may not create a table, or
+write it, is :class:`InvalidLockConfig` naming the GRANTs it needs (docs/backends.md).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -38,7 +38,16 @@ from ...core.errors import (
     LockKeyConflict,
 )
 from ...core.urls import mask_url
-from .schema import DEFAULT_TABLE, GRANTS, create_sql, missing_columns
+from .schema import (
+    COLUMNS,
+    DEFAULT_TABLE,
+    GRANTS,
+    LINE_COLUMNS,
+    create_line_sql,
+    create_sql,
+    line_table_of,
+    missing_columns,
+)
 
 __all__ = ["CONNECT_TIMEOUT", "STATEMENT_TIMEOUT_MS", "PgServer", "server_for"]
 
@@ -101,6 +110,8 @@ class PgServer:
         self.conninfo, table_name = _conninfo(url)
         self.table_name = table_name
         self.table = sql.Identifier(*table_name.split("."))
+        self.line_table_name = line_table_of(table_name)
+        self.line_table = sql.Identifier(*self.line_table_name.split("."))
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._pid = os.getpid()
@@ -147,6 +158,11 @@ class PgServer:
         except psycopg.Error:
             pass
 
+    @property
+    def grants(self) -> str:
+        """The GRANTs a user of these tables needs."""
+        return GRANTS.format(table=self.table_name, line=self.line_table_name)
+
     def run(self, query: sql.Composed, params: Any, what: str,
             lock_name: str | None = None, *, fetch: bool = True) -> list[tuple[Any, ...]]:
         """``query`` with ``params`` on the shared connection (the table checked
@@ -178,22 +194,24 @@ class PgServer:
         if isinstance(exc, pg_errors.InsufficientPrivilege):
             return InvalidLockConfig(
                 f"PostgreSQL at {self.shown} refused {what}: {exc.diag.message_primary}; "
-                f"the user needs {GRANTS.format(table=self.table_name)} "
+                f"the user needs {self.grants} "
                 f"(docs/backends.md, least-privilege setup)", lock_name=lock_name)
         if isinstance(exc, (pg_errors.InvalidColumnReference, pg_errors.UndefinedColumn,
                             pg_errors.DatatypeMismatch, pg_errors.NotNullViolation)):
             return LockKeyConflict(
-                f"the table {self.table_name} at {self.shown} is not celery-dlock's "
-                f"lease table ({exc.diag.message_primary}); nothing was changed: name "
-                f"another with ?dlock_table=", lock_name=lock_name)
+                f"the table {self.table_name} (or {self.line_table_name}) at "
+                f"{self.shown} is not celery-dlock's ({exc.diag.message_primary}); "
+                f"nothing was changed: name another with ?dlock_table=",
+                lock_name=lock_name)
         return BackendUnavailable(f"PostgreSQL at {self.shown} refused {what}: "
                                   f"{exc.diag.message_primary or exc}",
                                   lock_name=lock_name)
 
     # -- the table ------------------------------------------------------------------
 
-    def _columns(self, conn: psycopg.Connection[Any]) -> dict[str, str] | None:
-        row = conn.execute("SELECT to_regclass(%s)::oid", (self.table.as_string(conn),)
+    def _columns(self, conn: psycopg.Connection[Any],
+                 table: sql.Identifier) -> dict[str, str] | None:
+        row = conn.execute("SELECT to_regclass(%s)::oid", (table.as_string(conn),)
                            ).fetchone()
         if row is None or row[0] is None:
             return None
@@ -204,33 +222,26 @@ class PgServer:
         return {str(name): str(kind) for name, kind in rows}
 
     def ensure_table(self, lock_name: str | None = None) -> None:
-        """Check the lease table once per process (create it when missing):
-        :class:`LockKeyConflict` when a table of another shape is at its name."""
+        """Check the lease table and its line once per process (create them when
+        missing): :class:`LockKeyConflict`, and nothing made, when a table of another
+        shape is at either name."""
         if self._checked:
             return
+        tables = ((self.table_name, self.table, "lease table", create_sql, COLUMNS),
+                  (self.line_table_name, self.line_table, "line of waiters",
+                   create_line_sql, LINE_COLUMNS))
         conn = self.connect()
         try:
-            found = self._columns(conn)
-            if found is None:
-                try:
-                    conn.execute(create_sql(self.table.as_string(conn)))
-                except (pg_errors.UniqueViolation, pg_errors.DuplicateTable,
-                        pg_errors.DuplicateObject):
-                    pass  # another process made it at the same moment: read it
-                except pg_errors.InsufficientPrivilege as exc:
-                    raise InvalidLockConfig(
-                        f"the lease table {self.table_name} does not exist at "
-                        f"{self.shown} and this user may not create it "
-                        f"({exc.diag.message_primary}): create it once as in "
-                        f"docs/backends.md and {GRANTS.format(table=self.table_name)}",
-                        lock_name=lock_name) from None
-                found = self._columns(conn) or {}
-            missing = missing_columns(found)
-            if missing:
-                raise LockKeyConflict(
-                    f"a table {self.table_name} at {self.shown} is not celery-dlock's "
-                    f"lease table (it lacks {', '.join(missing)}); nothing was changed: "
-                    f"name another with ?dlock_table=", lock_name=lock_name)
+            found = [self._columns(conn, table) for _, table, *_ in tables]
+            for (name, _, what, _, wanted), columns in zip(tables, found, strict=True):
+                if columns is not None:
+                    self._check_shape(name, what, columns, wanted, lock_name)
+            for (name, table, what, create, wanted), columns in zip(tables, found,
+                                                                    strict=True):
+                if columns is None:
+                    self._create(conn, name, table, what, create, lock_name)
+                    self._check_shape(name, what, self._columns(conn, table) or {},
+                                      wanted, lock_name)
         except psycopg.Error as exc:
             if is_unavailable(exc):
                 raise self.unavailable(exc, "the table check", lock_name) from None
@@ -238,6 +249,28 @@ class PgServer:
         finally:
             conn.close()
         self._checked = True
+
+    def _create(self, conn: psycopg.Connection[Any], name: str, table: sql.Identifier,
+                what: str, create: Callable[[str], str], lock_name: str | None) -> None:
+        try:
+            conn.execute(create(table.as_string(conn)))
+        except (pg_errors.UniqueViolation, pg_errors.DuplicateTable,
+                pg_errors.DuplicateObject):
+            pass  # another process made it at the same moment: read it
+        except pg_errors.InsufficientPrivilege as exc:
+            raise InvalidLockConfig(
+                f"the {what} {name} does not exist at {self.shown} and this user may "
+                f"not create it ({exc.diag.message_primary}): create it once as in "
+                f"docs/backends.md and {self.grants}", lock_name=lock_name) from None
+
+    def _check_shape(self, name: str, what: str, found: dict[str, str],
+                     wanted: dict[str, str], lock_name: str | None) -> None:
+        missing = missing_columns(found, wanted)
+        if missing:
+            raise LockKeyConflict(
+                f"a table {name} at {self.shown} is not celery-dlock's {what} (it "
+                f"lacks {', '.join(missing)}); nothing was changed: name another "
+                f"with ?dlock_table=", lock_name=lock_name)
 
     def close(self) -> None:
         with self._lock:

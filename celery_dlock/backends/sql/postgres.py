@@ -5,7 +5,10 @@ One row per lock name (:mod:`.schema`); every operation is one autocommitted sta
 on the server's clock (:mod:`.statements`), so a hold's ttl is counted by the server,
 the connection may be pooled, and a call re-sent after a lost reply (with the same
 operation id) is answered as the first.  Fences are a per-name counter kept in the row
-past release.  Waiters ``LISTEN`` and are ``NOTIFY``-ed by the release
+past release.  Blocked acquirers stand in a FIFO line table beside it, each with a
+lease it renews by trying again: a free lock goes to the first live waiter in line
+(or to anyone when the line is empty), and a non-blocking acquire never overtakes a
+waiter.  Waiters ``LISTEN`` and are ``NOTIFY``-ed by the release
 (:mod:`.waiting`); the process's scheduler renews every hold of a server with one
 statement per interval (:mod:`.renewal`) and tells the holder at its local deadline,
 before the server lets anyone else in.  What the row's answers mean is
@@ -26,8 +29,18 @@ from ...core.scheduler import RenewalScheduler
 from .lease import LeaseLock, Status, holder_of
 from .pg_server import PgServer, server_for
 from .renewal import renew_target
-from .statements import ACQUIRE, EXTEND, HOLD, REENTER, RELEASE, STATUS
-from .waiting import WAIT_SLICE, Listener, channel_of
+from .statements import (
+    ACQUIRE,
+    EXTEND,
+    HEAD,
+    HOLD,
+    LEAVE,
+    LINE,
+    REENTER,
+    RELEASE,
+    STATUS,
+)
+from .waiting import QUEUE_LEASE_MS, WAIT_SLICE, Listener, channel_of
 
 __all__ = ["PostgresLock", "holder_of"]
 
@@ -81,15 +94,29 @@ class PostgresLock(LeaseLock):
 
     def _run(self, statement: Any, params: Mapping[str, Any],
              what: str) -> list[tuple[Any, ...]]:
-        return self.server.run(statement.format(t=self.server.table), params, what,
-                               self.name)
+        return self.server.run(statement.format(t=self.server.table,
+                                                w=self.server.line_table),
+                               params, what, self.name)
 
-    def _try_acquire(self, owner: str, op: str, ttl_ms: int
+    def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:
         info = json.dumps({**self._info, "pid": str(os.getpid())})
-        rows = self._run(ACQUIRE, self._params(owner, op=op, ttl=ttl_ms, info=info),
-                         "acquire")
+        rows = self._run(ACQUIRE, self._params(
+            owner, op=op, ttl=ttl_ms, info=info, lease=QUEUE_LEASE_MS if queue else 0),
+            "acquire")
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
+
+    def _line_wait(self, owner: str) -> float:
+        rows = self._run(HEAD, self._params(owner), "a read")
+        if not rows or rows[0][0] == owner:
+            return 0.0
+        return max(0.0, float(rows[0][1])) + 0.001
+
+    def _try_leave(self, owner: str) -> None:
+        self._run(LEAVE, self._params(owner, channel=self.channel), "leaving the line")
+
+    def _line(self) -> list[str]:
+        return [str(row[0]) for row in self._run(LINE, self._params(""), "a read")]
 
     def _try_reenter(self, owner: str, op: str, ttl_ms: int,
                      fence: int | None) -> int | None:

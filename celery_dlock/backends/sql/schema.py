@@ -1,5 +1,6 @@
-"""The lease table of the SQL backends: its definition, the check that a table found
-at its name is ours, and the words of a refusal.
+"""The tables of the PostgreSQL backend: the lease table and its line of waiters,
+their definitions, the check that a table found at their names is ours, and the
+words of a refusal.
 
 One row per lock name, kept after release (it carries the name's fence counter, which
 must never repeat), see docs/backends.md::
@@ -14,11 +15,19 @@ must never repeat), see docs/backends.md::
     info                the hold's metadata (task id, worker, host, pid), JSON
     ops                 the latest operation ids (a re-sent call is answered alike)
     forced              who released the last hold by force and why, JSON
+
+Beside it, the line of waiters (:func:`line_table_of`: the lease table's name and
+``_waiters``), one row per blocked acquirer::
+
+    prefix, name, owner the lock and the waiter (primary key)
+    arrived_at          when it joined the line (the server's clock): the order
+    expires_at          when its place lapses unless it tries again (its lease)
 """
 
 from __future__ import annotations
 
-__all__ = ["COLUMNS", "DEFAULT_TABLE", "GRANTS", "create_sql", "missing_columns"]
+__all__ = ["COLUMNS", "DEFAULT_TABLE", "GRANTS", "LINE_COLUMNS", "LINE_SUFFIX",
+           "create_line_sql", "create_sql", "line_table_of", "missing_columns"]
 
 #: The table's name unless told otherwise (``?dlock_table=`` in the URL).
 DEFAULT_TABLE = "dlock_locks"
@@ -38,8 +47,28 @@ COLUMNS: dict[str, str] = {
     "forced": "jsonb",
 }
 
-#: What a user who may not create tables needs on a table made for it beforehand.
-GRANTS = "GRANT SELECT, INSERT, UPDATE ON {table} TO <user>"
+#: The line table's name is the lease table's and this.
+LINE_SUFFIX = "_waiters"
+
+#: The line table's columns, as :data:`COLUMNS`.
+LINE_COLUMNS: dict[str, str] = {
+    "prefix": "text",
+    "name": "text",
+    "owner": "text",
+    "arrived_at": "timestamp with time zone",
+    "expires_at": "timestamp with time zone",
+}
+
+#: What a user who may not create tables needs on the tables made for it beforehand
+#: (``{table}`` the lease table, ``{line}`` its line).
+GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
+          "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
+
+
+def line_table_of(table: str) -> str:
+    """The line table's name beside the lease table ``table`` (``schema.table``
+    keeps its schema)."""
+    return table + LINE_SUFFIX
 
 
 def create_sql(table: str) -> str:
@@ -53,6 +82,16 @@ def create_sql(table: str) -> str:
             "forced jsonb, PRIMARY KEY (prefix, name))")
 
 
-def missing_columns(found: dict[str, str]) -> list[str]:
-    """The columns (``name type``) a table with columns ``found`` lacks."""
-    return [f"{col} {kind}" for col, kind in COLUMNS.items() if found.get(col) != kind]
+def create_line_sql(table: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for the line table ``table`` (quoted)."""
+    return (f"CREATE TABLE IF NOT EXISTS {table} ("
+            "prefix text NOT NULL, name text NOT NULL, owner text NOT NULL, "
+            "arrived_at timestamptz NOT NULL, expires_at timestamptz NOT NULL, "
+            "PRIMARY KEY (prefix, name, owner))")
+
+
+def missing_columns(found: dict[str, str],
+                    wanted: dict[str, str] = COLUMNS) -> list[str]:
+    """The columns (``name type``) of ``wanted`` a table with columns ``found``
+    lacks."""
+    return [f"{col} {kind}" for col, kind in wanted.items() if found.get(col) != kind]

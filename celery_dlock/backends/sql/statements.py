@@ -1,9 +1,10 @@
-"""The PostgreSQL statements of the lease table, one per operation.
+"""The PostgreSQL statements of the lease table and its line, one per operation.
 
 Each is a single autocommitted statement on the server's clock
 (``clock_timestamp()``), so it needs no session state and may run through a pooler;
-``{t}`` is the table.  Operation ids (``ops``, the last :data:`OPS_KEPT`) let a
-re-sent acquire or release be answered as the first one was.  Fences are
+``{t}`` is the lease table, ``{w}`` its line of waiters.  Operation ids (``ops``, the
+last :data:`OPS_KEPT`) let a re-sent acquire or release be answered as the first one
+was (a re-sent acquire that joined the line only renews the caller's place).  Fences are
 ``max(last + 1, server microseconds)``: they grow across holders, and after the table
 lost its rows (a restore) they restart above every token given before, as long as the
 server's clock did not go back (docs/fencing.md).
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 from psycopg import sql
 
-__all__ = ["ACQUIRE", "EXTEND", "FORCE_RELEASE", "HOLD", "OPS_KEPT", "REENTER",
-           "RELEASE", "RENEW_MANY", "STATUS", "STATUS_MANY"]
+__all__ = ["ACQUIRE", "EXTEND", "FORCE_RELEASE", "HEAD", "HOLD", "LEAVE", "LINE",
+           "OPS_KEPT", "REENTER", "RELEASE", "RENEW_MANY", "RENEW_SLACK_MS", "STATUS",
+           "STATUS_MANY", "WAITING_MANY"]
 
 #: How many operation ids each row keeps.
 OPS_KEPT = 64
+#: A waiter's place is renewed only when its lease has less than this left to gain
+#: (ms): a waiter woken many times in a row writes its row about once a second.
+RENEW_SLACK_MS = 1000
 
 _TTL = "%(ttl)s::bigint * interval '1 millisecond'"
 _OPS = ("(l.ops || ARRAY[%(op)s]::text[])"
@@ -25,15 +30,34 @@ _OPS = ("(l.ops || ARRAY[%(op)s]::text[])"
 _KEY = "l.prefix = %(prefix)s AND l.name = %(name)s"
 _SAME = "(l.owner = EXCLUDED.owner AND l.expires_at > EXCLUDED.acquired_at)"
 
-#: A fresh acquire (or the same owner's re-entry): ``fence, count`` when granted,
-#: no row when another owner holds it.
+_LINE_KEY = "w.prefix = %(prefix)s AND w.name = %(name)s"
+#: The first live waiter in line (``c`` is the statement's clock).
+_HEAD = (f"SELECT w.owner, w.expires_at FROM {{w}} w, c WHERE {_LINE_KEY} "
+         "AND w.expires_at > c.now ORDER BY w.arrived_at, w.owner LIMIT 1")
+
+#: A fresh acquire (or the same owner's re-entry of its live hold): ``fence, count``
+#: when granted, no row when refused.  A free (or expired) lock is granted only when
+#: no live waiter other than the caller is first in line (``turn``); the same owner's
+#: live hold is re-entered whoever waits.  Granted, the caller leaves the line (and
+#: the places of waiters whose lease ran out are dropped); refused with a lease
+#: (``%(lease)s`` ms > 0), it joins the line, or keeps its place and renews its lease
+#: (not more often than :data:`RENEW_SLACK_MS` allows).
+#: The insert is tried only when it is the caller's turn or the row exists (its
+#: conflict then decides), so a row is never made past a waiter.  Each statement
+#: that drops other waiters' places locks the lease row first (the grant's upsert),
+#: so such statements never wait on each other in two orders.
 ACQUIRE = sql.SQL(
-    "WITH c AS (SELECT clock_timestamp() AS now) "
-    "INSERT INTO {t} AS l (prefix, name, owner, count, fence, acquired_at, expires_at,"
-    " ttl_ms, info, ops) "
+    "WITH c AS (SELECT clock_timestamp() AS now), "
+    f"head AS ({_HEAD}), "
+    "turn AS (SELECT NOT EXISTS (SELECT 1 FROM head WHERE head.owner <> %(owner)s)"
+    " AS ok), "
+    "a AS (INSERT INTO {t} AS l (prefix, name, owner, count, fence, acquired_at,"
+    " expires_at, ttl_ms, info, ops) "
     "SELECT %(prefix)s, %(name)s, %(owner)s, 1,"
     " floor(extract(epoch FROM c.now) * 1000000)::bigint, c.now,"
-    f" c.now + {_TTL}, %(ttl)s, %(info)s::jsonb, ARRAY[%(op)s]::text[] FROM c "
+    f" c.now + {_TTL}, %(ttl)s, %(info)s::jsonb, ARRAY[%(op)s]::text[] FROM c, turn "
+    "WHERE turn.ok OR EXISTS (SELECT 1 FROM {t} x WHERE x.prefix = %(prefix)s "
+    "AND x.name = %(name)s) "
     "ON CONFLICT (prefix, name) DO UPDATE SET "
     f"count = CASE WHEN {_SAME} THEN l.count + "
     "(CASE WHEN %(op)s = ANY(l.ops) THEN 0 ELSE 1 END) ELSE 1 END, "
@@ -46,9 +70,53 @@ ACQUIRE = sql.SQL(
     "ELSE EXCLUDED.ttl_ms END, "
     f"info = CASE WHEN {_SAME} THEN l.info ELSE EXCLUDED.info END, "
     f"owner = EXCLUDED.owner, ops = {_OPS} "
-    "WHERE l.owner IS NULL OR l.expires_at <= EXCLUDED.acquired_at "
-    "OR l.owner = EXCLUDED.owner "
-    "RETURNING l.fence, l.count")
+    f"WHERE {_SAME} OR ((l.owner IS NULL OR l.expires_at <= EXCLUDED.acquired_at) "
+    "AND (SELECT turn.ok FROM turn)) "
+    "RETURNING l.fence, l.count), "
+    "gone AS (DELETE FROM {w} w USING a, c WHERE " + _LINE_KEY +
+    " AND (w.owner = %(owner)s OR w.expires_at <= c.now) RETURNING 1), "
+    "j AS (INSERT INTO {w} AS w (prefix, name, owner, arrived_at, expires_at) "
+    "SELECT %(prefix)s, %(name)s, %(owner)s, c.now,"
+    " c.now + %(lease)s::bigint * interval '1 millisecond' FROM c "
+    "WHERE %(lease)s::bigint > 0 AND NOT EXISTS (SELECT 1 FROM a) "
+    "ON CONFLICT (prefix, name, owner) DO UPDATE SET "
+    "arrived_at = CASE WHEN w.expires_at > EXCLUDED.arrived_at THEN w.arrived_at "
+    "ELSE EXCLUDED.arrived_at END, "
+    "expires_at = GREATEST(w.expires_at, EXCLUDED.expires_at) "
+    f"WHERE w.expires_at < EXCLUDED.expires_at - interval '{RENEW_SLACK_MS} ms' "
+    "RETURNING 1) "
+    "SELECT a.fence, a.count FROM a")
+
+#: Leave the line of a lock (a blocked acquire gave up): when the caller was first
+#: in line and the lock is free, the waiters are told (the next one is now first).
+LEAVE = sql.SQL(
+    "WITH c AS (SELECT clock_timestamp() AS now), "
+    f"head AS ({_HEAD}), "
+    "d AS (DELETE FROM {w} w WHERE " + _LINE_KEY + " AND w.owner = %(owner)s "
+    "RETURNING 1) "
+    "SELECT pg_notify(%(channel)s, '') FROM head, c "
+    "WHERE head.owner = %(owner)s AND EXISTS (SELECT 1 FROM d) "
+    f"AND NOT EXISTS (SELECT 1 FROM {{t}} l WHERE {_KEY} AND l.owner IS NOT NULL "
+    "AND l.expires_at > c.now)")
+
+#: The first live waiter in line: its owner and the seconds its place has left.
+HEAD = sql.SQL(
+    "WITH c AS (SELECT clock_timestamp() AS now) "
+    "SELECT h.owner, extract(epoch FROM h.expires_at - c.now)::float8 "
+    f"FROM ({_HEAD}) h, c")
+
+#: The live waiters of a lock, first in line first: owner, seconds their place has
+#: left.
+LINE = sql.SQL(
+    "SELECT w.owner, extract(epoch FROM w.expires_at - clock_timestamp())::float8 "
+    f"FROM {{w}} w WHERE {_LINE_KEY} AND w.expires_at > clock_timestamp() "
+    "ORDER BY w.arrived_at, w.owner")
+
+#: How many live waiters each of several names (``%(names)s``) has: name, count.
+WAITING_MANY = sql.SQL(
+    "SELECT w.name, count(*) FROM {w} w WHERE w.prefix = %(prefix)s "
+    "AND w.name = ANY(%(names)s::text[]) AND w.expires_at > clock_timestamp() "
+    "GROUP BY w.name")
 
 #: The re-entry of the hold with fence ``%(fence)s`` (NULL: any) of ``owner``:
 #: ``fence, count``, or no row when that hold is gone.

@@ -4,10 +4,14 @@ A blocked acquirer opens a connection of its own, ``LISTEN``s on its lock's chan
 (:func:`channel_of`: a digest of prefix and name, so any name makes a valid channel)
 and tries once more before sleeping, so a release between its refused try and its
 ``LISTEN`` is never missed.  A release that frees the hold, and a force release,
-``NOTIFY`` the channel in the same statement; every waiter wakes and tries (there is
-no line: whoever's statement lands first wins).  An expiry has no trigger: each sleep
-is bounded by the holder's remaining ttl and by :data:`WAIT_SLICE` (the bounded
-fallback poll), and by the caller's timeout.
+``NOTIFY`` the channel in the same statement; every waiter wakes and tries, the first
+in line (:mod:`.statements`, ``ACQUIRE``) takes the lock and the others, refused, go
+back to sleep (renewing their places in line).  A waiter that gives up and was first
+in line while the lock is free ``NOTIFY``s too, so the next one takes its turn.  An
+expiry has no trigger: each sleep is bounded by the holder's remaining ttl and by
+:data:`WAIT_SLICE` (the bounded fallback poll), and by the caller's timeout.  A waiter
+that died in line keeps its place until its lease (:data:`QUEUE_LEASE`) lapses: the
+others, refused meanwhile, sleep until then and are passed on.
 
 The listening connection is session state, so it must reach the server directly (a
 pooler in transaction mode drops ``LISTEN``): when it cannot, the waiter falls back
@@ -27,12 +31,17 @@ from psycopg import sql
 
 from .pg_server import PgServer
 
-__all__ = ["WAIT_SLICE", "Listener", "channel_of"]
+__all__ = ["QUEUE_LEASE", "QUEUE_LEASE_MS", "WAIT_SLICE", "Listener", "channel_of"]
 
 logger = logging.getLogger("celery_dlock.lock")
 
 #: The longest single sleep of a blocked acquirer before it tries again (seconds).
 WAIT_SLICE = 2.0
+#: How long a waiter keeps its place in line without trying again (seconds): longer
+#: than a slice and a round trip, so a live waiter never loses it; a waiter that died
+#: in line is passed over once it lapses.
+QUEUE_LEASE = 2 * WAIT_SLICE + 1.0
+QUEUE_LEASE_MS = int(QUEUE_LEASE * 1000)
 
 
 def channel_of(prefix: str, name: str) -> str:
