@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -334,12 +335,10 @@ def unavailable(lock: str, broker_kind: str) -> str | None:
     """Why a run on this lock server and broker cannot start here (None: it can)."""
     if lock == "postgresql":
         try:
-            from pg_server import find_bindir
-        except ImportError as exc:
-            return f"no PostgreSQL driver: {exc}"
-        try:
-            find_bindir()
             import psycopg  # noqa: F401
+            from pg_server import PostgresServer
+
+            shutil.rmtree(PostgresServer().dir)  # binaries found, a user to run them
         except Exception as exc:
             return f"no PostgreSQL server: {exc}"
     if lock == "zookeeper":
