@@ -335,8 +335,10 @@ class Run:
             for t in threads:
                 t.join(timeout=10)
             meta["stop"] = self.stop_processes()
-            meta["broker_left"] = self.broker_left()
-            meta["left"] = self.locks_left()
+            assert self.server is not None and self.broker is not None
+            meta["broker_left"] = chaos_servers.kept_tasks(self.broker, self.queue)
+            meta["left"] = chaos_servers.locks_left_after(self.server, self.prefix,
+                                                          self.cfg.ttl + 5)
             meta["end"] = time.time()
             meta["db_read"] = chaos_db.read(cfg.db, self.dsn)
             (self.out / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -382,27 +384,6 @@ class Run:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
         return {"forced": forced, "stopped_at": time.time()}
-
-    def broker_left(self) -> dict[str, Any]:
-        """The task ids whose messages the broker still keeps (every worker stopped)."""
-        assert self.broker is not None
-        try:
-            return {"ids": sorted(self.broker.task_ids(self.queue))}
-        except Exception as exc:
-            return {"ids": None, "error": f"{type(exc).__name__}: {exc}"}
-
-    def locks_left(self) -> dict[str, Any]:
-        """Holds under the run's prefix still on the lock's server (Redis: lock keys,
-        not the fence counter; PostgreSQL: held rows not lapsed; ZooKeeper: children
-        of the lock nodes) once ttl + 5 s have passed: a holder killed at the very
-        end leaves its hold to expire within ttl (ZooKeeper: its session timeout)."""
-        assert self.server is not None
-        started = time.monotonic()
-        left = self.server.locks_left(self.prefix)
-        while left and time.monotonic() - started < self.cfg.ttl + 5:
-            time.sleep(0.1)
-            left = self.server.locks_left(self.prefix)
-        return {"keys": left, "cleared_after": round(time.monotonic() - started, 2)}
 
 
 def run(cfg: Config, out: Path) -> Path:

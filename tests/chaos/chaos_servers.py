@@ -313,6 +313,26 @@ class RabbitBroker:
         self.server.stop()
 
 
+def locks_left_after(server: LockServer, prefix: str, within: float) -> dict[str, Any]:
+    """Holds under ``prefix`` still on the lock's server once ``within`` seconds have
+    passed (a holder killed at the very end leaves its hold to expire within its ttl,
+    or on ZooKeeper its session timeout)."""
+    started = time.monotonic()
+    left = server.locks_left(prefix)
+    while left and time.monotonic() - started < within:
+        time.sleep(0.1)
+        left = server.locks_left(prefix)
+    return {"keys": left, "cleared_after": round(time.monotonic() - started, 2)}
+
+
+def kept_tasks(broker: Broker, queue: str) -> dict[str, Any]:
+    """The task ids whose messages the broker still keeps (every worker stopped)."""
+    try:
+        return {"ids": sorted(broker.task_ids(queue))}
+    except Exception as exc:
+        return {"ids": None, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def lock_server(kind: str, out: Path) -> LockServer:
     if kind == "redis":
         return RedisServer(out / "redis")
