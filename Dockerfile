@@ -18,6 +18,8 @@ COPY celery_dlock ./celery_dlock
 RUN pip install -e ".${EXTRAS:+[$EXTRAS]}" flower
 
 COPY examples ./examples
+# The chaos app and its checker, for the "amqp" profile of docker-compose.yml.
+COPY tests/chaos ./tests/chaos
 
 # Workers should not run as root; beat keeps its schedule file in /tmp; /data holds
 # the inventory example's SQLite file (a volume shared by the workers and the producer).

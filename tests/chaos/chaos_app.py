@@ -3,8 +3,9 @@
 Built from the environment the driver sets (see :data:`ENV`).  One task,
 ``chaos.bump``: a :class:`~celery_dlock.LockedTask` on the lock ``chaos:{key}`` that
 makes a few fenced increments (:mod:`chaos_db`) with a pause between them.  The lock's
-traffic goes through the driver's fault proxy (``dlock_url``); the broker talks to the
-Redis server directly (restarts and ``CLIENT PAUSE`` reach both).
+traffic (Redis, PostgreSQL or ZooKeeper: ``dlock_url``) goes through the driver's fault
+proxy; the broker (Redis, the lock's own server or another; or RabbitMQ) is reached
+directly.
 
 Every process records, in its own file (:mod:`chaos_records`): each task it starts and
 ends (for the broker-level accounting), each hold (``acquired`` with the fence and the
@@ -29,8 +30,8 @@ from chaos_records import Recorder
 from celery_dlock import LockedTask
 from celery_dlock import signals as dlock_signals
 
-ENV = ("CHAOS_BROKER_URL", "CHAOS_LOCK_URL", "CHAOS_PREFIX", "CHAOS_QUEUE", "CHAOS_DB",
-       "CHAOS_DSN", "CHAOS_RECORDS", "CHAOS_TTL")
+ENV = ("CHAOS_BROKER_URL", "CHAOS_BROKER", "CHAOS_LOCK_URL", "CHAOS_PREFIX",
+       "CHAOS_QUEUE", "CHAOS_DB", "CHAOS_DSN", "CHAOS_RECORDS", "CHAOS_TTL")
 
 _per_pid: dict[int, tuple[Recorder, Any]] = {}
 
@@ -63,11 +64,14 @@ app.conf.update(
     task_default_queue=os.environ.get("CHAOS_QUEUE", "chaos"),
     task_ignore_result=True,
     # The settings that narrow the broker's loss window (docs/chaos.md): the message is
-    # acknowledged after the task, a task whose child died is requeued, and a message a
-    # dead consumer took comes back after visibility_timeout.
+    # acknowledged after the task, a task whose child died is requeued, and (Redis) a
+    # message a dead consumer took comes back after visibility_timeout, or (AMQP) a
+    # publish counts once the broker confirmed it.
     task_acks_late=True,
     task_reject_on_worker_lost=True,
-    broker_transport_options={"polling_interval": 0.1, "visibility_timeout": 30},
+    broker_transport_options=(
+        {"confirm_publish": True} if os.environ.get("CHAOS_BROKER") == "amqp"
+        else {"polling_interval": 0.1, "visibility_timeout": 30}),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     broker_connection_max_retries=None,

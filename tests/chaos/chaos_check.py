@@ -9,9 +9,10 @@ acquisition), never by its fence, so a lock that repeats fences is caught.  The 
 * ``overlap``: two holds whose intervals overlap as their holders saw them (from
   ``acquired`` until told lost or released; a killed holder's until its last record)
   where no fault explains it.  Only a pause (SIGSTOP) of the older holder can, when the
-  server keeps its data (the chaos Redis restarts from an AOF with ``appendfsync
-  always``): the pause must cover the moment the newer hold began, up to the older
-  holder's news (plus a ttl of slack for the holder to be scheduled again);
+  server keeps its data (the chaos lock servers restart from what they synced: Redis
+  from an AOF with ``appendfsync always``, PostgreSQL from its WAL, ZooKeeper from
+  its transaction log): the pause must cover the moment the newer hold began, up to
+  the older holder's news (plus a ttl of slack for the holder to be scheduled again);
 * ``fence_reused``: one fence handed to two holds;
 * ``interleaved_writes``: in the database's commit log, writes of one hold, then of
   another, then of the first again;
@@ -23,10 +24,10 @@ acquisition), never by its fence, so a lock that repeats fences is caught.  The 
 
 Also (figures, not violations): **unfenced overlaps** (pairs of holds, older fence A
 and newer fence B, where A began a write after B's first write had committed and the
-database took it), **locks left behind** (lock keys still in Redis ttl + 5 s after
-every process stopped), writes refused as stale (before or after the writer was told),
-the time from the end of each fault to the next accepted write, and the broker-level
-accounting (tasks sent and never run, run twice, worker restarts).
+database took it), **locks left behind** (holds still on the lock's server ttl + 5 s
+after every process stopped), writes refused as stale (before or after the writer was
+told), the time from the end of each fault to the next accepted write, and the
+broker-level accounting (tasks sent and never run, run twice, worker restarts).
 """
 
 from __future__ import annotations
@@ -205,6 +206,9 @@ def check(out: Path) -> dict[str, Any]:
             held_by_task[r["task_id"]].add((r["pid"], r["fence"]))
     logs = "".join(p.read_text(errors="replace") for p in sorted(out.glob("worker*.log")))
     unrun = [t for t in sent if "SUCCESS" not in states[t]]
+    # Its message still in the broker after the stop (None: the run did not look).
+    kept = meta.get("broker_left", {}).get("ids")
+    queued = None if kept is None else sum(1 for t in unrun if t in set(kept))
     broker_failed = set(re.findall(
         r"chaos\.bump\[(\w+)\] raised unexpected: "
         r"(?:OperationalError|ConnectionError|TimeoutError)", logs))
@@ -212,6 +216,10 @@ def check(out: Path) -> dict[str, Any]:
         "sent": len(sent),
         "send_failed": sum(1 for r in driver if r["ev"] == "send_failed"),
         "succeeded": len(sent) - len(unrun),
+        # sent, never succeeded, and its message no longer in the broker at the end
+        "lost": None if queued is None else len(unrun) - queued,
+        # not run to the end yet, its message still in the broker (not lost)
+        "still_queued_at_end": queued,
         # the message was taken off the queue (or never got there) and no worker
         # ever started it
         "never_started": sum(1 for t in unrun if not started[t]),
@@ -266,7 +274,9 @@ def check(out: Path) -> dict[str, Any]:
 
 def markdown(rep: dict[str, Any]) -> str:
     lines = [
-        f"- seed {rep['seed']}, {rep['duration_s']} s, database {rep['config']['db']}, "
+        f"- seed {rep['seed']}, {rep['duration_s']} s, lock "
+        f"{rep['config'].get('lock', 'redis')}, broker "
+        f"{rep['config'].get('broker', 'redis')}, database {rep['config']['db']}, "
         f"{rep['config']['workers']} worker(s) x {rep['config']['concurrency']} "
         f"prefork children + 1 standalone client, ttl {rep['config']['ttl']} s",
         f"- faults injected: {rep['faults_injected']} of {rep['faults_scheduled']} "

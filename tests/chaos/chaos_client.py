@@ -1,5 +1,6 @@
 """The standalone-lock client of a chaos run: a plain process (no Celery) that takes
-the same lock as the tasks with :class:`~celery_dlock.RedisLock` directly, makes a few
+the same lock as the tasks directly (:class:`~celery_dlock.RedisLock`, or the lock
+:func:`~celery_dlock.lock_from_url` gives for a PostgreSQL or ZooKeeper URL), makes a few
 fenced increments per hold and releases; it records like the workers do
 (:mod:`chaos_app`).  It keeps writing after it is told of a loss: the database has to
 refuse it.  Runs until killed (the driver restarts it after a SIGKILL)."""
@@ -11,16 +12,17 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import chaos_db
 import redis
 from chaos_records import Recorder
 
-from celery_dlock import DLockError, RedisLock
+from celery_dlock import DLockError, RedisLock, lock_from_url
 
 
-def release(lock: RedisLock, rec: Recorder, fence: int | None, acq: int) -> None:
-    """Release the hold; when Redis did not confirm, try again until it does or the
+def release(lock: Any, rec: Recorder, fence: int | None, acq: int) -> None:
+    """Release the hold; when the server did not confirm, try again until it does or the
     hold is found lost (a lock object that still counts a hold keeps renewing it)."""
     deadline = time.monotonic() + 120
     error = None
@@ -49,16 +51,21 @@ def main() -> int:
 
     rec = Recorder(Path(args.records) / f"client-{os.getpid()}.jsonl")
     conn = chaos_db.connect(args.db, args.dsn)
-    client = redis.Redis.from_url(args.lock_url, socket_timeout=1,
-                                  socket_connect_timeout=1)
     holding: dict[str, int | None] = {"fence": None, "acq": 0}
 
-    def on_lost(lock: RedisLock) -> None:
+    def on_lost(lock: Any) -> None:
         rec("lost", fence=holding["fence"], acq=holding["acq"],
             reason=str(lock.lost_reason))
 
-    lock = RedisLock(client, args.name, ttl=args.ttl, prefix=args.prefix,
-                     on_lost=on_lost)
+    lock: Any
+    if args.lock_url.startswith("redis://"):
+        client = redis.Redis.from_url(args.lock_url, socket_timeout=1,
+                                      socket_connect_timeout=1)
+        lock = RedisLock(client, args.name, ttl=args.ttl, prefix=args.prefix,
+                         on_lost=on_lost)
+    else:
+        lock = lock_from_url(args.lock_url, args.name, args.ttl, prefix=args.prefix,
+                             on_lost=on_lost)
     rec("child_up")
     while True:
         try:

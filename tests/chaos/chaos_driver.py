@@ -1,6 +1,8 @@
-"""One chaos run: Redis (AOF) behind the fault proxy, the database, ``celery worker``
-prefork subprocesses and the standalone client, a producer that keeps the queue fed,
-and the fault threads of :mod:`chaos_faults`.  Everything lands in a run directory:
+"""One chaos run: the lock's server (Redis with an AOF, PostgreSQL or ZooKeeper:
+:mod:`chaos_servers`) behind the fault proxy, the broker (that Redis, another one, or
+RabbitMQ), the database, ``celery worker`` prefork subprocesses and the standalone
+client, a producer that keeps the queue fed, and the fault threads of
+:mod:`chaos_faults`.  Everything lands in a run directory:
 ``records/*.jsonl`` (the processes' own records), ``driver.jsonl`` (faults, sent
 tasks, restarts) and ``meta.json``; :mod:`chaos_check` reads them."""
 
@@ -20,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import chaos_db
-import redis
-from chaos_faults import Fault, schedule
+import chaos_servers
+from chaos_faults import BROKER_KINDS, KINDS, Fault, schedule
 from chaos_records import Recorder, Tail, read_all, read_lines
-
-from celery_dlock.ops.embedded import EmbeddedRedis
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
@@ -40,6 +40,8 @@ from proxy import FaultProxy  # noqa: E402
 class Config:
     seed: int = 1
     seconds: float = 60.0
+    lock: str = "redis"  # the lock's server: or "postgresql", "zookeeper"
+    broker: str = "redis"  # or "amqp" (RabbitMQ)
     db: str = "sqlite"  # or "postgresql"
     workers: int = 1  # celery worker main processes
     concurrency: int = 2  # prefork children each
@@ -49,6 +51,16 @@ class Config:
     gap: float = 0.1  # seconds between them
     settle: float = 10.0  # fault-free seconds at the end, before draining
     drain: float = 60.0  # at most this long waiting for sent tasks to end
+
+    @property
+    def shared_broker(self) -> bool:
+        """Whether the broker is the lock's server (Redis for both)."""
+        return self.lock == "redis" and self.broker == "redis"
+
+    def kinds(self) -> list[str]:
+        """The faults of this run: the lock's, and the broker's restarts when the
+        broker is a server of its own (docs/chaos.md)."""
+        return [*KINDS, *([] if self.shared_broker else BROKER_KINDS)]
 
 
 class Run:
@@ -63,22 +75,33 @@ class Run:
         self.lock_name = "chaos:counter"
         self.stopping = threading.Event()
         self.faults_over = threading.Event()
-        self.redis_lock = threading.Lock()  # held while the server is down
+        self.server_lock = threading.Lock()  # held while the lock's server is down
         self.workers: list[subprocess.Popen[bytes]] = []
         self.client: subprocess.Popen[bytes] | None = None
         self.stopped: set[int] = set()
         self.t0 = time.time()
         self.tail = Tail(self.records)
-        self.redis_dir = out / "redis"
-        self.redis_dir.mkdir(exist_ok=True)
-        self.redis_args = ("--appendonly", "yes", "--appendfsync", "always",
-                           "--dir", str(self.redis_dir), "--maxmemory-policy",
-                           "noeviction")
-        self.server = EmbeddedRedis(extra_args=self.redis_args).start()
-        self.port = self.server.port
-        self.direct_url = f"redis://127.0.0.1:{self.port}/0"
-        self.proxy = FaultProxy(self.port)
+        self.server: chaos_servers.LockServer | None = None
+        self.broker: chaos_servers.Broker | None = None
+        self.proxy: FaultProxy | None = None
         self.pg: Any = None
+        try:
+            self.start_servers(out)
+        except BaseException:
+            self.stop_servers()
+            raise
+
+    def start_servers(self, out: Path) -> None:
+        cfg = self.cfg
+        self.server = server = chaos_servers.lock_server(cfg.lock, out)
+        if cfg.shared_broker:
+            assert isinstance(server, chaos_servers.RedisServer)
+            self.broker = server
+        else:
+            self.broker = chaos_servers.broker(cfg.broker, out)
+        self.broker_url = self.broker.url
+        self.proxy = FaultProxy(server.port)
+        self.lock_url = server.lock_url(self.proxy.port)
         if cfg.db == "postgresql":
             from pg_server import PostgresServer
 
@@ -92,12 +115,21 @@ class Run:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.close()
 
+    def stop_servers(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
+        for each in {id(x): x for x in (self.server, self.broker, self.pg)}.values():
+            if each is not None:
+                with contextlib.suppress(Exception):
+                    each.stop()
+
     # -- processes --------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
-            "CHAOS_BROKER_URL": self.direct_url, "CHAOS_LOCK_URL": self.proxy.url,
+            "CHAOS_BROKER_URL": self.broker_url, "CHAOS_BROKER": self.cfg.broker,
+            "CHAOS_LOCK_URL": self.lock_url,
             "CHAOS_PREFIX": self.prefix, "CHAOS_QUEUE": self.queue,
             "CHAOS_DB": self.cfg.db, "CHAOS_DSN": self.dsn,
             "CHAOS_RECORDS": str(self.records), "CHAOS_TTL": str(self.cfg.ttl),
@@ -122,7 +154,7 @@ class Run:
     def start_client(self) -> subprocess.Popen[bytes]:
         log = open(self.out / "client.log", "ab")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "chaos_client.py"), "--lock-url", self.proxy.url,
+            [sys.executable, str(HERE / "chaos_client.py"), "--lock-url", self.lock_url,
              "--prefix", self.prefix, "--name", self.lock_name, "--ttl",
              str(self.cfg.ttl), "--db", self.cfg.db, "--dsn", self.dsn, "--records",
              str(self.records), "--writes", str(self.cfg.writes), "--gap",
@@ -157,12 +189,11 @@ class Run:
     # -- the producer -----------------------------------------------------------------
 
     def produce(self, app: Any) -> None:
-        r = redis.Redis.from_url(self.direct_url, socket_timeout=2,
-                                 socket_connect_timeout=1)
+        assert self.broker is not None
         target = 2 * (self.cfg.workers * self.cfg.concurrency)
         while not self.stopping.is_set() and not self.faults_over.is_set():
             try:
-                if r.llen(self.queue) < target:
+                if self.broker.queue_length(self.queue) < target:
                     task_id = uuid.uuid4().hex
                     app.send_task("chaos.bump", kwargs={
                         "key": "counter", "writes": self.cfg.writes,
@@ -172,7 +203,6 @@ class Run:
             except Exception as exc:  # the server is down or paused: try again
                 self.log("send_failed", error=type(exc).__name__)
             time.sleep(0.1)
-        r.close()
         self.log("producer_stopped")
 
     # -- faults -----------------------------------------------------------------------
@@ -222,24 +252,19 @@ class Run:
                     os.kill(pid, signal.SIGCONT)
                 self.stopped.discard(pid)
             return {"target": pid}
-        if kind == "redis_restart":
-            with self.redis_lock:
-                proc = self.server.process
-                assert proc is not None
-                proc.send_signal(signal.SIGKILL if f.amount else signal.SIGTERM)
-                proc.wait(timeout=30)
-                self.server.stop()
-                time.sleep(f.duration)
-                self.server = EmbeddedRedis(port=self.port,
-                                            extra_args=self.redis_args).start()
-            return {"target": "redis", "how": "SIGKILL" if f.amount else "SIGTERM"}
-        if kind == "client_pause":
-            with self.redis_lock:
-                r = redis.Redis.from_url(self.direct_url, socket_timeout=5)
-                r.execute_command("CLIENT", "PAUSE", int(f.duration * 1000), "ALL")
-                r.close()
-            time.sleep(f.duration)
-            return {"target": "redis"}
+        assert self.server is not None and self.broker is not None
+        assert self.proxy is not None
+        if kind == "server_restart":
+            with self.server_lock:
+                how = self.server.restart(bool(f.amount), f.duration)
+            return {"target": self.cfg.lock, "how": how}
+        if kind == "server_pause":
+            with self.server_lock:
+                self.server.pause(f.duration)
+            return {"target": self.cfg.lock}
+        if kind == "broker_restart":
+            how = self.broker.restart(bool(f.amount), f.duration)
+            return {"target": self.cfg.broker, "how": how}
         if kind == "latency":
             self.proxy.delay(f.amount)
             time.sleep(f.duration)
@@ -272,13 +297,16 @@ class Run:
         from celery import Celery
 
         cfg = self.cfg
-        faults = schedule(cfg.seed, cfg.seconds, cfg.mean_gap, cfg.ttl)
+        faults = schedule(cfg.seed, cfg.seconds, cfg.mean_gap, cfg.ttl, cfg.kinds())
         meta: dict[str, Any] = {"config": asdict(cfg), "prefix": self.prefix,
                                 "lock_name": self.lock_name, "scheduled": len(faults),
-                                "t0": self.t0, "python": sys.version.split()[0]}
+                                "kinds": cfg.kinds(), "t0": self.t0,
+                                "python": sys.version.split()[0]}
         app = Celery("chaos_producer", set_as_current=False)
-        app.conf.update(broker_url=self.direct_url, task_ignore_result=True,
+        app.conf.update(broker_url=self.broker_url, task_ignore_result=True,
                         broker_connection_retry_on_startup=True)
+        if cfg.broker == "amqp":  # a send counts once the broker has it on disk
+            app.conf.broker_transport_options = {"confirm_publish": True}
         threads: list[threading.Thread] = []
         try:
             self.workers = [self.start_worker(i) for i in range(cfg.workers)]
@@ -307,15 +335,15 @@ class Run:
             for t in threads:
                 t.join(timeout=10)
             meta["stop"] = self.stop_processes()
-            meta["left"] = self.locks_left()
+            assert self.server is not None and self.broker is not None
+            meta["broker_left"] = chaos_servers.kept_tasks(self.broker, self.queue)
+            meta["left"] = chaos_servers.locks_left_after(self.server, self.prefix,
+                                                          self.cfg.ttl + 5)
             meta["end"] = time.time()
             meta["db_read"] = chaos_db.read(cfg.db, self.dsn)
             (self.out / "meta.json").write_text(json.dumps(meta, indent=1))
             app.close()
-            self.proxy.close()
-            self.server.stop()
-            if self.pg is not None:
-                self.pg.stop()
+            self.stop_servers()
 
     def drain(self) -> dict[str, Any]:
         """Wait until every task sent has ended, or nothing changes for 20 s, or
@@ -356,28 +384,6 @@ class Run:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
         return {"forced": forced, "stopped_at": time.time()}
-
-    def locks_left(self) -> dict[str, Any]:
-        """Lock keys under the run's prefix (not the fence counter) once ttl + 5 s have
-        passed: a holder killed at the very end
-        leaves its hold to expire within ttl."""
-        r = redis.Redis.from_url(self.direct_url, socket_timeout=5)
-        started = time.monotonic()
-
-        def keys() -> list[str]:
-            found = [k.decode() for k in r.scan_iter(match=f"{self.prefix}:*",
-                                                      count=1000)]
-            return sorted(k for k in found if not k.endswith(":fence"))
-
-        left = keys()
-        while left and time.monotonic() - started < self.cfg.ttl + 5:
-            time.sleep(0.1)
-            left = keys()
-        info = {"keys": left, "cleared_after": round(time.monotonic() - started, 2),
-                "all_keys": sorted(k.decode() for k in r.scan_iter(
-                    match=f"{self.prefix}:*", count=1000))}
-        r.close()
-        return info
 
 
 def run(cfg: Config, out: Path) -> Path:

@@ -1,5 +1,5 @@
 """Run a chaos run and print its report: ``python tests/chaos/run.py --seed 1
---minutes 10`` (see docs/chaos.md)."""
+--minutes 10 [--lock postgresql|zookeeper] [--broker amqp]`` (see docs/chaos.md)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,19 @@ if str(HERE) not in sys.path:
 
 import chaos_check  # noqa: E402
 import chaos_driver  # noqa: E402
+import chaos_servers  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--minutes", type=float, default=1.0)
-    p.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite")
+    p.add_argument("--lock", choices=chaos_servers.LOCKS, default="redis",
+                   help="the lock's server")
+    p.add_argument("--broker", choices=chaos_servers.BROKERS, default="redis",
+                   help="the Celery broker (amqp: a RabbitMQ node of the run's own)")
+    p.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite",
+                   help="the fenced counter's database")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--ttl", type=float, default=2.0)
@@ -30,8 +36,13 @@ def main() -> int:
                    help="mean seconds between fault starts")
     p.add_argument("--out", type=Path, default=None, help="run directory (kept)")
     args = p.parse_args()
+    why = chaos_servers.unavailable(args.lock, args.broker)
+    if why is not None:
+        print(f"cannot run: {why}", file=sys.stderr)
+        return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="dlock-chaos-"))
     cfg = chaos_driver.Config(seed=args.seed, seconds=args.minutes * 60, db=args.db,
+                              lock=args.lock, broker=args.broker,
                               workers=args.workers, concurrency=args.concurrency,
                               ttl=args.ttl, mean_gap=args.mean_gap,
                               drain=max(60.0, args.minutes * 6))

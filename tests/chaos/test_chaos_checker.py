@@ -139,3 +139,26 @@ def test_recorded_runs_of_broken_locks_are_flagged(tmp_path: Path, redis_url: st
         assert rep["violations"] == [], rep["violations"][:10]
     else:
         assert EXPECTED[kind] <= found, (kind, rep["violations"][:10])
+
+
+def test_a_task_is_lost_only_when_its_message_left_the_broker(tmp_path: Path) -> None:
+    # Three tasks sent: one ran, one's message is still in the broker after the stop
+    # (not run yet, not lost), one's message is gone (lost).
+    records = {"worker-1.jsonl": [
+        *hold(1, 5, 0.0, 0.5, [(0.1, 0.11, True)]),
+        {"ev": "task_start", "pid": 1, "task_id": "ran", "t": 0.0},
+        {"ev": "task_end", "pid": 1, "task_id": "ran", "state": "SUCCESS", "t": 0.6}]}
+    out = write_run(tmp_path, [[1, "task-1.1", 0, 5, 1]], 1, records, [])
+    with (out / "driver.jsonl").open("a") as fh:
+        for task_id in ("ran", "queued", "gone"):
+            fh.write(json.dumps({"ev": "sent", "task_id": task_id, "t": 0.0}) + "\n")
+    meta = json.loads((out / "meta.json").read_text())
+    meta["broker_left"] = {"ids": ["queued"]}
+    (out / "meta.json").write_text(json.dumps(meta))
+    broker = chaos_check.check(out)["broker"]
+    assert (broker["sent"], broker["succeeded"]) == (3, 1)
+    assert (broker["lost"], broker["still_queued_at_end"]) == (1, 1)
+    # A run that did not read its broker says so, rather than counting losses.
+    meta["broker_left"] = {"ids": None, "error": "ConnectionError"}
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert chaos_check.check(out)["broker"]["lost"] is None

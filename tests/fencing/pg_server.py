@@ -3,9 +3,10 @@
 Debian's ``postgresql`` package (``/usr/lib/postgresql/<version>/bin``, or ``initdb``
 and ``pg_ctl`` on ``PATH``; ``$DLOCK_PG_BINDIR`` names another directory): ``initdb`` in
 a temporary directory, ``pg_ctl start`` on a free loopback port, trust authentication,
-no fsync.  PostgreSQL refuses to run as root: when the tests run as root the server runs
-as the ``postgres`` user (``runuser``).  :class:`Unavailable` says why there is no
-server, for the skip reason.
+no fsync (``durable=True``: fsync and synchronous commits, for a server whose crash
+must keep every acknowledged commit).  PostgreSQL refuses to run as root: when the
+tests run as root the server runs as the ``postgres`` user (``runuser``).
+:class:`Unavailable` says why there is no server, for the skip reason.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def _free_port() -> int:
 class PostgresServer:
     """``with PostgresServer() as pg: pg.url``: a server of the caller's own."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, durable: bool = False) -> None:
         self.bindir = find_bindir()
+        self.durable = durable
         self.prefix: list[str] = []
         self.owner: pwd.struct_passwd | None = None
         if os.geteuid() == 0:
@@ -107,9 +109,10 @@ class PostgresServer:
         raise Unavailable(f"{error}; {log.strip().splitlines()[-1:] or ''}")
 
     def _pg_start(self) -> None:
+        sync = ("-c fsync=on -c synchronous_commit=on" if self.durable else
+                "-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
         options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                   f"-c fsync=off -c synchronous_commit=off "
-                   f"-c full_page_writes=off -c max_connections=80")
+                   f"{sync} -c max_connections=80")
         self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l",
                   str(self.log), "-o", options, "-w", "-t", "60", "start")
 
