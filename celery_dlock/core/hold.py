@@ -74,6 +74,9 @@ RESERVED_INFO = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid
                            "prev"})
 
 _Self = TypeVar("_Self", bound="Hold")
+#: At most how many releases end a hold this object reported lost that the server
+#: still has (one per acquire it counts).
+LOST_HOLD_RELEASES = 1024
 _hold_ids = itertools.count(1)
 
 
@@ -214,6 +217,10 @@ class Hold:
         self._fence: int | None = None
         self._generation = _owner.generation()
         self._lost_reason: str | None = None
+        # The owner and fence of this object's last hold reported lost: a server that
+        # still has that hold (the holder could not confirm it in time, and its
+        # release did not get through) would let the next acquire re-enter it.
+        self._lost_hold: tuple[str, int] | None = None
         # The operation of a release (hold id, depth, op id) or extend (hold id, ttl,
         # op id) that raised: trying it again re-sends the same operation.
         self._release_op: tuple[int, int, str] | None = None
@@ -311,6 +318,7 @@ class Hold:
             self._hold_owner = None
             self._fence = None
             self._lost_reason = None
+            self._lost_hold = None
             self._release_op = None
             self._extend_op = None
 
@@ -365,6 +373,8 @@ class Hold:
                 return False
             self._lost_reason = reason
             hold_id = self._hold_id
+            if self._hold_owner is not None and self._fence is not None:
+                self._lost_hold = (self._hold_owner, self._fence)
         self._get_scheduler().unregister(self, hold_id)
         if self.on_lost is not None:
             try:
@@ -425,6 +435,19 @@ class Hold:
                 sent_at = scheduler.now()
                 reply = self._send_acquire(owner, op, queue=blocking and not reentry,
                                            reentry=reentry)
+                if isinstance(reply, Grant) and not reentry and reply.reentered and \
+                        reply.fence is not None and \
+                        self._lost_hold == (owner, reply.fence):
+                    # The server still has the hold this object reported lost (its
+                    # release did not get through), and this acquire re-entered it:
+                    # taken as a new hold, its fence would be handed out twice.  End
+                    # that hold (this acquire included), then take one of its own.
+                    logger.info("lock %r: the hold reported lost (fence %s) was still "
+                                "on the server; ending it before taking a new one",
+                                self.name, reply.fence)
+                    self._end_lost_hold(owner)
+                    op = new_op_id()
+                    continue
                 if isinstance(reply, Grant):
                     if reply.reentered or scheduler.now() < lease_end(
                             sent_at, self.ttl_ms, margin):
@@ -459,6 +482,16 @@ class Hold:
             if queued and not acquired:
                 self._leave_line(owner)
 
+    def _end_lost_hold(self, owner: str) -> None:
+        """Undo every acquire of ``owner``'s hold on the server: the hold this object
+        reported lost, which its release did not reach (and the acquire that just
+        re-entered it)."""
+        with self._state:
+            self._lost_hold = None
+        for _ in range(LOST_HOLD_RELEASES):
+            if self._send_release(owner, new_op_id()) != STILL_HELD:
+                return
+
     def _check_bound(self, hold_id: int, now: float, what: str) -> None:
         """Report the hold lost and raise LockLost when it is at its max hold (its
         bound less the deadline's margin: where the watchdog reports it too)."""
@@ -484,6 +517,7 @@ class Hold:
                 self._hold_owner = owner
                 self._fence = grant.fence
                 self._lost_reason = None
+                self._lost_hold = None
                 self._release_op = None
                 self._extend_op = None
                 self._bound = (None if self.max_hold is None

@@ -354,6 +354,35 @@ def test_loss_is_told_once_and_checks_need_no_redis(kind, own_server, proxy, pre
     proxy.heal()
 
 
+def test_a_hold_told_lost_but_still_on_the_server_is_not_taken_again_as_new(
+        kind, own_server, proxy, prefix, name):
+    # The holder cannot confirm its hold in time and is told; its release does not get
+    # through either, so the server keeps the hold until it expires (later than the
+    # holder's deadline).  The same object's next acquire must not re-enter that
+    # hold as a new one (its fence would be handed out to two holds): it ends that
+    # hold and takes one of its own, with a new fence.
+    client = _client(proxy.url, timeout=0.5)
+    lost = _LossRecorder()
+    lock = kind.make(client, name, ttl=6, prefix=prefix, on_lost=lost,
+                     pause_budget=2.5)
+    assert lock.acquire(blocking=False)
+    fence = lock.fence
+    proxy.black_hole()
+    assert lost.event.wait(8)
+    with pytest.raises(LockLost):
+        lock.release()  # it never reaches the server
+    proxy.heal()
+    direct = kind.view(_direct(own_server))
+    assert direct.hget(lock.keys.lock, "count") == b"1", "the hold had already ended"
+    assert lock.acquire(blocking=False)
+    assert lock.fence is not None and fence is not None and lock.fence > fence
+    assert direct.hget(lock.keys.lock, "count") == b"1"  # one acquire: the new one
+    assert lock.owned() and not lock.lost
+    lock.release()
+    assert not direct.exists(lock.keys.lock)
+    assert len(lost.times) == 1
+
+
 # -- a grant that arrives after its own deadline -----------------------------------------
 
 

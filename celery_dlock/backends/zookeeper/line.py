@@ -142,24 +142,37 @@ class LockNode:
     def give_up(self, child: str, acquires: int) -> None:
         """Undo ``acquires`` acquires of the hold in ``child`` if this process's
         session created it (deleting it when none is left): a hold whose holder was
-        told it is lost, or whose lock object was dropped without release.  Best
-        effort: a child left behind goes with the session."""
-        try:
-            for _ in range(RACES):
-                found = self.read(child)
-                if found is None:
+        told it is lost, or whose lock object was dropped without release.  While the
+        ensemble does not answer it tries again, until the session could have ended
+        (then the server deleted the child): the session outlives an outage shorter
+        than its timeout, and would otherwise keep the child, and the lock, for as
+        long as the process lives."""
+        deadline = time.monotonic() + self.session.timeout_ms / 1000.0 + CALL_TIMEOUT
+        while True:
+            try:
+                self._give_up_once(child, acquires)
+                return
+            except DLockError as exc:
+                if time.monotonic() >= deadline:
+                    logger.debug("could not give up the hold of %r: %s", self.name,
+                                 exc)
                     return
-                data, stat = found
-                if stat.ephemeralOwner != self.session.session_id():
+                time.sleep(0.5)
+
+    def _give_up_once(self, child: str, acquires: int) -> None:
+        for _ in range(RACES):
+            found = self.read(child)
+            if found is None:
+                return
+            data, stat = found
+            if stat.ephemeralOwner != self.session.session_id():
+                return
+            if data.count <= acquires:
+                if self.delete(child, stat.version):
+                    self.tidy()
                     return
-                if data.count <= acquires:
-                    if self.delete(child, stat.version):
-                        self.tidy()
-                        return
-                else:
-                    data.count -= acquires
-                    data.op = ""
-                    if self.write(child, data, stat.version):
-                        return
-        except DLockError as exc:
-            logger.debug("could not give up the hold of %r: %s", self.name, exc)
+            else:
+                data.count -= acquires
+                data.op = ""
+                if self.write(child, data, stat.version):
+                    return
