@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from dlock_helpers import wait_until
 from proxy import FaultProxy
-from sql_dbs import MariaDBServer, MySQLDb, SqlDb, own_db, start_mariadb
+from sql_dbs import MySQLDb, SqlDb, own_db
 
 from celery_dlock import (
     BackendUnavailable,
@@ -35,16 +35,6 @@ from celery_dlock.core.protocol import STILL_HELD
 pytestmark = pytest.mark.slow
 
 KINDS = ["postgres", "mysql"]
-
-
-@pytest.fixture(scope="module")
-def shared_mariadb() -> Iterator[MariaDBServer]:
-    """A MariaDB server for this module's tests that do not stop it."""
-    server = start_mariadb()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=KINDS)
