@@ -17,34 +17,40 @@ import uuid
 
 import pytest
 from proxy import FaultProxy
-from sql_dbs import mysql_user
+from sql_dbs import MariaDBServer, mysql_user
 
 from celery_dlock import BackendUnavailable, InvalidLockConfig, lock_from_url
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture
+def my_db(shared_mariadb: MariaDBServer) -> MariaDBServer:
+    """This module's MariaDB server (tests/faults/conftest.py)."""
+    return shared_mariadb
+
+
 def _name() -> str:
     return f"my-{uuid.uuid4().hex[:8]}"
 
 
-def test_a_server_that_does_not_answer_is_backend_unavailable_in_bounded_time(shared_mariadb):
-    with FaultProxy(shared_mariadb.port) as proxy:
+def test_a_server_that_does_not_answer_is_backend_unavailable_in_bounded_time(my_db):
+    with FaultProxy(my_db.port) as proxy:
         proxy.black_hole()
-        url = (shared_mariadb.url.replace(f":{shared_mariadb.port}/", f":{proxy.port}/")
+        url = (my_db.url.replace(f":{my_db.port}/", f":{proxy.port}/")
                + "?connect_timeout=1&read_timeout=1")
         lock = lock_from_url(url.replace("mysql://", "mariadb://", 1), _name())
         started = time.monotonic()
         with pytest.raises(BackendUnavailable) as info:
             lock.acquire(blocking=False)
         assert time.monotonic() - started < 10
-        assert shared_mariadb.password not in str(info.value)
+        assert my_db.password not in str(info.value)
 
 
-def test_a_user_who_may_read_but_not_write_is_told_the_grant_it_lacks(shared_mariadb):
-    with lock_from_url(shared_mariadb.url + "?dlock_table=read_only", _name(), ttl=5):
+def test_a_user_who_may_read_but_not_write_is_told_the_grant_it_lacks(my_db):
+    with lock_from_url(my_db.url + "?dlock_table=read_only", _name(), ttl=5):
         pass  # the table made by a user who may
-    reader = mysql_user(shared_mariadb, "reader", "GRANT SELECT ON dlock.read_only TO {user}")
+    reader = mysql_user(my_db, "reader", "GRANT SELECT ON dlock.read_only TO {user}")
     lock = lock_from_url(reader + "?dlock_table=read_only", _name())
     with pytest.raises(InvalidLockConfig) as info:
         lock.acquire(blocking=False)
@@ -54,14 +60,14 @@ def test_a_user_who_may_read_but_not_write_is_told_the_grant_it_lacks(shared_mar
     assert "pw-reader" not in said
 
 
-def test_first_acquires_of_a_new_name_at_once_give_one_holder(shared_mariadb):
+def test_first_acquires_of_a_new_name_at_once_give_one_holder(my_db):
     """Several processes' first acquires of a name race to insert its row: one gets
     it, the others are refused (none fails), and the fence is given once."""
     from celery_dlock.backends.sql.my_server import MyServer
     from celery_dlock.backends.sql.mysql import MySQLLock
 
     name = _name()
-    locks = [MySQLLock(MyServer(shared_mariadb.url), name, ttl=10, owner=f"o{i}")
+    locks = [MySQLLock(MyServer(my_db.url), name, ttl=10, owner=f"o{i}")
              for i in range(6)]
     barrier = threading.Barrier(len(locks))
     got: list[bool] = []
@@ -88,11 +94,11 @@ def test_first_acquires_of_a_new_name_at_once_give_one_holder(shared_mariadb):
     winner.release()
 
 
-def test_mariadb_url_and_repr_hide_the_password(shared_mariadb):
-    url = shared_mariadb.url.replace("mysql://", "mariadb://", 1)
+def test_mariadb_url_and_repr_hide_the_password(my_db):
+    url = my_db.url.replace("mysql://", "mariadb://", 1)
     lock = lock_from_url(url, _name(), ttl=5)
     assert type(lock).__name__ == "MySQLLock"
-    assert shared_mariadb.password not in repr(lock)
-    assert shared_mariadb.password not in repr(lock.server)  # type: ignore[attr-defined]
+    assert my_db.password not in repr(lock)
+    assert my_db.password not in repr(lock.server)  # type: ignore[attr-defined]
     with lock:
         assert lock.owned()
