@@ -56,11 +56,10 @@ NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after 
 
 #: Why a test of foreign data at a lock's key is skipped on the SQL kinds: their locks
 #: are rows of one table; another application's data there is a table of another
-#: shape (docs/backends.md, Errors; tests/faults/test_postgres_faults.py,
-#: tests/faults/test_mysql_faults.py).
+#: shape (docs/backends.md, Errors; tests/faults/test_sql_faults.py).
 NO_KEYS = ("PostgreSQL and MySQL keep no key per lock: another application's data is a "
            "table at the lease table's name, tested in tests/faults/"
-           "test_postgres_faults.py and test_mysql_faults.py::"
+           "test_sql_faults.py::"
            "test_another_applications_table_at_our_name_is_a_conflict "
            "(docs/backends.md, Errors)")
 
