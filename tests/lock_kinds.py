@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import redis
+from sql_view import SqlView
 
 from celery_dlock import FencingUnavailable, RedisLock, RedisSemaphore, RedlockLock
 from celery_dlock.ops.embedded import EmbeddedRedis
@@ -56,11 +57,10 @@ NO_LINE = ("Redlock has no line of waiters: a blocked acquire tries again after 
 
 #: Why a test of foreign data at a lock's key is skipped on the SQL kinds: their locks
 #: are rows of one table; another application's data there is a table of another
-#: shape (docs/backends.md, Errors; tests/faults/test_postgres_faults.py,
-#: tests/faults/test_mysql_faults.py).
+#: shape (docs/backends.md, Errors; tests/faults/test_sql_faults.py).
 NO_KEYS = ("PostgreSQL and MySQL keep no key per lock: another application's data is a "
            "table at the lease table's name, tested in tests/faults/"
-           "test_postgres_faults.py and test_mysql_faults.py::"
+           "test_sql_faults.py::"
            "test_another_applications_table_at_our_name_is_a_conflict "
            "(docs/backends.md, Errors)")
 
@@ -174,15 +174,9 @@ class PgKeys:
         return self.lock + ":doorbell:" + owner
 
 
-class PgView:
-    """The Redis reads the tests make, answered from the PostgreSQL tables: a live
-    hold's row is the lock's hash (``owner``, ``count``, ``fence`` and its info
-    fields), its ``expires_at`` its pttl; the lock's rows in the line table are its
-    ``queue`` (the live ones, by arrival) and ``leases`` (their expiry, in ms), which
-    exist while any row is left, as Redis's keys do until purged; doorbells never
-    exist."""
-
-    LINE = "dlock_locks_waiters"
+class PgView(SqlView):
+    """:class:`~sql_view.SqlView` on the PostgreSQL tables (a row keyed by prefix and
+    name)."""
 
     def __init__(self, url: str) -> None:
         import psycopg
@@ -191,45 +185,27 @@ class PgView:
         self.conn = psycopg.connect(url, autocommit=True)
 
     @staticmethod
-    def _parse(key: str) -> tuple[tuple[str, str], str] | None:
-        """``((prefix, name), part)``: part is ``lock``, ``queue``, ``leases`` or
-        ``doorbell``."""
-        end = key.rfind("]") + 1
-        rest = key[end:]
-        part = rest.split(":")[1] if rest.startswith(":") else "lock"
-        try:
-            prefix, name = json.loads(key[:end])
-        except ValueError:
-            return None
-        return (str(prefix), str(name)), part
-
-    @classmethod
-    def _row_key(cls, key: str) -> tuple[str, str] | None:
-        found = cls._parse(key)
-        return found[0] if found is not None and found[1] == "lock" else None
+    def _row(prefix: str, name: str) -> tuple[str, str]:
+        return prefix, name
 
     def _line(self, key: str) -> list[tuple[str, int, int]] | None:
-        """The live waiters of a ``queue``/``leases`` key: owner, arrival (µs) and
-        lease expiry (ms) on the server's clock; None for another key."""
-        found = self._parse(key)
-        if found is None or found[1] not in ("queue", "leases"):
+        found = self._line_key(key)
+        if found is None:
             return None
         rows = self.conn.execute(
             "SELECT owner, floor(extract(epoch FROM arrived_at) * 1000000)::bigint, "
             "floor(extract(epoch FROM expires_at) * 1000)::bigint "
             f"FROM {self.LINE} WHERE prefix = %s AND name = %s "
             "AND expires_at > clock_timestamp() ORDER BY arrived_at, owner",
-            found[0]).fetchall()
+            found).fetchall()
         return [(str(o), int(a), int(e)) for o, a, e in rows]
 
     def _line_rows(self, key: str) -> int:
-        """How many rows (live or not) the lock of a ``queue``/``leases`` key has in
-        the line table."""
-        found = self._parse(key)
-        if found is None or found[1] not in ("queue", "leases"):
+        found = self._line_key(key)
+        if found is None:
             return 0
         row = self.conn.execute(f"SELECT count(*) FROM {self.LINE} WHERE prefix = %s "
-                                "AND name = %s", found[0]).fetchone()
+                                "AND name = %s", found).fetchone()
         return int(row[0]) if row is not None else 0
 
     def _hold(self, key: str) -> dict[str, Any] | None:
@@ -247,36 +223,6 @@ class PgView:
         owner, count, fence, info, ttl, acquired_at, pttl = row
         return {"owner": owner, "count": count, "fence": fence, "ttl": ttl,
                 "acquired_at": acquired_at, **(info or {}), "pttl": max(int(pttl), 1)}
-
-    def exists(self, *keys: str) -> int:
-        return sum(self._hold(k) is not None or self._line_rows(k) > 0 for k in keys)
-
-    def hget(self, key: str, field: str) -> bytes | None:
-        hold = self._hold(key)
-        if hold is None or field not in hold or field == "pttl":
-            return None
-        return str(hold[field]).encode()
-
-    def hgetall(self, key: str) -> dict[bytes, bytes]:
-        hold = self._hold(key) or {}
-        return {k.encode(): str(v).encode() for k, v in hold.items() if k != "pttl"}
-
-    def pttl(self, key: str) -> int:
-        hold = self._hold(key)
-        return -2 if hold is None else int(hold["pttl"])
-
-    def zrange(self, key: str, start: int, end: int) -> list[bytes]:
-        line = self._line(key) or []
-        if key.endswith(":leases"):
-            line.sort(key=lambda w: (w[2], w[0]))
-        stop = len(line) if end == -1 else end + 1
-        return [owner.encode() for owner, _, _ in line[start:stop]]
-
-    def zscore(self, key: str, member: str) -> float | None:
-        for owner, arrived, expires in self._line(key) or []:
-            if owner == member:
-                return float(expires if key.endswith(":leases") else arrived)
-        return None
 
     def delete(self, *keys: str) -> int:
         """Forget the holds (their fence counters stay, as a deleted hash's do)."""

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ...core.errors import InvalidLockConfig
-from ...core.holds import HoldChanged, HoldInfo
+from ...core.holds import HoldInfo
 from ...core.text import clean_text
 from .lease import hold_info as _info
+from .lease_backend import LeaseBackend
 from .pg_server import PgServer, server_for
 from .postgres import PostgresLock
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
@@ -21,28 +21,16 @@ __all__ = ["POSTGRES_SCHEMES", "PostgresBackend"]
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 
-class PostgresBackend:
+class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
     """The locks kept in one PostgreSQL server's lease table."""
 
     kind = "postgres"
-    fences = True
 
-    def __init__(self, url: str | PgServer) -> None:
-        self.server = url if isinstance(url, PgServer) else server_for(url)
+    def _server_of(self, url: str | PgServer) -> PgServer:
+        return url if isinstance(url, PgServer) else server_for(url)
 
-    def lock(self, name: str, ttl: float, *, prefix: str,
-             info: Mapping[str, object] | None = None, owner: str | None = None,
-             on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None, limit: int = 1) -> PostgresLock:
-        if limit != 1:
-            raise InvalidLockConfig(
-                f"lock_limit={limit!r}: the postgres backend keeps locks of one holder; "
-                f"semaphores (lock_limit > 1) need a Redis backend (docs/backends.md)",
-                lock_name=name)
-        return PostgresLock(self.server, name, ttl, prefix=prefix, info=info,
-                            owner=owner, on_lost=on_lost, auto_renew=auto_renew,
-                            pause_budget=pause_budget, max_hold=max_hold)
+    def _new_lock(self, name: str, ttl: float, **options: Any) -> PostgresLock:
+        return PostgresLock(self.server, name, ttl, **options)
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
@@ -67,9 +55,6 @@ class PostgresBackend:
             WAITING_MANY, {"prefix": prefix, "names": names}, "a read")}
         return {name: counts.get(name, 0) for name in names}
 
-    def storage_key(self, prefix: str, name: str) -> str:
-        return f"{self.server.table_name}[{prefix}, {name}]"
-
     def force_release(self, prefix: str, name: str, *, fence: int | None = None,
                       by: str | None = None, reason: str | None = None,
                       conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
@@ -83,11 +68,5 @@ class PostgresBackend:
         found = _info(rows[0][:7])
         if int(rows[0][7]) > 0:
             return found
-        if fence is not None and found.fence != fence:
-            raise HoldChanged(f"lock {name!r} is now held by another hold (fence "
-                              f"{found.fence}, not {fence}): nothing was freed",
-                              lock_name=name, current=found)
+        self._not_freed(name, found, fence)
         return None
-
-    def __repr__(self) -> str:
-        return f"<PostgresBackend {self.server.shown}>"

@@ -16,18 +16,29 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from ...core.errors import Holder
-from ...core.hold import Grant, Hold, Refused, new_op_id
+from ...core.hold import (
+    DEFAULT_PREFIX,
+    Grant,
+    Hold,
+    Refused,
+    check_lock_options,
+    new_op_id,
+)
 from ...core.holds import HoldInfo
 from ...core.protocol import GONE, OK, STILL_HELD, TAKEN
+from ...core.scheduler import RenewalScheduler
 from .released import forced_reason
 
 __all__ = ["LeaseLock", "Status", "hold_info", "holder_of", "renew_key", "split_key"]
 
 logger = logging.getLogger("celery_dlock.lock")
+
+#: A dialect's server object (one per URL and process).
+S = TypeVar("S")
 
 
 def renew_key(prefix: str, name: str) -> str:
@@ -94,12 +105,51 @@ class Status(NamedTuple):
     forced: Any
 
 
-class LeaseLock(Hold):
-    """The lease-row lock of every SQL dialect (the dialect subclasses it)."""
+class LeaseLock(Hold, Generic[S]):
+    """The lease-row lock of every SQL dialect (the dialect subclasses it).
+
+    :param url: the server's URL, or the dialect's server object (``S``).
+    Every other parameter is :class:`~celery_dlock.RedisLock`'s.
+    """
 
     prefix: str
+    server: S
+
+    def __init__(
+        self,
+        url: str | S,
+        name: str,
+        ttl: float = 30.0,
+        *,
+        auto_renew: bool = True,
+        owner: str | None = None,
+        on_lost: Callable[[Any], object] | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        info: Mapping[str, object] | None = None,
+        blocking_timeout: float | None = None,
+        scheduler: RenewalScheduler | None = None,
+        pause_budget: float | None = None,
+        max_hold: float | None = None,
+    ) -> None:
+        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
+                                       pause_budget)
+        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
+                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
+                         pause_budget=pause_budget, max_hold=max_hold)
+        self.server = self._server_of(url)
+        self.prefix = prefix
+        self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
+        self._prepare()
 
     # -- what a dialect provides --------------------------------------------------------
+
+    def _server_of(self, url: str | S) -> S:
+        """The dialect's server object of ``url`` (a URL, or that object)."""
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Set up what the dialect keeps beside the row (the server, prefix and name
+        known)."""
 
     def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:

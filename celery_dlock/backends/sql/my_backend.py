@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ...core.errors import InvalidLockConfig
-from ...core.holds import HoldChanged, HoldInfo
+from ...core.holds import HoldInfo
 from ...core.text import clean_text
 from .lease import hold_info
+from .lease_backend import LeaseBackend
 from .my_schema import lock_id
 from .my_server import MyServer, server_for
 from .my_statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
@@ -30,28 +30,16 @@ def _matches(info: Any, conditions: Mapping[str, str]) -> bool:
         str(found.get(k)) == v and k in found for k, v in conditions.items())
 
 
-class MySQLBackend:
+class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
     """The locks kept in one MySQL or MariaDB server's lease table."""
 
     kind = "mysql"
-    fences = True
 
-    def __init__(self, url: str | MyServer) -> None:
-        self.server = url if isinstance(url, MyServer) else server_for(url)
+    def _server_of(self, url: str | MyServer) -> MyServer:
+        return url if isinstance(url, MyServer) else server_for(url)
 
-    def lock(self, name: str, ttl: float, *, prefix: str,
-             info: Mapping[str, object] | None = None, owner: str | None = None,
-             on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None, limit: int = 1) -> MySQLLock:
-        if limit != 1:
-            raise InvalidLockConfig(
-                f"lock_limit={limit!r}: the mysql backend keeps locks of one holder; "
-                f"semaphores (lock_limit > 1) need a Redis backend (docs/backends.md)",
-                lock_name=name)
-        return MySQLLock(self.server, name, ttl, prefix=prefix, info=info,
-                         owner=owner, on_lost=on_lost, auto_renew=auto_renew,
-                         pause_budget=pause_budget, max_hold=max_hold)
+    def _new_lock(self, name: str, ttl: float, **options: Any) -> MySQLLock:
+        return MySQLLock(self.server, name, ttl, **options)
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
@@ -81,9 +69,6 @@ class MySQLBackend:
         counts = self.server.run(work, "a read")
         return {name: counts.get(key, 0) for key, name in ids.items()}
 
-    def storage_key(self, prefix: str, name: str) -> str:
-        return f"{self.server.table_name}[{prefix}, {name}]"
-
     def force_release(self, prefix: str, name: str, *, fence: int | None = None,
                       by: str | None = None, reason: str | None = None,
                       conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
@@ -112,11 +97,5 @@ class MySQLBackend:
         found = hold_info(done[0])
         if done[1]:
             return found
-        if fence is not None and found.fence != fence:
-            raise HoldChanged(f"lock {name!r} is now held by another hold (fence "
-                              f"{found.fence}, not {fence}): nothing was freed",
-                              lock_name=name, current=found)
+        self._not_freed(name, found, fence)
         return None
-
-    def __repr__(self) -> str:
-        return f"<MySQLBackend {self.server.shown}>"

@@ -15,8 +15,6 @@ on a fresh connection.
 from __future__ import annotations
 
 import json
-import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +24,7 @@ from .lease import split_key
 from .my_schema import lock_id
 from .my_server import MyServer
 from .my_statements import renew_many, status_many
+from .registry import PerUrl
 from .released import forced_reason
 
 __all__ = ["MyRenewTarget", "renew_target"]
@@ -101,23 +100,10 @@ def _forced(value: Any) -> Any:
     return value
 
 
-_targets: dict[str, MyRenewTarget] = {}
-_targets_lock = threading.Lock()
+_targets: PerUrl[MyRenewTarget] = PerUrl()
 
 
 def renew_target(server: MyServer) -> MyRenewTarget:
     """This process's renew target of ``server``."""
-    with _targets_lock:
-        target = _targets.get(server.url)
-        if target is None or target.server is not server:
-            target = _targets[server.url] = MyRenewTarget(server)
-        return target
-
-
-def _after_fork_in_child() -> None:
-    global _targets_lock
-    _targets.clear()
-    _targets_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _targets.get(server.url, lambda: MyRenewTarget(server),
+                        keep=lambda target: target.server is server)

@@ -16,24 +16,15 @@ from __future__ import annotations
 import hashlib
 import re
 
+from .shape import GRANTS, lease_columns
+
 __all__ = ["COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS", "create_line_sql", "create_sql",
            "lock_id", "missing_columns", "owner_id", "quote_table"]
 
 #: Each column and the ``DATA_TYPE`` information_schema reports for it.
-COLUMNS: dict[str, str] = {
-    "lock_id": "char",
-    "prefix": "blob",
-    "name": "blob",
-    "owner": "blob",
-    "count": "int",
-    "fence": "bigint",
-    "acquired_at": "datetime",
-    "expires_at": "datetime",
-    "ttl_ms": "bigint",
-    "info": "text",
-    "ops": "text",
-    "forced": "text",
-}
+COLUMNS: dict[str, str] = {"lock_id": "char", **lease_columns(
+    "blob", "blob", "blob", "int", "bigint", "datetime", "datetime", "bigint",
+    "text", "text", "text")}
 
 #: ``expires_at`` of a free row.
 FREE = "1970-01-01 00:00:00"
@@ -46,11 +37,6 @@ LINE_COLUMNS: dict[str, str] = {
     "arrived_at": "datetime",
     "expires_at": "datetime",
 }
-
-#: What a user who may not create tables needs on the tables made for it beforehand
-#: (``{table}`` the lease table, ``{line}`` its line).
-GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
-          "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
 
 _NAME = re.compile(r"^[A-Za-z0-9_$]{1,64}(\.[A-Za-z0-9_$]{1,64})?$")
 

@@ -51,7 +51,9 @@ from .my_schema import (
     missing_columns,
     quote_table,
 )
+from .registry import PerUrl
 from .schema import DEFAULT_TABLE, line_table_of
+from .shape import check_shape
 
 __all__ = ["CONNECT_TIMEOUT", "READ_TIMEOUT", "MyServer", "server_for"]
 
@@ -338,12 +340,7 @@ class MyServer:
 
     def _check_shape(self, name: str, what: str, found: dict[str, str],
                      wanted: dict[str, str], lock_name: str | None) -> None:
-        missing = missing_columns(found, wanted)
-        if missing:
-            raise LockKeyConflict(
-                f"a table {name} at {self.shown} is not celery-dlock's {what} (it "
-                f"lacks {', '.join(missing)}); nothing was changed: name another "
-                f"with ?dlock_table=", lock_name=lock_name)
+        check_shape(self.shown, name, what, missing_columns(found, wanted), lock_name)
 
     def close(self) -> None:
         with self._lock:
@@ -358,28 +355,13 @@ class MyServer:
         return f"<MyServer {self.shown} table={self.table_name}>"
 
 
-_servers: dict[str, MyServer] = {}
-_servers_lock = threading.Lock()
+_servers: PerUrl[MyServer] = PerUrl()
 
 
 def server_for(url: str) -> MyServer:
     """This process's :class:`MyServer` for ``url``."""
-    with _servers_lock:
-        server = _servers.get(url)
-        if server is None:
-            server = _servers[url] = MyServer(url)
-        return server
+    return _servers.get(url, lambda: MyServer(url))
 
 
 def servers() -> Sequence[MyServer]:
-    with _servers_lock:
-        return list(_servers.values())
-
-
-def _after_fork_in_child() -> None:
-    global _servers_lock
-    _servers.clear()  # the parent's connections are not the child's
-    _servers_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _servers.values()

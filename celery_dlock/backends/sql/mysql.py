@@ -23,12 +23,10 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ...core.hold import DEFAULT_PREFIX, check_lock_options
 from ...core.renew_target import RenewTarget
-from ...core.scheduler import RenewalScheduler
 from .lease import LeaseLock, Status
 from .my_renewal import renew_target
 from .my_schema import lock_id, owner_id
@@ -63,7 +61,7 @@ def _text(value: Any) -> str | None:
     return value.decode() if isinstance(value, (bytes, bytearray)) else value
 
 
-class MySQLLock(LeaseLock):
+class MySQLLock(LeaseLock[MyServer]):
     """A reentrant distributed lock in a MySQL or MariaDB table.
 
     :param url: the server's ``mysql://user:password@host:port/database`` (or
@@ -79,31 +77,11 @@ class MySQLLock(LeaseLock):
 
     wait_slice = POLL_MAX
 
-    def __init__(
-        self,
-        url: str | MyServer,
-        name: str,
-        ttl: float = 30.0,
-        *,
-        auto_renew: bool = True,
-        owner: str | None = None,
-        on_lost: Callable[[MySQLLock], object] | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        info: Mapping[str, object] | None = None,
-        blocking_timeout: float | None = None,
-        scheduler: RenewalScheduler | None = None,
-        pause_budget: float | None = None,
-        max_hold: float | None = None,
-    ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
-                                       pause_budget)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
-                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget, max_hold=max_hold)
-        self.server = url if isinstance(url, MyServer) else server_for(url)
-        self.prefix = prefix
-        self.lock_id = lock_id(prefix, name)
-        self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
+    def _server_of(self, url: str | MyServer) -> MyServer:
+        return url if isinstance(url, MyServer) else server_for(url)
+
+    def _prepare(self) -> None:
+        self.lock_id = lock_id(self.prefix, self.name)
         self._poll = POLL_MIN
 
     # -- talking to MySQL -------------------------------------------------------------

@@ -38,6 +38,7 @@ from ...core.errors import (
     LockKeyConflict,
 )
 from ...core.urls import mask_url
+from .registry import PerUrl
 from .schema import (
     COLUMNS,
     DEFAULT_TABLE,
@@ -48,6 +49,7 @@ from .schema import (
     line_table_of,
     missing_columns,
 )
+from .shape import check_shape
 
 __all__ = ["CONNECT_TIMEOUT", "STATEMENT_TIMEOUT_MS", "PgServer", "server_for"]
 
@@ -265,12 +267,7 @@ class PgServer:
 
     def _check_shape(self, name: str, what: str, found: dict[str, str],
                      wanted: dict[str, str], lock_name: str | None) -> None:
-        missing = missing_columns(found, wanted)
-        if missing:
-            raise LockKeyConflict(
-                f"a table {name} at {self.shown} is not celery-dlock's {what} (it "
-                f"lacks {', '.join(missing)}); nothing was changed: name another "
-                f"with ?dlock_table=", lock_name=lock_name)
+        check_shape(self.shown, name, what, missing_columns(found, wanted), lock_name)
 
     def close(self) -> None:
         with self._lock:
@@ -279,28 +276,13 @@ class PgServer:
             conn.close()
 
 
-_servers: dict[str, PgServer] = {}
-_servers_lock = threading.Lock()
+_servers: PerUrl[PgServer] = PerUrl()
 
 
 def server_for(url: str) -> PgServer:
     """This process's :class:`PgServer` for ``url``."""
-    with _servers_lock:
-        server = _servers.get(url)
-        if server is None:
-            server = _servers[url] = PgServer(url)
-        return server
+    return _servers.get(url, lambda: PgServer(url))
 
 
 def servers() -> Sequence[PgServer]:
-    with _servers_lock:
-        return list(_servers.values())
-
-
-def _after_fork_in_child() -> None:
-    global _servers_lock
-    _servers.clear()  # the parent's connections are not the child's
-    _servers_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _servers.values()

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ...core.hold import DEFAULT_PREFIX, check_lock_options
 from ...core.renew_target import RenewTarget
-from ...core.scheduler import RenewalScheduler
 from .lease import LeaseLock, Status, holder_of
 from .pg_server import PgServer, server_for
 from .renewal import renew_target
@@ -45,7 +43,7 @@ from .waiting import QUEUE_LEASE_MS, WAIT_SLICE, Listener, channel_of
 __all__ = ["PostgresLock", "holder_of"]
 
 
-class PostgresLock(LeaseLock):
+class PostgresLock(LeaseLock[PgServer]):
     """A reentrant distributed lock in a PostgreSQL table.
 
     :param url: the server's ``postgresql://`` URL (``?dlock_table=`` names another
@@ -60,31 +58,11 @@ class PostgresLock(LeaseLock):
 
     wait_slice = WAIT_SLICE
 
-    def __init__(
-        self,
-        url: str | PgServer,
-        name: str,
-        ttl: float = 30.0,
-        *,
-        auto_renew: bool = True,
-        owner: str | None = None,
-        on_lost: Callable[[PostgresLock], object] | None = None,
-        prefix: str = DEFAULT_PREFIX,
-        info: Mapping[str, object] | None = None,
-        blocking_timeout: float | None = None,
-        scheduler: RenewalScheduler | None = None,
-        pause_budget: float | None = None,
-        max_hold: float | None = None,
-    ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
-                                       pause_budget)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
-                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget, max_hold=max_hold)
-        self.server = url if isinstance(url, PgServer) else server_for(url)
-        self.prefix = prefix
-        self.channel = channel_of(prefix, name)
-        self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
+    def _server_of(self, url: str | PgServer) -> PgServer:
+        return url if isinstance(url, PgServer) else server_for(url)
+
+    def _prepare(self) -> None:
+        self.channel = channel_of(self.prefix, self.name)
         self._listener: Listener | None = None
 
     # -- talking to PostgreSQL --------------------------------------------------------

@@ -13,8 +13,6 @@ scheduler on a fresh connection.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +22,7 @@ from ...core.protocol import GONE, OK, TAKEN
 from ...core.renew_target import LossNote
 from .lease import renew_key, split_key
 from .pg_server import PgServer
+from .registry import PerUrl
 from .released import forced_reason
 from .statements import RENEW_MANY, STATUS_MANY
 
@@ -84,23 +83,10 @@ class PgRenewTarget:
                 pass
 
 
-_targets: dict[str, PgRenewTarget] = {}
-_targets_lock = threading.Lock()
+_targets: PerUrl[PgRenewTarget] = PerUrl()
 
 
 def renew_target(server: PgServer) -> PgRenewTarget:
     """This process's renew target of ``server``."""
-    with _targets_lock:
-        target = _targets.get(server.url)
-        if target is None or target.server is not server:
-            target = _targets[server.url] = PgRenewTarget(server)
-        return target
-
-
-def _after_fork_in_child() -> None:
-    global _targets_lock
-    _targets.clear()
-    _targets_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _targets.get(server.url, lambda: PgRenewTarget(server),
+                        keep=lambda target: target.server is server)

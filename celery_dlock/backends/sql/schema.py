@@ -26,6 +26,8 @@ Beside it, the line of waiters (:func:`line_table_of`: the lease table's name an
 
 from __future__ import annotations
 
+from .shape import GRANTS, lease_columns
+
 __all__ = ["COLUMNS", "DEFAULT_TABLE", "GRANTS", "LINE_COLUMNS", "LINE_SUFFIX",
            "create_line_sql", "create_sql", "line_table_of", "missing_columns"]
 
@@ -33,19 +35,9 @@ __all__ = ["COLUMNS", "DEFAULT_TABLE", "GRANTS", "LINE_COLUMNS", "LINE_SUFFIX",
 DEFAULT_TABLE = "dlock_locks"
 
 #: Each column and the type PostgreSQL reports for it (``format_type``).
-COLUMNS: dict[str, str] = {
-    "prefix": "text",
-    "name": "text",
-    "owner": "text",
-    "count": "integer",
-    "fence": "bigint",
-    "acquired_at": "timestamp with time zone",
-    "expires_at": "timestamp with time zone",
-    "ttl_ms": "bigint",
-    "info": "jsonb",
-    "ops": "text[]",
-    "forced": "jsonb",
-}
+COLUMNS: dict[str, str] = lease_columns(
+    "text", "text", "text", "integer", "bigint", "timestamp with time zone",
+    "timestamp with time zone", "bigint", "jsonb", "text[]", "jsonb")
 
 #: The line table's name is the lease table's and this.
 LINE_SUFFIX = "_waiters"
@@ -59,10 +51,6 @@ LINE_COLUMNS: dict[str, str] = {
     "expires_at": "timestamp with time zone",
 }
 
-#: What a user who may not create tables needs on the tables made for it beforehand
-#: (``{table}`` the lease table, ``{line}`` its line).
-GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
-          "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
 
 
 def line_table_of(table: str) -> str:

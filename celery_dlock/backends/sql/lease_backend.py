@@ -1,0 +1,80 @@
+"""What every SQL dialect's backend shares: :class:`LeaseBackend`, the place that
+keeps lease-row locks behind :class:`~celery_dlock.core.protocol.Backend`
+(PostgreSQL: :mod:`.backend`, MySQL/MariaDB: :mod:`.my_backend`).  How a hold is read,
+listed and freed by force is the dialect's.
+
+No driver is imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
+
+from ...core.errors import InvalidLockConfig
+from ...core.holds import HoldChanged, HoldInfo
+from .lease import LeaseLock
+
+__all__ = ["LeaseBackend"]
+
+
+class Server(Protocol):
+    """What the shared part asks of a dialect's server object."""
+
+    @property
+    def shown(self) -> str: ...
+
+    @property
+    def table_name(self) -> str: ...
+
+
+S = TypeVar("S", bound=Server)
+L = TypeVar("L", bound=LeaseLock[Any])
+
+
+class LeaseBackend(Generic[S, L]):
+    """The locks kept in one SQL server's lease table (the dialect subclasses it)."""
+
+    kind = ""
+    fences = True
+    server: S
+
+    def __init__(self, url: str | S) -> None:
+        self.server = self._server_of(url)
+
+    def _server_of(self, url: str | S) -> S:
+        """The dialect's server object of ``url`` (a URL, or that object)."""
+        raise NotImplementedError
+
+    def _new_lock(self, name: str, ttl: float, **options: Any) -> L:
+        """The dialect's lock ``name`` on :attr:`server`."""
+        raise NotImplementedError
+
+    def lock(self, name: str, ttl: float, *, prefix: str,
+             info: Mapping[str, object] | None = None, owner: str | None = None,
+             on_lost: Callable[[Any], object] | None = None,
+             auto_renew: bool = True, pause_budget: float | None = None,
+             max_hold: float | None = None, limit: int = 1) -> L:
+        if limit != 1:
+            raise InvalidLockConfig(
+                f"lock_limit={limit!r}: the {self.kind} backend keeps locks of one "
+                f"holder; semaphores (lock_limit > 1) need a Redis backend "
+                f"(docs/backends.md)", lock_name=name)
+        return self._new_lock(name, ttl, prefix=prefix, info=info, owner=owner,
+                              on_lost=on_lost, auto_renew=auto_renew,
+                              pause_budget=pause_budget, max_hold=max_hold)
+
+    def storage_key(self, prefix: str, name: str) -> str:
+        return f"{self.server.table_name}[{prefix}, {name}]"
+
+    @staticmethod
+    def _not_freed(name: str, found: HoldInfo, fence: int | None) -> None:
+        """A force release that freed nothing: :class:`HoldChanged` when the hold
+        found is not the one of ``fence``."""
+        if fence is not None and found.fence != fence:
+            raise HoldChanged(f"lock {name!r} is now held by another hold (fence "
+                              f"{found.fence}, not {fence}): nothing was freed",
+                              lock_name=name, current=found)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.server.shown}>"

@@ -1,0 +1,39 @@
+"""What the lease and line tables of every SQL dialect share: the lease row's
+columns, the GRANTs a user who may not create tables needs, and the refusal of a
+table of another shape at their names (PostgreSQL: :mod:`.schema`, MySQL/MariaDB:
+:mod:`.my_schema`).
+
+No driver is imported here.
+"""
+
+from __future__ import annotations
+
+from ...core.errors import LockKeyConflict
+
+__all__ = ["GRANTS", "LEASE_COLUMNS", "check_shape", "lease_columns"]
+
+#: The lease row's columns, in the dialects' order.
+LEASE_COLUMNS = ("prefix", "name", "owner", "count", "fence", "acquired_at",
+                 "expires_at", "ttl_ms", "info", "ops", "forced")
+
+#: What a user who may not create tables needs on the tables made for it beforehand
+#: (``{table}`` the lease table, ``{line}`` its line).
+GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
+          "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
+
+
+def lease_columns(*types: str) -> dict[str, str]:
+    """Each of :data:`LEASE_COLUMNS` and its type in a dialect (``types`` in their
+    order)."""
+    return dict(zip(LEASE_COLUMNS, types, strict=True))
+
+
+def check_shape(shown: str, name: str, what: str, missing: list[str],
+                lock_name: str | None) -> None:
+    """Refuse the table ``name`` found at the server ``shown`` when it lacks the
+    ``missing`` columns (``name type``) of celery-dlock's ``what``."""
+    if missing:
+        raise LockKeyConflict(
+            f"a table {name} at {shown} is not celery-dlock's {what} (it "
+            f"lacks {', '.join(missing)}); nothing was changed: name another "
+            f"with ?dlock_table=", lock_name=lock_name)
