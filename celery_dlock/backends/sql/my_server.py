@@ -27,7 +27,9 @@ is :class:`InvalidLockConfig` naming the GRANTs (docs/backends.md).
 from __future__ import annotations
 
 import os
+import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -80,6 +82,8 @@ _NO_TABLE = 1146
 #: A transaction the server rolled back that may simply be run again: a deadlock,
 #: and a first acquire of a name whose row another inserted at the same moment.
 _ROLLED_BACK = {1213, 1062}
+#: How many times a transaction the server rolled back is run again.
+ROLLED_BACK_RETRIES = 5
 
 
 def _errno(exc: BaseException) -> int:
@@ -241,13 +245,17 @@ class MyServer:
             *, transaction: bool = False) -> _T:
         """``work(cursor)`` on the shared connection (in one transaction when told),
         the table checked first: its result.  Run once more on a fresh connection
-        when a reused one failed, or when the server rolled the transaction back on
-        a deadlock (whatever is sent here may be sent twice)."""
+        when a reused one failed, and again (up to :data:`ROLLED_BACK_RETRIES`
+        times) when the server rolled the transaction back on a deadlock (whatever
+        is sent here may be sent more than once: its operation id answers it)."""
         self.ensure_table(lock_name)
         if self._pid != os.getpid():  # a forked child: the parent's connection
             self._pid, self._conn, self._lock = os.getpid(), None, threading.Lock()
         with self._lock:
-            for attempt in (1, 2):
+            attempt = rolled_back = 0
+            retried_fresh = False
+            while True:
+                attempt += 1
                 conn, fresh = self._connection()
                 try:
                     with conn.cursor() as cur:
@@ -267,14 +275,19 @@ class MyServer:
                         self._checked = False  # gone (a restore, a new server): again
                         self.ensure_table(lock_name)
                         continue
-                    if transaction and code in _ROLLED_BACK and attempt == 1:
-                        continue  # rolled back: the deadlock is gone, the row is there
+                    if transaction and code in _ROLLED_BACK and \
+                            rolled_back < ROLLED_BACK_RETRIES:
+                        # Rolled back (a deadlock between first acquires of a name,
+                        # say): nothing of it stayed; run it again, a little apart.
+                        rolled_back += 1
+                        time.sleep(random.uniform(0, 0.005 * rolled_back))
+                        continue
                     if not is_unavailable(exc) or isinstance(exc, DLockError):
                         raise self.error(exc, what, lock_name) from None
                     self._drop(conn)
-                    if fresh or attempt == 2:
+                    if fresh or retried_fresh:
                         raise self.error(exc, what, lock_name) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+                    retried_fresh = True
 
     # -- the table ------------------------------------------------------------------
 
