@@ -197,17 +197,23 @@ def _still_running(request: Any) -> bool:
 
 
 class _ChildWatch:
-    """One thread checking, for each accepted locked request still running, whether
-    its child process has died; the thread ends when nothing is left to watch."""
+    """One thread checking every :data:`CHILD_WATCH_INTERVAL` whether a child process
+    that runs a locked request has died; the thread ends when no child is left.
+
+    It keeps one entry per child (a prefork child runs one task at a time): the last
+    locked request accepted by it.  A check costs one ``kill(pid, 0)`` per child,
+    whatever the number of tasks: a finished request is simply replaced by the
+    child's next one, and a dead child's request is released only if it was still
+    running."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[Any, tuple[int, Callable[[], None]]] = {}
+        self._entries: dict[int, Any] = {}
         self._thread: threading.Thread | None = None
 
-    def watch(self, request: Any, pid: int, on_death: Callable[[], None]) -> None:
+    def watch(self, request: Any, pid: int) -> None:
         with self._lock:
-            self._entries[request] = (pid, on_death)
+            self._entries[pid] = request
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="celery-dlock-childwatch")
@@ -215,7 +221,9 @@ class _ChildWatch:
 
     def unwatch(self, request: Any) -> None:
         with self._lock:
-            self._entries.pop(request, None)
+            for pid, found in list(self._entries.items()):
+                if found is request:
+                    del self._entries[pid]
 
     def _run(self) -> None:
         while True:
@@ -225,21 +233,24 @@ class _ChildWatch:
                     self._thread = None
                     return
                 entries = list(self._entries.items())
-            for request, (pid, on_death) in entries:
-                running = _still_running(request)
-                dead = running and _pid_gone(pid)
-                if running and not dead:
+            for pid, request in entries:
+                if not _pid_gone(pid):
                     continue
-                with self._lock:  # finished (forget it), or died while running
-                    if self._entries.get(request, (None,))[0] != pid:
-                        continue
-                    del self._entries[request]
-                if dead:
-                    try:
-                        on_death()
-                    except Exception as exc:
-                        logger.warning("could not free the lock of dead process %s: "
-                                       "%s", pid, exc)
+                with self._lock:  # the child is gone: forget it
+                    mine = self._entries.get(pid) is request
+                    if mine:
+                        del self._entries[pid]
+                if mine and _still_running(request):  # else it had ended
+                    _release_dead(request, pid)
+
+
+def _release_dead(request: Any, pid: int) -> None:
+    """Free the lock of ``request``, whose child ``pid`` died while running it."""
+    try:
+        _dead_child_release(request.task, request.id, pid, request.hostname,
+                            tuple(request.args), dict(request.kwargs))()
+    except Exception as exc:
+        logger.warning("could not free the lock of dead process %s: %s", pid, exc)
 
 
 _child_watch = _ChildWatch()
@@ -257,17 +268,11 @@ def watch_child(request: Any, pid: int) -> None:
     """From the worker's main process: free the lock of ``request`` (a Celery worker
     ``Request`` of a locked task) as soon as child ``pid`` dies while the request still
     runs in it (as :func:`free_lock_after_exit` does once Celery reports the death).
-    Stops watching by itself when the request finishes.  Costs nothing per task but a
-    dict entry: the lock name is only derived if the child dies.
+    Costs a dict entry per task: the lock name is only derived if the child dies.
     """
     if pid == os.getpid():  # solo and threads pools: no child to outlive
         return
-
-    def on_death() -> None:
-        _dead_child_release(request.task, request.id, pid, request.hostname,
-                            tuple(request.args), dict(request.kwargs))()
-
-    _child_watch.watch(request, pid, on_death)
+    _child_watch.watch(request, pid)
 
 
 def unwatch_child(request: Any) -> None:
