@@ -14,15 +14,12 @@ from typing import Any, NoReturn
 from ..core.errors import InvalidLockConfig
 from ..core.urls import mask_url
 
-__all__ = ["KNOWN_SCHEMES", "NOT_YET", "SQL_SCHEMES", "celery_sql_url", "check_known",
-           "sql_kind"]
+__all__ = ["KNOWN_SCHEMES", "SQL_SCHEMES", "celery_sql_url", "check_known", "sql_kind"]
 
 #: The URL schemes of the backends other than Redis (SQL databases, ZooKeeper), and
 #: the backend each names: the door (:mod:`.backend`) makes them from the URL alone.
 SQL_SCHEMES = {"postgresql": "postgres", "postgres": "postgres",
                "mysql": "mysql", "mariadb": "mysql", "zookeeper": "zookeeper"}
-#: Schemes of backends that are planned but not there yet.
-NOT_YET: tuple[str, ...] = ()
 #: Every scheme a lock URL may have, for error messages.
 KNOWN_SCHEMES = ("redis://, rediss://, unix://, redis+cluster://, sentinel://, "
                  "redlock://a;redlock://b;redlock://c (or a list of 3+ Redis URLs), "
@@ -62,10 +59,6 @@ def sql_kind(url: Any) -> str | None:
 def check_known(url: Any, where: str) -> NoReturn:
     """:class:`InvalidLockConfig` for a URL of a scheme no backend reads (``where``
     names the setting), listing the known ones; the URL is shown masked."""
-    scheme = _scheme(url)
-    if scheme in NOT_YET:
-        raise InvalidLockConfig(f"{where}: {scheme}:// locks are not supported yet "
-                                f"(known: {KNOWN_SCHEMES})")
     shown = mask_url(url) if isinstance(url, str) else f"a {type(url).__name__}"
     raise InvalidLockConfig(f"{where} must be a URL of a known scheme (known schemes: "
                             f"{KNOWN_SCHEMES}), got {shown!r}")
