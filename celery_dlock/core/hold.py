@@ -492,6 +492,15 @@ class Hold:
             if self._send_release(owner, new_op_id()) != STILL_HELD:
                 return
 
+    def _undo_acquire(self, owner: str) -> None:
+        """Undo one acquire of ``owner``'s hold on the server (best effort: a hold
+        that was told lost ends by itself)."""
+        try:
+            self._send_release(owner, new_op_id())
+        except DLockError as exc:
+            logger.info("lock %r: could not undo a re-entry of a hold told lost (%s); "
+                        "it ends with that hold", self.name, exc)
+
     def _check_bound(self, hold_id: int, now: float, what: str) -> None:
         """Report the hold lost and raise LockLost when it is at its max hold (its
         bound less the deadline's margin: where the watchdog reports it too)."""
@@ -509,29 +518,43 @@ class Hold:
         scheduler = self._get_scheduler()
         with self._state:
             self._sync_generation()
-            if (self._depth == 0 or not grant.reentered or self._lost_reason is not None
-                    or owner != self._hold_owner):
-                # A fresh hold, with a new hold id.
-                self._depth = 0
-                self._hold_id = next(_hold_ids)
-                self._hold_owner = owner
-                self._fence = grant.fence
-                self._lost_reason = None
-                self._lost_hold = None
-                self._release_op = None
-                self._extend_op = None
-                self._bound = (None if self.max_hold is None
-                               else sent_at + self.max_hold)
-                target = self._renew_target() if self.auto_renew else None
-                scheduler.register(self, self._hold_id, target, self._renew_key(), owner,
-                                   self.ttl_ms, sent_at, fence=grant.fence,
-                                   margin=margin, bound=self._bound)
-            else:
+            reentered = grant.reentered and self._depth > 0 and \
+                owner == self._hold_owner
+            raced = self._lost_reason if reentered else None
+            if not reentered:
+                self._new_hold(owner, grant, sent_at, margin, scheduler)
+            elif raced is None:
                 # Re-entry: the expiry is now at least ttl from the send time (or, at
                 # a max hold, the bound).
                 scheduler.confirmed(self, self._hold_id, self.ttl_ms, sent_at, margin,
                                     capped_ms(self.ttl_ms, self._bound, sent_at))
-            self._depth += 1
+            if raced is None:
+                self._depth += 1
+        if raced is not None:
+            # The re-entry reached the server while it still had the hold, but the
+            # holder was told it lost that hold before the grant came back: taken
+            # as a new hold it would carry the old fence and a fresh bound, and be
+            # renewed again.  Undo this acquire on the server and report the loss.
+            self._undo_acquire(owner)
+            raise LockLost(f"cannot re-enter: lock lost: {raced}", lock_name=self.name)
+
+    def _new_hold(self, owner: str, grant: Grant, sent_at: float, margin: float,
+                  scheduler: RenewalScheduler) -> None:
+        """Start the bookkeeping of a fresh hold, with a new hold id (under
+        ``_state``)."""
+        self._depth = 0
+        self._hold_id = next(_hold_ids)
+        self._hold_owner = owner
+        self._fence = grant.fence
+        self._lost_reason = None
+        self._lost_hold = None
+        self._release_op = None
+        self._extend_op = None
+        self._bound = None if self.max_hold is None else sent_at + self.max_hold
+        target = self._renew_target() if self.auto_renew else None
+        scheduler.register(self, self._hold_id, target, self._renew_key(), owner,
+                           self.ttl_ms, sent_at, fence=grant.fence, margin=margin,
+                           bound=self._bound)
 
     # -- release ------------------------------------------------------------------------
 

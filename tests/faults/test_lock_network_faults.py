@@ -383,6 +383,38 @@ def test_a_hold_told_lost_but_still_on_the_server_is_not_taken_again_as_new(
     assert len(lost.times) == 1
 
 
+def test_a_reentry_granted_after_its_hold_was_told_lost_takes_nothing(
+        kind, own_server, proxy, prefix, name):
+    # The re-entry reaches the server while the hold is still there, but its reply
+    # comes back after the holder's deadline: the holder has been told.  The grant
+    # must not become a new hold (same fence, a fresh bound, renewed again): the
+    # re-entry raises LockLost and its acquire is undone on the server, whose hold
+    # then expires as a lost one does.
+    client = _client(proxy.url, timeout=5)
+    _load_scripts(kind, client, prefix)
+    lost = _LossRecorder()
+    lock = kind.make(client, name, ttl=1.0, prefix=prefix, on_lost=lost)
+    assert lock.acquire(blocking=False)
+    fence = lock.fence
+    proxy.delay(0.6)  # each way: a reply comes 1.2 s after its request
+    try:
+        with pytest.raises(LockLost):
+            lock.acquire(blocking=False)
+    finally:
+        proxy.heal()
+    assert len(lost.times) == 1 and lock.lost
+    assert lock.depth == 1 and lock.fence == fence
+    direct = kind.view(_direct(own_server))
+    assert wait_until(lambda: not direct.exists(lock.keys.lock), timeout=5), \
+        "the hold told lost is still renewed on the server"
+    with pytest.raises(LockLost):
+        lock.release()
+    assert lock.acquire(blocking=False)  # afresh, with a new fence
+    assert lock.fence is not None and fence is not None and lock.fence > fence
+    lock.release()
+    assert len(lost.times) == 1
+
+
 # -- a grant that arrives after its own deadline -----------------------------------------
 
 

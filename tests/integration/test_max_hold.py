@@ -1,6 +1,7 @@
 """``max_hold``: renewal stops at the bound, the holder is told before anyone else can
 take the lock, and another owner takes it once the server's hold ends; on every kind of
-lock (the ``lock_kind`` fixture)."""
+lock (the ``lock_kind`` fixture; a ZooKeeper holder deletes its node once told, since
+its session would keep the node alive)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,6 @@ from celery_dlock.task.startup import check_app
 TTL = 1.0
 MAX_HOLD = 2.5
 INTERVAL = TTL / 3
-
-
-@pytest.fixture
-def lock_kind(lock_kind):
-    """Every lock kind with a maximum hold (a ZooKeeper hold lives as long as its
-    session, which kazoo keeps alive: docs/backends.md)."""
-    if lock_kind.name == "zookeeper":
-        pytest.skip("max_hold is not supported by the zookeeper backend yet "
-                    "(docs/backends.md)")
-    return lock_kind
 
 
 def _other_takes_it(lock_kind, name, told_at: list[float], limit: float

@@ -73,15 +73,9 @@ class ZooKeeperBackend:
                 f"lock_limit={limit!r}: the zookeeper backend keeps locks of one holder; "
                 f"semaphores (lock_limit > 1) need a Redis backend (docs/backends.md)",
                 lock_name=name)
-        if max_hold is not None:
-            # A hold lives as long as its session, which kazoo keeps alive while the
-            # process runs: renewal stopping at a bound would not end it.
-            raise InvalidLockConfig(
-                "max_hold is not supported by the zookeeper backend yet (a hold lives "
-                "as long as its session: docs/backends.md)", lock_name=name)
         return ZooKeeperLock(self.spec, name, ttl, prefix=prefix, info=info,
                              owner=owner, on_lost=on_lost, auto_renew=auto_renew,
-                             pause_budget=pause_budget)
+                             pause_budget=pause_budget, max_hold=max_hold)
 
     def _head(self, prefix: str, name: str) -> tuple[str, NodeData, Any] | None:
         """The holder's child of ``name`` (path, data, stat), or None when free."""

@@ -88,6 +88,8 @@ class ZooKeeperLock(Hold):
     :param ttl: seconds: the session timeout of the session that keeps the hold (at
         least 2 s on the server, :mod:`.session`), and the holder's local deadline
         after its last confirmed renewal.
+    :param max_hold: as :class:`~celery_dlock.RedisLock`'s; the session would keep the
+        hold past it, so once the holder is told, its child is deleted.
 
     The other parameters are :class:`~celery_dlock.RedisLock`'s.
     """
@@ -106,13 +108,14 @@ class ZooKeeperLock(Hold):
         blocking_timeout: float | None = None,
         scheduler: RenewalScheduler | None = None,
         pause_budget: float | None = None,
+        max_hold: float | None = None,
     ) -> None:
         info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
                                        pause_budget)
         spec = zk if isinstance(zk, ZkSpec) else parse_url(zk)
         super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
                          auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget)
+                         pause_budget=pause_budget, max_hold=max_hold)
         if self.ttl_ms > MAX_SESSION_MS:
             raise InvalidLockConfig(
                 f"a ZooKeeper hold lives as long as its session, and a session "
