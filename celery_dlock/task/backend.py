@@ -121,16 +121,19 @@ def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
                   owner: str | None = None,
                   on_lost: Callable[[Any], object] | None = None,
                   auto_renew: bool = True, pause_budget: float | None = None,
-                  blocking_timeout: float | None = None) -> Lock:
+                  blocking_timeout: float | None = None,
+                  max_hold: float | None = None, limit: int = 1) -> Lock:
     """A lock named ``name`` on the backend ``url`` names (see
     :func:`backend_from_url`): a :class:`~celery_dlock.RedisLock`,
     :class:`~celery_dlock.RedlockLock`, PostgreSQL, MySQL/MariaDB or ZooKeeper lock,
     each with the same surface (``acquire``, ``release``, ``extend``, ``owned``,
     ``ensure_held``, ``holder``, ``depth``, ``fence``, ``on_lost``, the context
-    manager).  No server call."""
+    manager).  ``limit`` > 1 gives a :class:`~celery_dlock.RedisSemaphore` of that
+    many slots (a Redis URL only; the others refuse it).  No server call."""
     lock = backend_from_url(url).lock(name, ttl, prefix=prefix, info=info, owner=owner,
                                       on_lost=on_lost, auto_renew=auto_renew,
-                                      pause_budget=pause_budget)
+                                      pause_budget=pause_budget, max_hold=max_hold,
+                                      limit=limit)
     if blocking_timeout is not None:
         if isinstance(blocking_timeout, bool) or not isinstance(
                 blocking_timeout, (int, float)) or not blocking_timeout >= 0:

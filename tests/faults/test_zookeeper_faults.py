@@ -330,6 +330,28 @@ def test_a_server_that_does_not_answer_is_backend_unavailable(name):
     assert lock.depth == 0 and lock.fence is None
 
 
+def test_an_unreachable_ensemble_warns_once_not_once_per_retry(name):
+    # kazoo retries a connection every 50-500 ms and warns at each try; a script with
+    # no logging configured printed every one of them on its terminal.
+    script = (
+        "import sys\n"
+        "from celery_dlock import BackendUnavailable\n"
+        "from celery_dlock.backends.zookeeper import ZooKeeperLock\n"
+        f"lock = ZooKeeperLock('zookeeper://127.0.0.1:{closed_port()}"
+        f"?connect_timeout=3', {name!r}, 5)\n"
+        "try:\n"
+        "    lock.acquire(blocking=False)\n"
+        "except BackendUnavailable as exc:\n"
+        "    print('unavailable', file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    lines = done.stderr.splitlines()
+    assert "unavailable" in lines, done.stderr
+    dropped = [line for line in lines if line.startswith("Connection dropped")]
+    assert len(dropped) == 1, done.stderr
+    assert len(lines) <= 3, done.stderr
+
+
 def test_another_applications_znode_at_the_lock_path_is_a_conflict(zk_server, prefix,
                                                                    name):
     from kazoo.client import KazooClient

@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from celery_dlock import InvalidLockConfig, RedisLock, RedlockLock, lock_from_url
+from celery_dlock import (
+    InvalidLockConfig,
+    RedisLock,
+    RedisSemaphore,
+    RedlockLock,
+    lock_from_url,
+)
 
 
 def _python(code: str) -> str:
@@ -61,6 +67,18 @@ def test_options_reach_the_lock():
     assert lock.ttl == 7 and lock.blocking_timeout == 3  # type: ignore[attr-defined]
     with pytest.raises(InvalidLockConfig):
         lock_from_url("redis://127.0.0.1:1/0", "n", blocking_timeout=-1)
+
+
+def test_max_hold_and_limit_reach_the_lock():
+    lock = lock_from_url("redis://127.0.0.1:1/0", "n", ttl=5, max_hold=60)
+    assert isinstance(lock, RedisLock) and lock.max_hold == 60
+    slots = lock_from_url("redis://127.0.0.1:1/0", "n", ttl=5, limit=3)
+    assert isinstance(slots, RedisSemaphore) and slots.limit == 3
+    with pytest.raises(InvalidLockConfig, match="max_hold"):
+        lock_from_url("redis://127.0.0.1:1/0", "n", ttl=5, max_hold=1)
+    trio = ";".join(f"redlock://127.0.0.1:{p}/0" for p in (1, 2, 3))
+    with pytest.raises(InvalidLockConfig, match="lock_limit"):
+        lock_from_url(trio, "n", limit=2)
 
 
 @pytest.mark.parametrize("url", ["ftp://u:secret@host/x", "nonsense",

@@ -45,6 +45,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
 from ...core.errors import BackendUnavailable, InvalidLockConfig
+from .logs import kazoo_logger
 from .url import ZkSpec
 
 __all__ = ["CALL_TIMEOUT", "MAX_SESSION_MS", "MIN_SESSION_TIMEOUT", "ZkSession",
@@ -85,7 +86,7 @@ class ZkSession:
             hosts=spec.connect_string, timeout=timeout_ms / 1000.0, auth_data=auth,
             connection_retry=KazooRetry(max_tries=-1, delay=0.05, max_delay=0.5,
                                         max_jitter=0.05),
-            command_retry=None, logger=logging.getLogger("celery_dlock.kazoo"))
+            command_retry=None, logger=kazoo_logger())
         self._adapt_connection()
         self.client.add_listener(self._on_state)
 
