@@ -20,9 +20,10 @@ Nothing here imports a driver or Celery.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from .errors import Holder
 from .holds import HoldInfo
@@ -35,8 +36,11 @@ __all__ = [
     "STILL_HELD",
     "TAKEN",
     "Backend",
+    "Grant",
     "Lock",
     "RateStore",
+    "Refused",
+    "new_op_id",
 ]
 
 # -- reply codes, named once --------------------------------------------------------
@@ -56,6 +60,26 @@ TAKEN = -1
 #: An acquire that was not granted (the lock is held by another owner, or promised to
 #: the first waiter in line).
 NOT_GRANTED = 0
+
+
+def new_op_id() -> str:
+    """A fresh operation id: lets a server recognise a call it already ran."""
+    return os.urandom(8).hex()
+
+
+class Grant(NamedTuple):
+    """An acquire the server granted: the hold's fencing token (None: the kind gives
+    none) and whether it was a re-entry of a hold the owner already had."""
+
+    fence: int | None
+    reentered: bool
+
+
+class Refused(NamedTuple):
+    """An acquire the server did not grant; ``retry_in`` (seconds, None: unknown) is
+    when trying again may be worth it (the holder's remaining ttl, say)."""
+
+    retry_in: float | None = None
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..core.errors import BackendUnavailable, InvalidLockConfig, NotSupported
-from ..core.hold import DEFAULT_PREFIX
+from ..core.lock_args import DEFAULT_PREFIX
 from ..core.protocol import Backend
 from ..task.backend import backend_for, backend_from_url, backend_of_client, markers_for
 from ..task.config import mask_url, redis_url_of, resolve_url

@@ -23,7 +23,7 @@ from typing import Any
 from ..backends.redis.backend import RedisBackend
 from ..backends.redis.redlock.backend import RedlockBackend, check_redlock_limit
 from ..core.errors import InvalidLockConfig, NotSupported
-from ..core.hold import DEFAULT_PREFIX
+from ..core.lock_args import DEFAULT_PREFIX
 from ..core.protocol import Backend, Lock
 from . import connection
 from .config import check_conf, get_client

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import InvalidLockConfig
-from ..core.hold import DEFAULT_PREFIX
+from ..core.lock_args import DEFAULT_PREFIX
 from ..core.rates import Rate, check_burst, parse_rate
 
 __all__ = [

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from ..core.errors import DLockError, LockLost, LockNotAcquired
-from ..core.hold import DEFAULT_PREFIX
+from ..core.lock_args import DEFAULT_PREFIX
 from ..core.protocol import Lock
 from ..task.backend import backend_for
 from ..task.settings import SETTINGS, conf_value

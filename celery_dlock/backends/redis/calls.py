@@ -17,7 +17,8 @@ from typing import Any, Protocol
 from redis.exceptions import RedisError
 
 from ...core.errors import BackendUnavailable, DLockError
-from ...core.hold import Grant, Hold, Refused
+from ...core.hold import Hold
+from ...core.protocol import Grant, Refused
 from .keyspace import LockKeys, parse_holder
 from .lua import LuaScript
 from .refusals import refusal

@@ -36,8 +36,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...core.errors import BackendUnavailable, DLockError
-from ...core.hold import DEFAULT_PREFIX, new_op_id
 from ...core.holds import SUMMARY_FIELDS, HoldChanged, HoldInfo
+from ...core.lock_args import DEFAULT_PREFIX
+from ...core.protocol import new_op_id
 from .cluster import node_clients
 from .hashtag import name_of_key
 from .hashtag import scan_pattern as _scan_pattern

@@ -32,12 +32,8 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from ...core.errors import DLockError, Holder
-from ...core.hold import (
-    DEFAULT_PREFIX,
-    acquire_timeout,
-    check_lock_options,
-    new_op_id,
-)
+from ...core.lock_args import DEFAULT_PREFIX, acquire_timeout, check_lock_options
+from ...core.protocol import new_op_id
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
 from .calls import RedisHold

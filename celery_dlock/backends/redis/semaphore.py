@@ -29,11 +29,8 @@ from ...core.errors import (
     InvalidLockConfig,
     LockKeyConflict,
 )
-from ...core.hold import (
-    DEFAULT_PREFIX,
-    check_lock_options,
-    new_op_id,
-)
+from ...core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ...core.protocol import new_op_id
 from ...core.scheduler import RenewalScheduler
 from .calls import RedisHold
 from .hashtag import lock_key

@@ -14,8 +14,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...core.errors import BackendUnavailable
-from ...core.hold import new_op_id
 from ...core.holds import HoldInfo
+from ...core.protocol import new_op_id
 from .keyspace import decode
 from .released import clean_text
 from .semaphore import SemaphoreKeys, read_holders

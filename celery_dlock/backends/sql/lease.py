@@ -20,16 +20,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from ...core.errors import Holder
-from ...core.hold import (
-    DEFAULT_PREFIX,
-    Grant,
-    Hold,
-    Refused,
-    check_lock_options,
-    new_op_id,
-)
+from ...core.hold import Hold
 from ...core.holds import HoldInfo
-from ...core.protocol import GONE, OK, STILL_HELD, TAKEN
+from ...core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ...core.protocol import GONE, OK, STILL_HELD, TAKEN, Grant, Refused, new_op_id
 from ...core.scheduler import RenewalScheduler
 from .released import forced_reason
 

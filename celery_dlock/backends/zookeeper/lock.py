@@ -54,8 +54,9 @@ from ...core.errors import (
     InvalidLockConfig,
     NotSupported,
 )
-from ...core.hold import DEFAULT_PREFIX, Grant, Hold, Refused, check_lock_options
-from ...core.protocol import GONE, OK, STILL_HELD
+from ...core.hold import Hold
+from ...core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ...core.protocol import GONE, OK, STILL_HELD, Grant, Refused
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
 from .line import RACES as _RACES

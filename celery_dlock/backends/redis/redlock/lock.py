@@ -36,15 +36,9 @@ from typing import Any
 
 from ....core.deadline import pause_budget
 from ....core.errors import FencingUnavailable, Holder, InvalidLockConfig
-from ....core.hold import (
-    DEFAULT_PREFIX,
-    Grant,
-    Hold,
-    Refused,
-    check_lock_options,
-    new_op_id,
-)
-from ....core.protocol import GONE, OK, STILL_HELD, TAKEN
+from ....core.hold import Hold
+from ....core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ....core.protocol import GONE, OK, STILL_HELD, TAKEN, Grant, Refused, new_op_id
 from ....core.renew_target import RenewTarget
 from ....core.scheduler import RenewalScheduler
 from ..keyspace import LockKeys

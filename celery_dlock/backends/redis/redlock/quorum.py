@@ -17,7 +17,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from ....core.errors import BackendUnavailable, DLockError, Holder, InvalidLockConfig
-from ....core.hold import new_op_id
+from ....core.protocol import new_op_id
 from ..keyspace import LockKeys, parse_holder
 from ..refusals import refusal
 from ..scripts import ACQUIRE, READ_HOLD, RELEASE
