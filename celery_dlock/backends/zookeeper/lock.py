@@ -77,7 +77,6 @@ logger = logging.getLogger("celery_dlock.lock")
 #: The longest a blocked acquirer sleeps on its watch before looking again (seconds):
 #: a safety net only (a watch is pushed by the server, kept across reconnects).
 WAIT_SLICE = 5.0
-#: How many times one call starts over after losing a race with another client.
 
 
 class ZooKeeperLock(Hold):
