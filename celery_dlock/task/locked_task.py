@@ -321,8 +321,9 @@ class LockedTask(Task):  # type: ignore[misc]
                 return False
             if kind == DUPLICATE:
                 signals.send(signals.lock_contended, self, lock.name, policy="duplicate",
-                    holder=lock.last_holder, task_id=request.id,
-                    error=LockNotAcquired(lock_name=lock.name, holder=lock.last_holder))
+                             holder=lock.last_holder, task_id=request.id,
+                             error=LockNotAcquired(lock_name=lock.name,
+                                                   holder=lock.last_holder))
                 requeue_duplicate(self, lock, request, args, kwargs, settings)
             # An earlier generation of this task id, still unwinding: wait for it.
             logger.debug("Task %s[%s] waits for its predecessor to release %r",
@@ -340,9 +341,9 @@ class LockedTask(Task):  # type: ignore[misc]
                                 kwargs=kwargs, retries=retries, can_requeue=requeue,
                                 settings=settings, name=key)
         signals.send(signals.lock_contended, self, key,
-                                    policy=policy_name(policy),
-                                    holder=contention.holder, task_id=request.id,
-                                    error=error)
+                     policy=policy_name(policy),
+                     holder=contention.holder, task_id=request.id,
+                     error=error)
         return get_policy(policy)(contention)
 
     def _run_body(self, request: Any, lock: Lock, args: tuple[Any, ...],
@@ -352,7 +353,7 @@ class LockedTask(Task):  # type: ignore[misc]
         lock.on_lost = functools.partial(self._on_lock_lost, attempt, settings)
         reset = attempts.set({**attempts.get(), self.name: attempt})
         signals.send(signals.lock_acquired, self, lock.name, fence=attempt.fence,
-                                   task_id=request.id, wait=time.monotonic() - started)
+                     task_id=request.id, wait=time.monotonic() - started)
         # Everything the body runs (its except and finally blocks, with-exits, a
         # fallback after MaxRetriesExceededError) runs before the release below.
         try:
@@ -401,9 +402,9 @@ class LockedTask(Task):  # type: ignore[misc]
                 settings["lock_lost_action"] != "warn":
             state = "FAILURE"
         signals.send(signals.lock_released, self, attempt.key, fence=attempt.fence,
-                                   task_id=attempt.task_id,
-                                   held_for=time.monotonic() - attempt.started,
-                                   state=state)
+                     task_id=attempt.task_id,
+                     held_for=time.monotonic() - attempt.started,
+                     state=state)
         return lost
 
     def signature_from_request(self, request: Any = None, args: Any = None,
@@ -434,7 +435,7 @@ class LockedTask(Task):  # type: ignore[misc]
         logger.warning("Task %s[%s]: lock %r lost while running: %s", self.name,
                        attempt.task_id, attempt.key, reason)
         signals.send(signals.lock_lost, self, attempt.key, fence=attempt.fence,
-                               task_id=attempt.task_id, reason=reason)
+                     task_id=attempt.task_id, reason=reason)
 
 
 def _state_of(exc: BaseException) -> str:
