@@ -1,5 +1,5 @@
 """docker-compose.yml, read (no Docker engine here): one image, scalable workers, and a
-Redis configured not to lose locks."""
+Redis configured not to lose locks; the "amqp" profile's stack without Redis."""
 
 from __future__ import annotations
 
@@ -11,12 +11,22 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _services() -> dict[str, Any]:
+def _all_services() -> dict[str, Any]:
     spec = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert isinstance(spec, dict)
     services = spec["services"]
     assert isinstance(services, dict)
     return services
+
+
+def _services() -> dict[str, Any]:
+    """The services ``docker compose up`` starts (no profile)."""
+    return {name: s for name, s in _all_services().items() if not s.get("profiles")}
+
+
+def _profile(profile: str) -> dict[str, Any]:
+    return {name: s for name, s in _all_services().items()
+            if profile in (s.get("profiles") or [])}
 
 
 def test_one_image_is_built_once_and_run_by_every_app_service() -> None:
@@ -46,3 +56,50 @@ def test_redis_never_evicts_and_persists() -> None:
     assert "--maxmemory-policy noeviction" in text
     assert "--appendonly yes" in text
     assert any(str(v).endswith(":/data") for v in redis_service.get("volumes", []))
+
+
+# -- the "amqp" profile: RabbitMQ + PostgreSQL, no Redis anywhere ---------------------
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def test_the_amqp_profile_runs_without_redis() -> None:
+    stack = _profile("amqp")
+    assert set(stack) == {"rabbitmq", "postgres", "chaos-worker", "chaos-producer"}
+    for name, service in stack.items():
+        assert "redis" not in (service.get("depends_on") or {}), name
+        for key, value in _env(service).items():
+            assert not value.startswith(("redis://", "rediss://")), (name, key)
+    worker = _env(stack["chaos-worker"])
+    assert worker["CHAOS_BROKER_URL"].startswith("amqp://")
+    assert "@rabbitmq:" in worker["CHAOS_BROKER_URL"]
+    assert worker["CHAOS_LOCK_URL"].startswith("postgresql://")
+    assert "@postgres:" in worker["CHAOS_LOCK_URL"]
+    assert _env(stack["chaos-producer"]) == worker
+
+
+def test_the_amqp_profile_builds_one_image_of_its_own() -> None:
+    stack = _profile("amqp")
+    app = {name: s for name, s in stack.items() if name.startswith("chaos-")}
+    builders = [name for name, s in app.items() if "build" in s]
+    assert builders == ["chaos-worker"], builders
+    build = app["chaos-worker"]["build"]
+    assert build["context"] == "."
+    assert build["args"]["EXTRAS"] == "postgres"  # psycopg for the lock
+    assert {s["image"] for s in app.values()} == {app["chaos-worker"]["image"]}
+    assert app["chaos-producer"]["pull_policy"] == "never"
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "ARG EXTRAS" in dockerfile and "COPY tests/chaos ./tests/chaos" in dockerfile
+    # The files the commands run exist where the working dir puts them.
+    for service, module in (("chaos-worker", "chaos_app.py"),
+                            ("chaos-producer", "stack.py")):
+        assert app[service]["working_dir"] == "/app/tests/chaos"
+        assert (REPO / "tests" / "chaos" / module).is_file()
+        command = app[service]["command"]
+        text = " ".join(command) if isinstance(command, list) else command
+        assert module.removesuffix(".py") in text, service
