@@ -102,3 +102,79 @@ def test_mariadb_url_and_repr_hide_the_password(my_db):
     assert my_db.password not in repr(lock.server)  # type: ignore[attr-defined]
     with lock:
         assert lock.owned()
+
+
+def test_the_first_waiter_takes_a_freed_lock_within_its_short_poll(my_db):
+    """Only the first in line can take a freed lock, so it polls every POLL_FIRST
+    however long it has waited (a waiter further back, less often, up to POLL_MAX):
+    a hand-off costs tens of ms, not the half second of a backoff run out."""
+    from celery_dlock.backends.sql.mysql import POLL_FIRST, POLL_MAX
+
+    name = _name()
+    holder = lock_from_url(my_db.url, name, ttl=30, owner="holder")
+    waiter = lock_from_url(my_db.url, name, ttl=30, owner="waiter")
+    delays: list[float] = []
+    # Released after 1.5 s (a doubling backoff from 20 ms would have reached POLL_MAX
+    # by then), at seven phases of a POLL_MAX-long sleep: a schedule of sleeps is
+    # fixed but for its jitter, so one fixed wait would always hit it at one phase.
+    for phase in range(7):
+        assert holder.acquire(blocking=False)
+        got = threading.Event()
+
+        def wait(got: threading.Event = got) -> None:
+            if waiter.acquire(timeout=30):
+                got.set()
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(1.5 + phase * POLL_MAX / 7)
+        assert not got.is_set()
+        released = time.monotonic()
+        holder.release()
+        assert got.wait(10)
+        delays.append(time.monotonic() - released)
+        thread.join(10)
+        waiter.release()
+    delays.sort()
+    assert delays[len(delays) // 2] < 2 * POLL_FIRST < POLL_MAX / 4, delays
+
+
+def test_waiters_poll_more_often_the_nearer_they_are_to_the_front(my_db):
+    """A waiter's sleep between tries is POLL_FIRST times its place in line, at most
+    POLL_MAX: the first polls fast, the ones behind it less and less often."""
+    from celery_dlock.backends.sql.mysql import POLL_FIRST, POLL_MAX, MySQLLock
+
+    name = _name()
+    holder = lock_from_url(my_db.url, name, ttl=30, owner="holder")
+    assert holder.acquire(blocking=False)
+    tries: dict[str, list[float]] = {}
+    waiters = []
+    for i in range(3):
+        lock = lock_from_url(my_db.url, name, ttl=30, owner=f"w{i}")
+        assert isinstance(lock, MySQLLock)
+        seen = tries.setdefault(f"w{i}", [])
+        original = lock._try_acquire
+
+        def counted(*args, _original=original, _seen=seen, **kwargs):
+            _seen.append(time.monotonic())
+            return _original(*args, **kwargs)
+
+        lock._try_acquire = counted  # type: ignore[method-assign]
+        waiters.append(lock)
+    threads = []
+    for lock in waiters:  # they join the line in this order
+        thread = threading.Thread(target=lock.acquire, kwargs={"timeout": 2.5})
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.2)
+    for thread in threads:
+        thread.join(10)
+    holder.release()
+
+    def rate(times: list[float]) -> float:
+        late = [t for t in times if t >= times[0] + 1.0]  # after the line settled
+        return (len(late) - 1) / (late[-1] - late[0]) if len(late) > 1 else 0.0
+
+    rates = [rate(tries[f"w{i}"]) for i in range(3)]
+    assert rates[0] > rates[1] > rates[2] > 0, rates
+    assert rates[0] <= 1.5 / POLL_FIRST and rates[2] >= 0.5 / POLL_MAX, rates

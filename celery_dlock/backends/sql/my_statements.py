@@ -96,6 +96,13 @@ _LEASE = f"{NOW} + INTERVAL %(lease_us)s MICROSECOND"
 HEAD = (f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) / 1000000 "
         f"FROM {{w}} WHERE {_LINE_LIVE} ORDER BY arrived_at, owner_id LIMIT 1")
 
+#: How many live waiters stand before ``owner_id`` in line (0: it is first).
+AHEAD = (f"SELECT COUNT(*) FROM {{w}} AS o JOIN {{w}} AS me "
+         f"ON me.lock_id = o.lock_id AND me.owner_id = %(owner_id)s "
+         f"WHERE o.lock_id = %(id)s AND o.expires_at > {NOW} "
+         f"AND (o.arrived_at < me.arrived_at "
+         f"OR (o.arrived_at = me.arrived_at AND o.owner_id < me.owner_id))")
+
 #: The live waiters, first in line first: owner.
 LINE = f"SELECT owner FROM {{w}} WHERE {_LINE_LIVE} ORDER BY arrived_at, owner_id"
 

@@ -10,9 +10,12 @@ per-name counter kept in the row past release.  Blocked acquirers stand in a FIF
 table beside it (:mod:`.my_schema`), each with a lease it renews by trying again: a
 free lock goes to the first live waiter in line (or to anyone when the line is
 empty), and a non-blocking acquire never overtakes a waiter.  MySQL cannot wake a
-waiter: a blocked acquirer polls, with a backoff bounded by :data:`POLL_MAX` and by
-the holder's remaining ttl.  The process's scheduler renews every hold of a server
-with one statement per interval (:mod:`.my_renewal`).  What the answers mean is
+waiter: a blocked acquirer polls, more often the nearer it stands to the front of the
+line (only the first in line can take a freed lock): every :data:`POLL_FIRST` times
+its place (1 for the first), at most :data:`POLL_MAX` apart, and never past the
+holder's remaining ttl.  The process's
+scheduler renews every hold of a server with one statement per interval
+(:mod:`.my_renewal`).  What the answers mean is
 :class:`~.lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
 :class:`~celery_dlock.core.hold.Hold`'s.
 """
@@ -32,6 +35,7 @@ from .my_renewal import renew_target
 from .my_schema import lock_id, owner_id
 from .my_server import MyServer, server_for
 from .my_statements import (
+    AHEAD,
     EXTEND,
     HEAD,
     HOLD,
@@ -47,11 +51,14 @@ from .my_statements import (
     TAKE,
 )
 
-__all__ = ["POLL_MAX", "POLL_MIN", "QUEUE_LEASE", "MySQLLock"]
+__all__ = ["POLL_FIRST", "POLL_MAX", "QUEUE_LEASE", "MySQLLock"]
 
-#: The first and the longest sleep of a blocked acquirer between two tries (seconds;
-#: the sleep doubles from one to the other, with a little jitter).
-POLL_MIN = 0.02
+#: The sleep of the first waiter in line between two tries (seconds, jittered by
+#: +-20 %): about the longest a freed lock waits for it.  The waiter at place ``k``
+#: (1 for the first) sleeps ``k`` times as long, at most :data:`POLL_MAX`: the line
+#: moves only as fast as its first waiter notices a release, and the others need only
+#: keep up with it.
+POLL_FIRST = 0.05
 POLL_MAX = 0.5
 #: How long a waiter keeps its place in line without trying again (seconds): the
 #: same as PostgreSQL's and Redis's, ten of its longest polls.
@@ -82,7 +89,9 @@ class MySQLLock(LeaseLock[MyServer]):
 
     def _prepare(self) -> None:
         self.lock_id = lock_id(self.prefix, self.name)
-        self._poll = POLL_MIN
+        # How many waiters stood before this object's owner at its last refused try
+        # (0: it was first).
+        self._ahead = 0
 
     # -- talking to MySQL -------------------------------------------------------------
 
@@ -111,6 +120,8 @@ class MySQLLock(LeaseLock[MyServer]):
         def refused(cur: Any) -> None:
             if queue:  # join the line, or keep one's place and renew its lease
                 cur.execute(self._sql(JOIN), params)
+                cur.execute(self._sql(AHEAD), params)
+                self._ahead = int(cur.fetchone()[0])
 
         def work(cur: Any) -> tuple[int, int] | None:
             cur.execute(self._sql(ROW), params)  # the lease row locked from here
@@ -219,13 +230,13 @@ class MySQLLock(LeaseLock[MyServer]):
         return self._one(HOLD, self._params(""), "a read")
 
     def _sleep_turn(self, seconds: float) -> None:
-        """Poll: MySQL cannot wake a waiter.  The sleep doubles from
-        :data:`POLL_MIN` to :data:`POLL_MAX` (jittered, so waiters spread out)."""
-        time.sleep(min(seconds, self._poll * random.uniform(0.8, 1.2)))
-        self._poll = min(POLL_MAX, self._poll * 2)
+        """Poll: MySQL cannot wake a waiter.  :data:`POLL_FIRST` times the waiter's
+        place in line, at most :data:`POLL_MAX` (jittered, so waiters spread out)."""
+        poll = min(POLL_MAX, POLL_FIRST * (self._ahead + 1))
+        time.sleep(min(seconds, poll * random.uniform(0.8, 1.2)))
 
     def _stop_waiting(self) -> None:
-        self._poll = POLL_MIN
+        self._ahead = 0
 
     def _renew_target(self) -> RenewTarget | None:
         target: RenewTarget = renew_target(self.server)
