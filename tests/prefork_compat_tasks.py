@@ -85,7 +85,7 @@ def register(app: Celery, dp: str, record: Callable[..., None]) -> None:
         return username
 
     @app.task(shared=False, name="pf.expiring", base=Singleton, bind=True,
-              lock_expiry=1)
+              lock_expiry=30)
     def expiring(self: Any, tag: str) -> str:
         run(self, 0.0, tag=tag)
         return tag
