@@ -15,9 +15,10 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-# The plot test draws what the smoke runs wrote when they ran in its process, and runs
-# the ones it lacks itself otherwise (pytest-xdist does not always keep a module on one
-# process), so it never skips for want of results.
+# The module runs on one process of pytest-xdist (its group), in order, so the plot
+# and backends tests read what the smoke runs wrote; each runs what it lacks itself
+# otherwise (a run of one test, say), so it never skips for want of results.
+pytestmark = pytest.mark.xdist_group("benchmarks-smoke")
 
 #: script -> the header row of the table it prints
 SCRIPTS = {
