@@ -130,7 +130,9 @@ def test_reason_is_one_short_line_without_passwords(r: redis.Redis, prefix: str,
 
 def test_marker_expires_and_is_never_listed_as_a_lock(redis_url: str, r: redis.Redis,
                                                       prefix: str, name: str) -> None:
-    short = RedisLock(r, name, ttl=5, prefix=prefix, auto_renew=False)
+    # ttl 30 s: less than the marker's minute, and more than the four CLI runs below
+    # take on a loaded machine (at 5 s the holder's own deadline could come first).
+    short = RedisLock(r, name, ttl=30, prefix=prefix, auto_renew=False)
     long_ = RedisLock(r, name + "-long", ttl=600, prefix=prefix, auto_renew=False)
     assert short.acquire(blocking=False) and long_.acquire(blocking=False)
     _release(redis_url, prefix, name, "short")
