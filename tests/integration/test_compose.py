@@ -4,33 +4,14 @@ Redis configured not to lose locks; the "amqp" profile's stack without Redis."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import yaml
+import compose_file
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _all_services() -> dict[str, Any]:
-    spec = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-    assert isinstance(spec, dict)
-    services = spec["services"]
-    assert isinstance(services, dict)
-    return services
-
-
-def _services() -> dict[str, Any]:
-    """The services ``docker compose up`` starts (no profile)."""
-    return {name: s for name, s in _all_services().items() if not s.get("profiles")}
-
-
-def _profile(profile: str) -> dict[str, Any]:
-    return {name: s for name, s in _all_services().items()
-            if profile in (s.get("profiles") or [])}
-
-
 def test_one_image_is_built_once_and_run_by_every_app_service() -> None:
-    services = _services()
+    services = compose_file.services()
     app = {name: s for name, s in services.items() if name != "redis"}
     builders = [name for name, s in app.items() if "build" in s]
     assert builders == ["worker"], builders
@@ -42,7 +23,7 @@ def test_one_image_is_built_once_and_run_by_every_app_service() -> None:
 
 
 def test_workers_scale() -> None:
-    worker = _services()["worker"]
+    worker = compose_file.services()["worker"]
     # --scale worker=N needs containers without a fixed name or host port
     assert "container_name" not in worker
     assert "ports" not in worker
@@ -50,7 +31,7 @@ def test_workers_scale() -> None:
 
 
 def test_redis_never_evicts_and_persists() -> None:
-    redis_service = _services()["redis"]
+    redis_service = compose_file.services()["redis"]
     command = redis_service["command"]
     text = " ".join(command) if isinstance(command, list) else command
     assert "--maxmemory-policy noeviction" in text
@@ -61,30 +42,23 @@ def test_redis_never_evicts_and_persists() -> None:
 # -- the "amqp" profile: RabbitMQ + PostgreSQL, no Redis anywhere ---------------------
 
 
-def _env(service: dict[str, Any]) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) for item in env)
-    return {str(k): str(v) for k, v in env.items()}
-
-
 def test_the_amqp_profile_runs_without_redis() -> None:
-    stack = _profile("amqp")
+    stack = compose_file.services("amqp")
     assert set(stack) == {"rabbitmq", "postgres", "chaos-worker", "chaos-producer"}
     for name, service in stack.items():
         assert "redis" not in (service.get("depends_on") or {}), name
-        for key, value in _env(service).items():
+        for key, value in compose_file.environment(service).items():
             assert not value.startswith(("redis://", "rediss://")), (name, key)
-    worker = _env(stack["chaos-worker"])
+    worker = compose_file.environment(stack["chaos-worker"])
     assert worker["CHAOS_BROKER_URL"].startswith("amqp://")
     assert "@rabbitmq:" in worker["CHAOS_BROKER_URL"]
     assert worker["CHAOS_LOCK_URL"].startswith("postgresql://")
     assert "@postgres:" in worker["CHAOS_LOCK_URL"]
-    assert _env(stack["chaos-producer"]) == worker
+    assert compose_file.environment(stack["chaos-producer"]) == worker
 
 
 def test_the_amqp_profile_builds_one_image_of_its_own() -> None:
-    stack = _profile("amqp")
+    stack = compose_file.services("amqp")
     app = {name: s for name, s in stack.items() if name.startswith("chaos-")}
     builders = [name for name, s in app.items() if "build" in s]
     assert builders == ["chaos-worker"], builders

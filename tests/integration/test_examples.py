@@ -19,11 +19,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
+import compose_file
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,16 +63,6 @@ def test_example_runs_and_holds(script: str) -> None:
 # -- docker-compose.yml ---------------------------------------------------------------
 
 
-def _compose() -> dict[str, Any]:
-    """docker-compose.yml with the services ``docker compose up`` starts (those of a
-    profile, the stack without Redis, are tests/integration/test_compose.py's)."""
-    spec = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-    assert isinstance(spec, dict)
-    spec["services"] = {name: s for name, s in spec["services"].items()
-                        if not s.get("profiles")}
-    return spec
-
-
 def _argv(command: str | list[str]) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
 
@@ -97,15 +86,8 @@ def _referenced_paths(argv: list[str]) -> list[Path]:
     return found
 
 
-def _environment(service: dict[str, Any]) -> dict[str, str]:
-    env = service.get("environment") or {}
-    if isinstance(env, list):
-        env = dict(item.split("=", 1) for item in env)
-    return {str(k): str(v) for k, v in env.items()}
-
-
 def test_compose_has_the_services() -> None:
-    services = _compose()["services"]
+    services = compose_file.services()
     assert {"redis", "worker", "beat", "producer", "flower"} <= set(services)
     assert services["redis"]["image"] == "redis:7-alpine"
     worker = services["worker"]
@@ -118,7 +100,7 @@ def test_compose_has_the_services() -> None:
 
 
 def test_compose_commands_name_files_of_the_repo() -> None:
-    services = _compose()["services"]
+    services = compose_file.services()
     built = services["worker"].get("image")  # the one image, built by the worker
     for name, service in services.items():
         if name == "redis":
@@ -139,11 +121,11 @@ def test_compose_commands_name_files_of_the_repo() -> None:
 
 
 def test_compose_services_use_the_redis_service() -> None:
-    services = _compose()["services"]
+    services = compose_file.services()
     for name, service in services.items():
         if name == "redis":
             continue
-        url = urlparse(_environment(service).get("REDIS_URL", ""))
+        url = urlparse(compose_file.environment(service).get("REDIS_URL", ""))
         assert url.scheme == "redis" and url.hostname == "redis", name
         assert "redis" in (service.get("depends_on") or {}), name
 
@@ -152,7 +134,7 @@ def test_compose_workers_run_what_beat_and_producer_send() -> None:
     """The workers load one app module; its app must include the beat's tasks."""
     namespace = runpy.run_path(str(REPO / "examples" / "celery_app.py"))
     included = set(namespace["app"].conf.include)
-    services = _compose()["services"]
+    services = compose_file.services()
     for name in ("beat", "producer"):
         argv = _argv(services[name]["command"])
         module = argv[argv.index("-A" if "-A" in argv else "-m") + 1]
