@@ -13,9 +13,8 @@ empty), and a non-blocking acquire never overtakes a waiter.  MySQL cannot wake 
 waiter: a blocked acquirer polls, more often the nearer it stands to the front of the
 line (only the first in line can take a freed lock): every :data:`POLL_FIRST` times
 its place (1 for the first), at most :data:`POLL_MAX` apart, and never past the
-holder's remaining ttl.  The process's
-scheduler renews every hold of a server with one statement per interval
-(:mod:`.my_renewal`).  What the answers mean is
+holder's remaining ttl.  The process's scheduler renews every hold of a server with
+one statement per interval (:mod:`.my_renewal`).  What the answers mean is
 :class:`~.lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
 :class:`~celery_dlock.core.hold.Hold`'s.
 """
