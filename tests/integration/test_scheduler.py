@@ -4,7 +4,6 @@ RenewalScheduler registry driven by an injected clock (``start_thread=False`` pl
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import time
@@ -12,7 +11,7 @@ import weakref
 
 import pytest
 import redis
-from dlock_helpers import wait_until
+from dlock_helpers import collect_garbage, wait_until
 
 from celery_dlock import LockLost, RedisLock
 from celery_dlock.core.scheduler import (
@@ -125,7 +124,7 @@ def test_lock_dropped_while_held_stops_being_renewed(lock_kind, prefix, name):
     key = lock.keys.lock
     ref = weakref.ref(lock)
     del lock
-    gc.collect()
+    collect_garbage()
     assert ref() is None
     assert wait_until(lambda: not r.exists(key), timeout=5)
 
@@ -287,7 +286,7 @@ def test_dead_weakrefs_are_dropped(r, prefix, name, hb):
     r.pexpire(key, 2000)
     ref = weakref.ref(lock)
     del lock
-    gc.collect()
+    collect_garbage()
     assert ref() is None
     assert hb.renew_due(1001.0) is None
     assert len(hb) == 0

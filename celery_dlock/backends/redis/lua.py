@@ -10,6 +10,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from .channel import channel_of
 from .keyspace import HOLD_FIELDS, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
@@ -21,7 +22,8 @@ OPS_KEPT = 8
 
 
 class LuaScript:
-    """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss.
+    """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss,
+    on the client's :mod:`~celery_dlock.backends.redis.channel` where it has one.
 
     Holds no per-client state, so it is safe to share between clients, threads and
     forked processes.
@@ -35,7 +37,12 @@ class LuaScript:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        channel = channel_of(client)
         try:
+            if channel is not None:
+                reply = channel.call(("EVALSHA", self.sha, len(keys), *keys, *args))
+                if reply is not NotImplemented:
+                    return reply
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             # EVAL caches the script, so the next EVALSHA finds it.

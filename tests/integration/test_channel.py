@@ -1,0 +1,162 @@
+"""Script calls on a plain client's channel (``backends/redis/channel.py``): they
+skip the client's pool, do what the client would do on errors (re-send what its retry
+policy names, raise the rest, never read a stale reply), stay bounded, and are not used
+for clients that are not exactly ``redis.Redis`` on a plain pool."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import redis
+import redis.backoff
+import redis.retry
+
+from celery_dlock import BackendUnavailable, RedisLock
+from celery_dlock.backends.redis.channel import CHANNEL_CONNECTIONS, channel_of
+from celery_dlock.backends.redis.scripts import LuaScript
+
+ECHO = LuaScript("echo_args", "return ARGV")
+SLOW = LuaScript("slow_echo", """
+local t0 = redis.call('TIME')
+while true do
+  local t = redis.call('TIME')
+  if (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) >= tonumber(ARGV[1]) then break end
+end
+return ARGV[2]
+""")
+
+
+def _client(url: str, **options: object) -> redis.Redis:
+    return redis.Redis.from_url(url, **options)  # type: ignore[arg-type]
+
+
+def test_a_plain_clients_scripts_skip_its_pool(redis_url, prefix, name):
+    client = _client(redis_url)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
+    for _ in range(5):
+        assert lock.acquire(blocking=False)
+        lock.release()
+    channel = channel_of(client)
+    assert channel is not None
+    # The lock's other commands (the server check) went through the pool; not one of
+    # the ten script calls took a connection of it beyond that first one.
+    assert client.connection_pool._created_connections <= 1
+    assert 1 <= channel._made <= CHANNEL_CONNECTIONS
+    assert lock.holder() is None
+
+
+@pytest.mark.parametrize("kind", ["subclass", "single_connection"])
+def test_clients_it_cannot_speak_for_have_no_channel(redis_url, prefix, name, kind):
+    class Counting(redis.Redis):  # type: ignore[type-arg]
+        calls = 0
+
+        def execute_command(self, *args: object, **options: object) -> object:
+            Counting.calls += 1
+            return super().execute_command(*args, **options)
+
+    if kind == "subclass":
+        client = Counting.from_url(redis_url)
+    else:
+        client = redis.Redis.from_url(redis_url, single_connection_client=True)
+    assert channel_of(client) is None
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    if kind == "subclass":
+        assert Counting.calls >= 2  # acquire and release went through it
+    client.close()
+
+
+def test_a_timed_out_call_leaves_no_stale_reply_for_the_next(own_server, prefix):
+    """The first call times out while the server still runs it; its late reply must
+    not be read as the reply of the next call on that connection."""
+    client = _client(own_server.url, socket_timeout=0.3,
+                     retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+    assert ECHO(client, (f"{prefix}k",), ("warm",)) == [b"warm"]
+    with pytest.raises(redis.TimeoutError):
+        SLOW(client, (f"{prefix}k",), (600_000, "late"))
+    for i in range(CHANNEL_CONNECTIONS + 1):  # every connection of the channel
+        assert ECHO(client, (f"{prefix}k",), (f"fresh{i}",)) == [f"fresh{i}".encode()]
+    client.close()
+
+
+def test_a_lock_call_that_times_out_is_backend_unavailable_and_the_next_works(
+        own_server, prefix, name):
+    client = _client(own_server.url, socket_timeout=0.3,
+                     retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
+    direct = _client(own_server.url, socket_timeout=10)
+    stall = threading.Thread(target=SLOW, args=(direct, (f"{prefix}k",),
+                                                (800_000, "done")))
+    assert lock.acquire(blocking=False)
+    stall.start()
+    try:
+        time.sleep(0.1)  # the server is busy in SLOW
+        with pytest.raises(BackendUnavailable):
+            lock.extend(10)
+    finally:
+        stall.join(5)
+    assert lock.owned()
+    lock.release()
+    assert lock.holder() is None
+    client.close()
+    direct.close()
+
+
+def test_calls_beyond_its_connections_go_through_the_client(redis_url, prefix):
+    client = _client(redis_url)
+    barrier = threading.Barrier(CHANNEL_CONNECTIONS * 2)
+    replies: list[object] = []
+
+    def call(i: int) -> None:
+        barrier.wait(5)
+        replies.append(SLOW(client, (f"{prefix}k",), (100_000, f"r{i}")))
+
+    threads = [threading.Thread(target=call, args=(i,))
+               for i in range(CHANNEL_CONNECTIONS * 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(replies) == sorted(f"r{i}".encode()
+                                     for i in range(CHANNEL_CONNECTIONS * 2))
+    channel = channel_of(client)
+    assert channel is not None and channel._made == CHANNEL_CONNECTIONS
+    assert client.connection_pool._created_connections >= 1  # the overflow
+    client.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_never_writes_on_its_parents_connection(redis_url, prefix, name):
+    client = _client(redis_url)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    parent_channel = channel_of(client)
+    assert parent_channel is not None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own channel, its own connection
+        ok = False
+        try:
+            child_channel = channel_of(client)
+            other = RedisLock(client, name + "-child", ttl=10, prefix=prefix,
+                              auto_renew=False)
+            ok = (child_channel is not parent_channel and other.acquire(blocking=False)
+                  and not RedisLock(client, name, ttl=10, prefix=prefix,
+                                    auto_renew=False).acquire(blocking=False))
+            other.release()
+        finally:
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    os.waitpid(pid, 0)
+    # The parent's connection was not touched: its next replies are its own.
+    lock.release()
+    assert lock.holder() is None
+    assert ECHO(client, (f"{prefix}k",), ("after",)) == [b"after"]
+    client.close()
