@@ -113,6 +113,24 @@ local function not_a_hold(lock, holder)
   end
   return foreign_hash(missing)
 end
+
+-- The hash at ``lock`` read in one call: a table field -> value (empty when there is
+-- no key; a hash is never empty) and the flat HGETALL reply.  One HGETALL costs the
+-- server less than the HGETs of the fields a script needs.
+local function read_hash(lock)
+  local flat = call('HGETALL', lock)
+  local h = {}
+  for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+  return h, flat
+end
+
+-- ``not_a_hold`` for a hash read whole by ``read_hash``.
+local function not_a_hold_in(h, flat)
+  if #flat == 0 then return nil end
+  local missing = missing_field(function(f) return h[f] end)
+  if not missing then return nil end
+  return foreign_hash(missing)
+end
 """
 
 # Shared helpers, pasted in front of the scripts that need them (EVAL has no imports).

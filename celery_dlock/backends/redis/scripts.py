@@ -107,14 +107,15 @@ ACQUIRE = LuaScript(
 local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
 local expect = ARGV[5]
-local holder = call('HGET', lock, 'owner')
+local h, flat = read_hash(lock)
+local holder = h['owner']
 if holder ~= owner then
-  local foreign = not_a_hold(lock, holder)
+  local foreign = not_a_hold_in(h, flat)
   if foreign then return foreign end
 end
 if holder == owner then
-  local ops = call('HGET', lock, 'ops')
-  local fence = tonumber(call('HGET', lock, 'fence'))
+  local ops = h['ops']
+  local fence = tonumber(h['fence'])
   local done = seen(ops, op)
   if done then return {1, fence, tonumber(done)} end
   if expect ~= '' and expect ~= '*' and tonumber(expect) ~= fence then
@@ -125,9 +126,9 @@ if holder == owner then
   if call('PTTL', lock) < ttl then
     call('PEXPIRE', lock, ttl)
   end
-  local count = tonumber(call('HGET', lock, 'count')) + 1
+  local count = tonumber(h['count']) + 1
   local fields = {'count', count, 'ops', remembered(ops, op, count)}
-  if tonumber(call('HGET', lock, 'ttl') or 0) < ttl then
+  if tonumber(h['ttl'] or 0) < ttl then
     fields[5], fields[6] = 'ttl', ttl
   end
   call('HSET', lock, unpack(fields))
@@ -150,7 +151,7 @@ if not holder then
     head = call('ZRANGE', queue, 0, 0)[1]
   end
   if (not head) or head == owner then
-    -- The key does not exist (not_a_hold saw to it), so PEXPIRE changes nothing
+    -- The key does not exist (not_a_hold_in saw to it), so PEXPIRE changes nothing
     -- here: it stops a user who may not run it before the hold is written.
     call('PEXPIRE', lock, ttl)
     local fence, prev = next_fence(lock, t)
@@ -178,8 +179,7 @@ if lease > 0 then
   join_line(queue, leases, owner, now, lease)
 end
 local reply = {0, pttl, now}
-local fields = call('HGETALL', lock)
-for i = 1, #fields do reply[i + 3] = fields[i] end
+for i = 1, #flat do reply[i + 3] = flat[i] end
 return reply
 """,
 )
@@ -200,18 +200,19 @@ RELEASE = LuaScript(
     COMMON
     + """
 local lock, op = KEYS[1], ARGV[2]
-local holder = call('HGET', lock, 'owner')
+local h, flat = read_hash(lock)
+local holder = h['owner']
 if holder ~= ARGV[1] then
-  local foreign = not_a_hold(lock, holder)
+  local foreign = not_a_hold_in(h, flat)
   if foreign then return foreign end
   if freed(lock, holder, ARGV[3], FREED_BY_OWNER) then return {1} end
   if not holder then return {0} end
   return {-1}
 end
-local ops = call('HGET', lock, 'ops')
+local ops = h['ops']
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local count = tonumber(call('HGET', lock, 'count')) - 1
+local count = tonumber(h['count']) - 1
 if count > 0 then
   call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
@@ -220,7 +221,7 @@ end
 -- stops the script before any other write.  The first in line is woken before the
 -- hold goes, so that a command refused on the way leaves the hold held (a bumped
 -- counter and a doorbell rung early change nothing a holder relies on).
-mark_freed(lock, tonumber(call('HGET', lock, 'fence')), FREED_BY_OWNER)
+mark_freed(lock, tonumber(h['fence']), FREED_BY_OWNER)
 if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
