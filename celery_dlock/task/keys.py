@@ -179,6 +179,43 @@ def _parameters(fun: Callable[..., Any], drop_first: bool) -> inspect.Signature:
     return sig
 
 
+def _quick_arguments(
+    sig: inspect.Signature,
+    bind: Callable[[tuple[Any, ...], Mapping[str, Any]], inspect.BoundArguments],
+) -> Callable[[tuple[Any, ...], Mapping[str, Any]], dict[str, Any]]:
+    """``arguments_of(args, kwargs)``: ``dict(bind(args, kwargs).arguments)``, without
+    ``Signature.bind`` for a call it can match by itself: when every parameter is
+    positional-or-keyword, and the call names each at most once and no other.  Any
+    other call (or a missing argument, whose error ``bind`` words) goes to ``bind``.
+    The key of a call is the same either way (the names and values are)."""
+    params = sig.parameters
+    P = inspect.Parameter
+    if not all(p.kind is P.POSITIONAL_OR_KEYWORD for p in params.values()):
+        return lambda args, kwargs: dict(bind(args, kwargs).arguments)
+    names = tuple(params)
+    defaults = tuple(p.default for p in params.values())
+
+    def arguments_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if len(args) > len(names):
+            return dict(bind(args, kwargs).arguments)
+        values = dict(zip(names, args, strict=False))
+        used = 0
+        for i in range(len(args), len(names)):
+            name = names[i]
+            if name in kwargs:
+                values[name] = kwargs[name]
+                used += 1
+            elif defaults[i] is not P.empty:
+                values[name] = defaults[i]
+            else:  # missing: bind says so
+                return dict(bind(args, kwargs).arguments)
+        if used != len(kwargs):  # a name it does not take, or one given twice
+            return dict(bind(args, kwargs).arguments)
+        return values
+
+    return arguments_of
+
+
 def _template_fields(template: str) -> list[str]:
     fields = []
     for _, field_name, _, _ in string.Formatter().parse(template):
@@ -233,6 +270,8 @@ def make_key_function(
         bound.apply_defaults()
         return bound
 
+    arguments_of = _quick_arguments(sig, bind)
+
     if lock_args is not None:
         if isinstance(lock_args, str):
             lock_args = (lock_args,)
@@ -264,7 +303,7 @@ def make_key_function(
         plain = _plain_fields(template)
 
         def template_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            values = dict(bind(args, kwargs).arguments)
+            values = arguments_of(args, kwargs)
             for p in params.values():
                 if p.kind is inspect.Parameter.VAR_KEYWORD:
                     values.update(values.pop(p.name, {}))
@@ -308,7 +347,7 @@ def make_key_function(
     selected = lock_args
 
     def hashed_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        arguments = bind(args, kwargs).arguments
+        arguments = arguments_of(args, kwargs)
         if selected is not None:
             arguments = {k: arguments[k] for k in selected}
         text = canonical(dict(arguments), where=f"{task_name} argument")

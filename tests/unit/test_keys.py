@@ -12,7 +12,7 @@ from collections import namedtuple
 import pytest
 
 from celery_dlock.core.errors import InvalidLockConfig, UnkeyableArgument
-from celery_dlock.task.keys import canonical, make_key_function
+from celery_dlock.task.keys import canonical, json_scalar, make_key_function
 
 
 def buy(product_id, qty=1, *, note=None):
@@ -214,3 +214,36 @@ def test_canonical_handles_common_value_types():
     assert canonical(Point(1, 2)) == canonical(Point(1, 2))
     assert canonical(WithKey(9)) == canonical(WithKey(9))
     assert canonical(WithKey(9)) != canonical(WithKey(8))
+
+
+def simple(a, b=2, c=None):
+    return None
+
+
+@pytest.mark.parametrize(("args", "kwargs"), [
+    ((1,), {}), ((1, 5), {}), ((1, 5, "x"), {}), ((), {"a": 1}), ((1,), {"c": [1, 2]}),
+    ((), {"c": 3, "a": 1, "b": 2}), ((1,), {"b": 2}),
+])
+def test_a_call_matched_without_bind_keys_as_bind_would(args, kwargs):
+    """The quick match of a plain signature gives the name inspect's bind gives."""
+    import hashlib
+    import inspect
+
+    bound = inspect.signature(simple).bind(*args, **kwargs)
+    bound.apply_defaults()
+    text = canonical(dict(bound.arguments), where="simple argument")
+    want = "t.simple:" + hashlib.sha256(f"t.simple\n{text}".encode()).hexdigest()
+    assert make_key_function("t.simple", simple, None)(args, kwargs) == want
+    template = make_key_function("t.simple", simple, "s:{a}:{b}:{c}")
+    assert template(args, kwargs) == "s:{a}:{b}:{c}".format(
+        **{k: json_scalar(v) for k, v in bound.arguments.items()})
+
+
+@pytest.mark.parametrize(("args", "kwargs"), [
+    ((1, 2, 3, 4), {}), ((), {}), ((1,), {"a": 1}), ((1,), {"d": 1}), ((), {"b": 1}),
+])
+def test_a_call_that_does_not_match_a_plain_signature_is_refused_as_bind_would(
+        args, kwargs):
+    key = make_key_function("t.simple", simple, None)
+    with pytest.raises(UnkeyableArgument, match="cannot bind the call"):
+        key(args, kwargs)
