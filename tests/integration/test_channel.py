@@ -13,6 +13,7 @@ import pytest
 import redis
 import redis.backoff
 import redis.retry
+from dlock_helpers import collect_garbage
 
 from celery_dlock import BackendUnavailable, RedisLock
 from celery_dlock.backends.redis.channel import CHANNEL_CONNECTIONS, channel_of
@@ -160,3 +161,15 @@ def test_a_forked_child_never_writes_on_its_parents_connection(redis_url, prefix
     assert lock.holder() is None
     assert ECHO(client, (f"{prefix}k",), ("after",)) == [b"after"]
     client.close()
+
+
+def test_a_collected_client_closes_its_channels_connections(redis_url, prefix):
+    client = _client(redis_url)
+    assert ECHO(client, (f"{prefix}k",), ("x",)) == [b"x"]
+    channel = channel_of(client)
+    assert channel is not None and channel._idle
+    conn = channel._idle[0]
+    assert conn._sock is not None
+    del client
+    collect_garbage()
+    assert not channel._idle and conn._sock is None

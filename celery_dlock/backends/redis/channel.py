@@ -20,7 +20,8 @@ timeouts, re-send policy) and sends each script on one of them:
   (which may override ``execute_command``), Cluster, Sentinel-managed pools and other
   clients go through the client.
 * **Fork-safe.**  A child process starts with no channels: it never writes on its
-  parent's sockets.  A channel goes with its client (weakly referenced).
+  parent's sockets.  A channel goes with its client (weakly referenced), which closes
+  its connections when it is collected.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def channel_of(client: Any) -> ScriptChannel | None:
             channel = ScriptChannel(client.connection_pool) if _eligible(client) \
                 else None
             _channels[client] = channel
+            if channel is not None:  # its sockets are closed, not left to the GC
+                weakref.finalize(client, channel.close)
         return channel
 
 
