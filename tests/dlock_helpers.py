@@ -6,12 +6,10 @@ pytest and nothing heavy: only redis and the package itself.
 
 from __future__ import annotations
 
-import gc
 import shutil
 import socket
 import subprocess
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,19 +31,6 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0,
         if time.monotonic() >= deadline:
             return bool(predicate())
         time.sleep(interval)
-
-
-def collect_garbage() -> None:
-    """``gc.collect()`` for a test that needs an object of its own gone now.
-
-    The collection may also finalize a socket that an earlier test's client left in a
-    reference cycle (redis-py's cluster client leaves some); its ResourceWarning
-    belongs to that test, not this one, so it is not raised here (as at any other
-    moment the collector runs, where it is unraisable).
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
 
 
 def closed_port() -> int:

@@ -13,7 +13,7 @@ import pytest
 import redis
 import redis.backoff
 import redis.retry
-from dlock_helpers import collect_garbage
+from celery_helpers import collect_garbage
 
 from celery_dlock import BackendUnavailable, RedisLock
 from celery_dlock.backends.redis.channel import CHANNEL_CONNECTIONS, channel_of

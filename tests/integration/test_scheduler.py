@@ -11,7 +11,8 @@ import weakref
 
 import pytest
 import redis
-from dlock_helpers import collect_garbage, wait_until
+from celery_helpers import collect_garbage
+from dlock_helpers import wait_until
 
 from celery_dlock import LockLost, RedisLock
 from celery_dlock.core.scheduler import (
