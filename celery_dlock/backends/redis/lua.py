@@ -5,6 +5,7 @@ has no imports)."""
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from .keyspace import HOLD_FIELDS, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
-__all__ = ["CALL", "COMMON", "HOLD_SHAPE", "OPS_KEPT", "LuaScript"]
+__all__ = ["CALL", "COMMON", "HOLD_SHAPE", "OPS_KEPT", "LuaScript", "trimmed"]
 
 #: How many operation ids a hold remembers (re-sends come right after the original).
 OPS_KEPT = 8
@@ -33,8 +34,8 @@ class LuaScript:
 
     def __init__(self, name: str, source: str) -> None:
         self.name = name
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.source = trimmed(source)
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         channel = channel_of(client)
@@ -115,8 +116,8 @@ local function not_a_hold(lock, holder)
 end
 
 -- The hash at ``lock`` read in one call: a table field -> value (empty when there is
--- no key; a hash is never empty) and the flat HGETALL reply.  One HGETALL costs the
--- server less than the HGETs of the fields a script needs.
+-- no key; a hash is never empty) and the flat HGETALL reply.  For a script that needs
+-- many of its fields (a re-entry, a contended acquire that returns them all).
 local function read_hash(lock)
   local flat = call('HGETALL', lock)
   local h = {}
@@ -269,3 +270,44 @@ local function wake_head(lock, now)
   return head
 end
 """
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DEFINES = re.compile(r"local (?:function )?([A-Za-z_][A-Za-z0-9_, ]*)")
+
+
+def _definitions(prelude: str) -> list[tuple[set[str], str]]:
+    """The prelude's top-level definitions in order, as (names defined, text), its
+    comment lines left out.  Every top-level line of the preludes is a ``local``
+    definition, its ``end`` or a comment."""
+    items: list[tuple[set[str], list[str]]] = []
+    for line in prelude.splitlines():
+        if not line.strip() or line.startswith("--"):
+            continue
+        if line.startswith("local "):
+            found = _DEFINES.match(line)
+            assert found is not None, line
+            items.append(({n.strip() for n in found.group(1).split(",")}, [line]))
+        else:
+            items[-1][1].append(line)
+    return [(names, "\n".join(lines) + "\n") for names, lines in items]
+
+
+def trimmed(source: str) -> str:
+    """``source`` with only the definitions of its prelude (COMMON, HOLD_SHAPE or
+    CALL) that the rest of it uses, directly or through another: Lua runs every
+    definition of a script at each call, and the whole prelude cost a short script
+    about as much as its own body."""
+    for prelude in (COMMON, HOLD_SHAPE, CALL):
+        if source.startswith(prelude):
+            break
+    else:
+        return source
+    rest = source[len(prelude):]
+    used = set(_WORD.findall(rest))
+    kept: list[str] = []
+    for names, text in reversed(_definitions(prelude)):  # a definition uses earlier ones
+        if names & used:
+            kept.append(text)
+            used |= set(_WORD.findall(text))
+    return "".join(reversed(kept)) + rest

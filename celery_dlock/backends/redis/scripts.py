@@ -107,7 +107,9 @@ ACQUIRE = LuaScript(
 local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
 local expect = ARGV[5]
-local h, flat = read_hash(lock)
+-- A free lock costs one EXISTS; a held one (re-entry, contention) one HGETALL more.
+local h, flat = {}, {}
+if call('EXISTS', lock) == 1 then h, flat = read_hash(lock) end
 local holder = h['owner']
 if holder ~= owner then
   local foreign = not_a_hold_in(h, flat)
@@ -200,19 +202,20 @@ RELEASE = LuaScript(
     COMMON
     + """
 local lock, op = KEYS[1], ARGV[2]
-local h, flat = read_hash(lock)
-local holder = h['owner']
+-- The owner's release reads the fields it needs (a few HGETs cost the server less
+-- than an HGETALL of a hold with a task's metadata).
+local holder = call('HGET', lock, 'owner')
 if holder ~= ARGV[1] then
-  local foreign = not_a_hold_in(h, flat)
+  local foreign = not_a_hold(lock, holder)
   if foreign then return foreign end
   if freed(lock, holder, ARGV[3], FREED_BY_OWNER) then return {1} end
   if not holder then return {0} end
   return {-1}
 end
-local ops = h['ops']
+local ops = call('HGET', lock, 'ops')
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local count = tonumber(h['count']) - 1
+local count = tonumber(call('HGET', lock, 'count')) - 1
 if count > 0 then
   call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
@@ -221,7 +224,7 @@ end
 -- stops the script before any other write.  The first in line is woken before the
 -- hold goes, so that a command refused on the way leaves the hold held (a bumped
 -- counter and a doorbell rung early change nothing a holder relies on).
-mark_freed(lock, tonumber(h['fence']), FREED_BY_OWNER)
+mark_freed(lock, tonumber(call('HGET', lock, 'fence')), FREED_BY_OWNER)
 if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
