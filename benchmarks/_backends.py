@@ -186,12 +186,13 @@ def start_backends(args: argparse.Namespace, stack: contextlib.ExitStack,
 
 
 class Requests:
-    """Counts the requests this process's drivers send to a server: redis-py
-    commands (``execute_command``; a pipeline's are not counted, and celery-dlock's
-    lock cycle sends none), psycopg statements (``Connection.execute``: each one an
-    autocommitted round trip), PyMySQL statements (``Cursor.execute``; a transaction's
-    BEGIN and COMMIT are not counted), kazoo requests (``KazooClient._call``: a ZooKeeper
-    request; requests sent before the first reply is read share one round trip)."""
+    """Counts the requests this process's drivers send to a server: redis-py round
+    trips (``Connection.send_packed_command``: a command, or a whole pipeline; on
+    the client's pool and on a lock's script channel alike), psycopg statements
+    (``Connection.execute``: each one an autocommitted round trip), PyMySQL
+    statements (``Cursor.execute``; a transaction's BEGIN and COMMIT are not
+    counted), kazoo requests (``KazooClient._call``: a ZooKeeper request; requests
+    sent before the first reply is read share one round trip)."""
 
     sent = 0
 
@@ -206,7 +207,7 @@ class Requests:
 
             setattr(cls_, attr, wrapper)
 
-        counting(redis.Redis, "execute_command")
+        counting(redis.Connection, "send_packed_command")
         with contextlib.suppress(ImportError):
             import psycopg
 

@@ -297,14 +297,41 @@ def total_usec(delta: dict[str, dict[str, int]]) -> int:
     return sum(v["usec"] for v in delta.values())
 
 
-class CountingRedis(redis.Redis):
-    """A ``redis.Redis`` that counts the commands it sends (round trips, no pipelines)."""
+class CountingConnection(redis.Connection):
+    """A connection that counts what it sends, one round trip per send (each command,
+    or a whole pipeline), between ``start_at`` and ``end_at`` (monotonic; always by
+    default).  Counting on the connection counts every path alike: the client's
+    pool, a lock's script channel (which only a plain ``redis.Redis`` has: a client
+    subclass would not measure the path users get) and the renewal pool copied from
+    the client's settings.  Each :func:`counting_client` has a subclass of its own."""
 
     sent = 0
+    start_at = 0.0
+    end_at = float("inf")
 
-    def execute_command(self, *args: Any, **options: Any) -> Any:
-        self.sent += 1
-        return super().execute_command(*args, **options)
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        cls = type(self)
+        if cls.start_at <= time.monotonic() < cls.end_at:
+            cls.sent += 1
+        super().send_packed_command(command, check_health=check_health)
+
+
+def counting_client(url: str, **options: Any) -> redis.Redis:
+    """A plain ``redis.Redis`` of ``url`` whose round trips :func:`sent` counts."""
+    counting = type("CountingConnection", (CountingConnection,), {"sent": 0})
+    return redis.Redis.from_url(url, connection_class=counting, **options)
+
+
+def counter_of(client: redis.Redis) -> type[CountingConnection]:
+    """The class that counts ``client``'s round trips (``.sent``, ``.start_at``...)."""
+    cls = client.connection_pool.connection_class
+    assert issubclass(cls, CountingConnection), cls
+    return cls
+
+
+def sent(client: redis.Redis) -> int:
+    """Round trips sent so far by ``client`` (a :func:`counting_client`)."""
+    return counter_of(client).sent
 
 
 # -- statistics and output -------------------------------------------------------------

@@ -55,20 +55,6 @@ ACQUIRE_LIMIT = 30
 QUANTILES = [*range(101), 99.9]
 
 
-class WindowCountingRedis(redis.Redis):
-    """Counts the commands it sends between ``start_at`` and ``end_at`` (monotonic)."""
-
-    start_at = 0.0
-    end_at = 0.0
-    sent = 0
-
-    def execute_command(self, *args: Any, **options: Any) -> Any:
-        now = time.monotonic()
-        if self.start_at <= now < self.end_at:
-            self.sent += 1
-        return super().execute_command(*args, **options)
-
-
 def make_lock(variant: str, client: redis.Redis,
               key: str) -> tuple[Callable[[], bool], Callable[[], Any]]:
     """``(acquire, release)`` for one process's lock object of ``variant``."""
@@ -121,8 +107,9 @@ def _watch_doorbell() -> list[float | None]:
 
 def _worker(index: int, variant: str, url: str, key: str, start_at: float,
             end_at: float, hold: float, queue: Any, breakdown: bool = False) -> None:
-    client = WindowCountingRedis.from_url(url, socket_timeout=ACQUIRE_LIMIT + 30)
-    client.start_at, client.end_at = start_at, end_at
+    client = c.counting_client(url, socket_timeout=ACQUIRE_LIMIT + 30)
+    counter = c.counter_of(client)  # round trips within the measured window
+    counter.start_at, counter.end_at = start_at, end_at
     acquire, release = make_lock(variant, client, key)
     rang = _watch_doorbell() if breakdown and variant == "celery_dlock" else [None]
     client.ping()
@@ -146,7 +133,7 @@ def _worker(index: int, variant: str, url: str, key: str, start_at: float,
         events.append((t_acq, t_rel, rang[0]))
         if t_acq >= end_at:
             break
-    queue.put((index, events, timeouts, client.sent))
+    queue.put((index, events, timeouts, counter.sent))
     client.close()
 
 

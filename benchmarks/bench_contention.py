@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                                "hold": args.hold}
     c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, _server):
-        info_client = c.CountingRedis.from_url(url)
+        info_client = c.counting_client(url)
         results["machine"] = c.machine_info(info_client)
         c.print_machine(results["machine"])
         monitor = c.LoadMonitor(info_client)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import _common as c
+import redis
 import redis_lock
 
 from celery_dlock import RedisLock
@@ -82,7 +83,7 @@ def pin(mode: str, server_pid: int | None) -> bool:
     return True
 
 
-def make_variants(client: c.CountingRedis, prefix: str) -> dict[str, Callable[[], Any]]:
+def make_variants(client: redis.Redis, prefix: str) -> dict[str, Callable[[], Any]]:
     renew_on = RedisLock(client, f"{prefix}:on", ttl=30)
     renew_off = RedisLock(client, f"{prefix}:off", ttl=30, auto_renew=False)
     redispy = client.lock(f"{prefix}:redispy", timeout=30)
@@ -110,19 +111,19 @@ def make_variants(client: c.CountingRedis, prefix: str) -> dict[str, Callable[[]
     }
 
 
-def measure(fn: Callable[[], Any], client: c.CountingRedis, cycles: int,
+def measure(fn: Callable[[], Any], client: redis.Redis, cycles: int,
             warmup: int) -> dict[str, float]:
     for _ in range(warmup):
         fn()
     before = c.command_calls(client)
-    sent0 = client.sent
+    sent0 = c.sent(client)
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     for _ in range(cycles):
         fn()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
-    sent = client.sent - sent0
+    sent = c.sent(client) - sent0
     delta = c.calls_delta(before, c.command_calls(client))
     return {
         "wall_s": wall,
@@ -134,7 +135,7 @@ def measure(fn: Callable[[], Any], client: c.CountingRedis, cycles: int,
     }
 
 
-def run_mode(variants: dict[str, Callable[[], Any]], client: c.CountingRedis,
+def run_mode(variants: dict[str, Callable[[], Any]], client: redis.Redis,
              rounds: int, cycles: int, warmup: int,
              budget: c.RetryBudget) -> list[dict[str, Any]]:
     names = list(variants)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                                "cycles": cycles, "modes": {}}
     c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, server):
-        client = c.CountingRedis.from_url(url)
+        client = c.counting_client(url)
         results["machine"] = c.machine_info(client)
         c.print_machine(results["machine"])
         monitor = c.LoadMonitor(client)

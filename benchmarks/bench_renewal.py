@@ -4,9 +4,10 @@ The holds are ``RedisLock(r, name, ttl=30, scheduler=hb)`` on one client, with
 ``hb = RenewalScheduler(start_thread=False)``: no thread, each renewal pass is one
 ``hb.renew_due(now)`` call with ``now`` moved on by one renewal interval (ttl/3), so
 every hold is due in every pass.  Per pass the table gives the round trips the client
-sent (counted on the client; renewal goes through a connection pool of its own, whose
-commands are counted too), the ``EVALSHA`` calls and all Redis commands the server
-ran (``INFO commandstats`` deltas; commands inside the script count too), the client
+sent (counted on its connections; renewal goes through a connection pool of its own,
+made with the client's settings, whose round trips are counted too), the ``EVALSHA``
+calls and all Redis commands the server ran (``INFO commandstats`` deltas; commands
+inside the script count too), the client
 CPU time (``time.process_time()``), the wall time, and the server's time
 (``commandstats`` ``usec``).
 
@@ -30,9 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 import _common as c
+import redis
 
 from celery_dlock import RedisLock
-from celery_dlock.backends.redis.renewal import renew_target
 from celery_dlock.core.scheduler import RenewalScheduler
 
 NAME = "bench_renewal"
@@ -51,19 +52,19 @@ COLUMNS = [
 ]
 
 
-def measure_passes(client: c.CountingRedis, passes: int,
+def measure_passes(client: redis.Redis, passes: int,
                    one_pass: Callable[[int], Any]) -> dict[str, float]:
     """Median per-pass figures over ``passes`` passes (Redis stats per pass)."""
     samples: list[dict[str, float]] = []
     for k in range(passes):
         before = c.command_calls(client)
-        sent0 = client.sent
+        sent0 = c.sent(client)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         one_pass(k)
         wall = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
-        sent = client.sent - sent0
+        sent = c.sent(client) - sent0
         delta = c.calls_delta(before, c.command_calls(client))
         samples.append({
             "round_trips": sent,
@@ -76,24 +77,8 @@ def measure_passes(client: c.CountingRedis, passes: int,
     return {k: float(statistics.median(s[k] for s in samples)) for k in samples[0]}
 
 
-def count_renewals(client: c.CountingRedis) -> None:
-    """Count in ``client.sent`` the commands of its renew target (a pool of its own)."""
-    target = renew_target(client)
-    if getattr(target, "counted", False):
-        return
-    send = target.client.execute_command
-
-    def counting(*args: Any, **options: Any) -> Any:
-        client.sent += 1
-        return send(*args, **options)
-
-    target.client.execute_command = counting
-    target.counted = True
-
-
-def bench_dlock(client: c.CountingRedis, prefix: str, holds: int,
+def bench_dlock(client: redis.Redis, prefix: str, holds: int,
                 passes: int) -> dict[str, Any]:
-    count_renewals(client)
     hb = RenewalScheduler(start_thread=False)
     locks = [RedisLock(client, f"{prefix}:d{holds}:{i}", ttl=30, scheduler=hb)
              for i in range(holds)]
@@ -117,7 +102,7 @@ def bench_dlock(client: c.CountingRedis, prefix: str, holds: int,
     return row
 
 
-def staggered_round_trips(client: c.CountingRedis, prefix: str, holds: int,
+def staggered_round_trips(client: redis.Redis, prefix: str, holds: int,
                           intervals: int) -> float:
     """Round trips per renewal interval once holds taken at different moments settle.
 
@@ -152,7 +137,7 @@ def staggered_round_trips(client: c.CountingRedis, prefix: str, holds: int,
     return (hb.renewal_calls - calls_at_settle) / intervals
 
 
-def bench_per_lock(client: c.CountingRedis, prefix: str, holds: int,
+def bench_per_lock(client: redis.Redis, prefix: str, holds: int,
                    passes: int) -> dict[str, Any]:
     locks = [client.lock(f"{prefix}:r{holds}:{i}", timeout=30) for i in range(holds)]
     for lock in locks:
@@ -186,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     c.wait_quiet(args.wait_quiet)
     with c.redis_server(args.redis_url) as (url, _server):
-        client = c.CountingRedis.from_url(url)
+        client = c.counting_client(url)
         results["machine"] = c.machine_info(client)
         c.print_machine(results["machine"])
         monitor = c.LoadMonitor(client)
