@@ -5,9 +5,12 @@ for clients that are not exactly ``redis.Redis`` on a plain pool."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -18,16 +21,21 @@ from celery_helpers import collect_garbage
 from celery_dlock import BackendUnavailable, RedisLock
 from celery_dlock.backends.redis.channel import CHANNEL_CONNECTIONS, channel_of
 from celery_dlock.backends.redis.scripts import LuaScript
+from celery_dlock.ops.embedded import EmbeddedRedis
 
 ECHO = LuaScript("echo_args", "return ARGV")
-SLOW = LuaScript("slow_echo", """
-local t0 = redis.call('TIME')
-while true do
-  local t = redis.call('TIME')
-  if (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) >= tonumber(ARGV[1]) then break end
-end
-return ARGV[2]
-""")
+
+
+@contextlib.contextmanager
+def _stopped(server: EmbeddedRedis) -> Iterator[None]:
+    """The server SIGSTOPped (its socket still accepts and buffers) until the block
+    ends."""
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
 
 
 def _client(url: str, **options: object) -> redis.Redis:
@@ -72,13 +80,13 @@ def test_clients_it_cannot_speak_for_have_no_channel(redis_url, prefix, name, ki
 
 
 def test_a_timed_out_call_leaves_no_stale_reply_for_the_next(own_server, prefix):
-    """The first call times out while the server still runs it; its late reply must
-    not be read as the reply of the next call on that connection."""
+    """The first call times out while the server is stopped; its reply, sent once the
+    server goes on, must not be read as the reply of a later call."""
     client = _client(own_server.url, socket_timeout=0.3,
                      retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
     assert ECHO(client, (f"{prefix}k",), ("warm",)) == [b"warm"]
-    with pytest.raises(redis.TimeoutError):
-        SLOW(client, (f"{prefix}k",), (600_000, "late"))
+    with _stopped(own_server), pytest.raises(redis.TimeoutError):
+        ECHO(client, (f"{prefix}k",), ("late",))
     for i in range(CHANNEL_CONNECTIONS + 1):  # every connection of the channel
         assert ECHO(client, (f"{prefix}k",), (f"fresh{i}",)) == [f"fresh{i}".encode()]
     client.close()
@@ -89,41 +97,31 @@ def test_a_lock_call_that_times_out_is_backend_unavailable_and_the_next_works(
     client = _client(own_server.url, socket_timeout=0.3,
                      retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0))
     lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
-    direct = _client(own_server.url, socket_timeout=10)
-    stall = threading.Thread(target=SLOW, args=(direct, (f"{prefix}k",),
-                                                (800_000, "done")))
     assert lock.acquire(blocking=False)
-    stall.start()
-    try:
-        time.sleep(0.1)  # the server is busy in SLOW
-        with pytest.raises(BackendUnavailable):
-            lock.extend(10)
-    finally:
-        stall.join(5)
+    with _stopped(own_server), pytest.raises(BackendUnavailable):
+        lock.extend(10)
     assert lock.owned()
     lock.release()
     assert lock.holder() is None
     client.close()
-    direct.close()
 
 
-def test_calls_beyond_its_connections_go_through_the_client(redis_url, prefix):
-    client = _client(redis_url)
-    barrier = threading.Barrier(CHANNEL_CONNECTIONS * 2)
-    replies: list[object] = []
+def test_calls_beyond_its_connections_go_through_the_client(own_server, prefix):
+    client = _client(own_server.url, socket_timeout=10)
+    calls = CHANNEL_CONNECTIONS * 2
+    replies: list[bytes] = []
 
     def call(i: int) -> None:
-        barrier.wait(5)
-        replies.append(SLOW(client, (f"{prefix}k",), (100_000, f"r{i}")))
+        replies.extend(ECHO(client, (f"{prefix}k",), (f"r{i}",)))
 
-    threads = [threading.Thread(target=call, args=(i,))
-               for i in range(CHANNEL_CONNECTIONS * 2)]
-    for t in threads:
-        t.start()
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(calls)]
+    with _stopped(own_server):  # every call waits for its reply at the same time
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
     for t in threads:
         t.join(10)
-    assert sorted(replies) == sorted(f"r{i}".encode()
-                                     for i in range(CHANNEL_CONNECTIONS * 2))
+    assert sorted(replies) == sorted(f"r{i}".encode() for i in range(calls))
     channel = channel_of(client)
     assert channel is not None and channel._made == CHANNEL_CONNECTIONS
     assert client.connection_pool._created_connections >= 1  # the overflow
