@@ -107,9 +107,8 @@ ACQUIRE = LuaScript(
 local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
 local ttl = tonumber(ARGV[2])
 local expect = ARGV[5]
--- A free lock costs one EXISTS; a held one (re-entry, contention) one HGETALL more.
-local h, flat = {}, {}
-if call('EXISTS', lock) == 1 then h, flat = read_hash(lock) end
+-- One HGETALL: empty for a free lock; every field a re-entry or a refusal needs.
+local h, flat = read_hash(lock)
 local holder = h['owner']
 if holder ~= owner then
   local foreign = not_a_hold_in(h, flat)
