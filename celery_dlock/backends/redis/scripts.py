@@ -82,10 +82,10 @@ RELEASED_MAX_MS = 3_600_000
 
 
 # KEYS[1] lock hash
-# ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
-# ARGV[4] operation id, ARGV[5] re-entry: '' (a plain acquire), '*' (the owner expects
-# to hold the lock already) or a fence (the owner expects to hold the hold with that
-# fence), ARGV[6..] metadata field/value pairs
+# ARGV[1] owner, ARGV[2] ttl (ms, an integer), ARGV[3] queue lease (ms; 0 = do not
+# join the line), ARGV[4] operation id, ARGV[5] re-entry: '' (a plain acquire), '*'
+# (the owner expects to hold the lock already) or a fence (the owner expects to hold
+# the hold with that fence), ARGV[6..] metadata field/value pairs
 # Returns
 #   {1, fence, count}                       acquired (count > 1: re-entered)
 #   {2, code}                               a re-entry whose hold is gone: nothing
@@ -105,7 +105,10 @@ ACQUIRE = LuaScript(
     COMMON
     + """
 local lock, owner, op = KEYS[1], ARGV[1], ARGV[4]
-local ttl = tonumber(ARGV[2])
+-- ttl as a number for comparing, as the string it came as for writing: a number
+-- handed to redis.call is formatted with %.17g, which costs the server more than
+-- the rest of the call.
+local ttl, ttl_arg = tonumber(ARGV[2]), ARGV[2]
 local expect = ARGV[5]
 -- One HGETALL: empty for a free lock; every field a re-entry or a refusal needs.
 local h, flat = read_hash(lock)
@@ -125,12 +128,12 @@ if holder == owner then
   -- The expiry first, then every field in one HSET: a refused command stops the
   -- script before the count changed.
   if call('PTTL', lock) < ttl then
-    call('PEXPIRE', lock, ttl)
+    call('PEXPIRE', lock, ttl_arg)
   end
   local count = tonumber(h['count']) + 1
   local fields = {'count', count, 'ops', remembered(ops, op, count)}
   if tonumber(h['ttl'] or 0) < ttl then
-    fields[5], fields[6] = 'ttl', ttl
+    fields[5], fields[6] = 'ttl', ttl_arg
   end
   call('HSET', lock, unpack(fields))
   return {1, fence, count}
@@ -154,7 +157,7 @@ if not holder then
   if (not head) or head == owner then
     -- The key does not exist (not_a_hold_in saw to it), so PEXPIRE changes nothing
     -- here: it stops a user who may not run it before the hold is written.
-    call('PEXPIRE', lock, ttl)
+    call('PEXPIRE', lock, ttl_arg)
     local fence, prev = next_fence(lock, t)
     if type(fence) == 'table' then return fence end
     if head then
@@ -162,11 +165,12 @@ if not holder then
       call('ZREM', leases, owner)
       call('DEL', bell(lock, owner))
     end
-    call('SET', lock .. FENCE_SUFFIX, string.format('%.0f', fence))
-    call('HSET', lock, 'owner', owner, 'count', 1,
-         'fence', string.format('%.0f', fence), 'acquired_at', now, 'ttl', ttl,
+    local token = digits(fence)
+    call('SET', lock .. FENCE_SUFFIX, token)
+    call('HSET', lock, 'owner', owner, 'count', '1', 'fence', token,
+         'acquired_at', digits(now), 'ttl', ttl_arg,
          'ops', '|' .. op .. '=1', 'prev', prev, unpack(ARGV, 6))
-    call('PEXPIRE', lock, ttl)
+    call('PEXPIRE', lock, ttl_arg)
     return {1, fence, 1}
   end
   -- Free, but promised to the first in line: make sure it has heard.
