@@ -57,6 +57,26 @@ def test_a_plain_clients_scripts_skip_its_pool(redis_url, prefix, name):
     assert lock.holder() is None
 
 
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_a_call_reaches_the_server_in_the_clients_encoding(redis_url, prefix, name,
+                                                           encoding):
+    # The channel packs a call itself only where its bytes are the client's
+    # (resp.pack); a client of another encoding has redis-py pack it.
+    client = _client(redis_url, encoding=encoding)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False,
+                     info={"task_name": "rapport_été"})
+    assert lock.acquire(blocking=False)
+    try:
+        reader = _client(redis_url)
+        assert reader.hget(lock.keys.lock, "task_name") == "rapport_été".encode(encoding)
+        reader.close()
+    finally:
+        lock.release()
+    channel = channel_of(client)
+    assert channel is not None and channel._packs is (encoding == "utf-8")
+    client.close()
+
+
 @pytest.mark.parametrize("kind", ["subclass", "single_connection"])
 def test_clients_it_cannot_speak_for_have_no_channel(redis_url, prefix, name, kind):
     class Counting(redis.Redis):  # type: ignore[type-arg]

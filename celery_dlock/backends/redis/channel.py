@@ -19,6 +19,10 @@ timeouts, re-send policy) and sends each script on one of them:
   single-connection mode and no client-side cache has a channel.  Subclasses
   (which may override ``execute_command``), Cluster, Sentinel-managed pools and other
   clients go through the client.
+* **Packed here.**  With the client's default encoding (UTF-8, strict) and a
+  connection class that packs as redis-py does, a call is packed by
+  :func:`~celery_dlock.backends.redis.resp.pack` into the same bytes, at a third of
+  the cost of redis-py's Python packer; anything else is packed by redis-py.
 * **Fork-safe.**  A child process starts with no channels: it never writes on its
   parent's sockets.  A channel goes with its client (weakly referenced), which closes
   its connections when it is collected.
@@ -26,6 +30,7 @@ timeouts, re-send policy) and sends each script on one of them:
 
 from __future__ import annotations
 
+import codecs
 import os
 import threading
 import weakref
@@ -36,6 +41,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from .bounded import PLAIN_POOLS
+from .resp import pack
 
 __all__ = ["CHANNEL_CONNECTIONS", "ScriptChannel", "channel_of"]
 
@@ -46,7 +52,8 @@ CHANNEL_CONNECTIONS = 4
 class ScriptChannel:
     """Connections of their own for one client's script calls (see the module text)."""
 
-    __slots__ = ("__weakref__", "_class", "_idle", "_kwargs", "_lock", "_made")
+    __slots__ = ("__weakref__", "_class", "_idle", "_kwargs", "_lock", "_made",
+                 "_packs")
 
     def __init__(self, pool: Any) -> None:
         self._class = pool.connection_class
@@ -54,6 +61,7 @@ class ScriptChannel:
         self._idle: list[Any] = []
         self._made = 0
         self._lock = threading.Lock()
+        self._packs = _packs_as_redis_py(self._class, self._kwargs)
 
     def _take(self) -> Any:
         try:
@@ -72,9 +80,13 @@ class ScriptChannel:
         conn = self._take()
         if conn is None:
             return NotImplemented
+        packed = pack(args) if self._packs else None
 
         def send_and_read() -> Any:
-            conn.send_command(*args)
+            if packed is None:
+                conn.send_command(*args)
+            else:
+                conn.send_packed_command((packed,))
             return conn.read_response()
 
         try:
@@ -94,6 +106,18 @@ class ScriptChannel:
         """Disconnect the idle connections (a busy one is disconnected by its user)."""
         while self._idle:
             self._idle.pop().disconnect()
+
+
+def _packs_as_redis_py(connection_class: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether :func:`.resp.pack` makes the bytes these connections would send: the
+    default encoding, and ``send_command`` as redis-py's own ``Connection`` has it."""
+    try:
+        utf8 = codecs.lookup(kwargs.get("encoding", "utf-8")).name == "utf-8"
+    except LookupError:
+        return False
+    return (utf8 and kwargs.get("encoding_errors", "strict") == "strict"
+            and getattr(connection_class, "send_command", None)
+            is redis.connection.Connection.send_command)
 
 
 _channels: weakref.WeakKeyDictionary[Any, ScriptChannel | None] = \
