@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,31 @@ def test_plot_draws_the_smoke_results(results_dir: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for png in ("handoff.png", "core.png", "e2e.png", "growth.png"):
         assert (results_dir / png).stat().st_size > 0
+
+
+def test_instructions_counts_client_and_server_of_every_variant(
+        results_dir: Path) -> None:
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        pytest.skip("bench_instructions.py counts under callgrind: needs valgrind "
+                    "(Debian package valgrind), which .ci/run installs")
+    out = results_dir / "bench_instructions.json"
+    # Not _run: it starts its own server under valgrind, never the suite's.
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_instructions.py"), "--smoke",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=BENCHMARKS.parent, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| variant | client instr/cycle | server instr/cycle |" in proc.stdout
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"floor: 2x PING", "celery_dlock", "celery_dlock renew=on",
+                         "redis-py Lock", "python-redis-lock", "SET NX PX + DEL"}
+    assert all(r["client"] > 0 and r["server"] > 0 for r in rows.values()), rows
+    # Each count is of its own variant: two scripts cost the server more than two
+    # PINGs, and python-redis-lock's three calls through redis-py cost its client
+    # more than two PINGs through redis-py.
+    floor = rows["floor: 2x PING"]
+    assert rows["celery_dlock"]["server"] > 5 * floor["server"], rows
+    assert rows["python-redis-lock"]["client"] > floor["client"], rows
 
 
 def test_profile_parts_runs_and_prints_its_table() -> None:

