@@ -96,12 +96,35 @@ def _object_key(value: Any, path: str) -> str:
     return _sort_token(_normalise(value, path))
 
 
+def _plain_map(value: dict[Any, Any]) -> Any:
+    """What the Mapping case of :func:`_normalise` makes of a dict whose keys are
+    ASCII identifiers (a call's arguments by name) and whose values are str, int,
+    bool or None, made without its general steps; None for any other dict."""
+    items = []
+    for k, v in value.items():
+        kind = type(v)
+        if not (type(k) is str and k.isascii() and k.isidentifier()) or not (
+                kind is str or kind is int or kind is bool or v is None):
+            return None
+        items.append([f'"{k}"', v])  # the key's JSON text: no escapes in it
+    items.sort(key=_first)
+    return {"__map__": items}
+
+
+def _first(item: list[Any]) -> Any:
+    return item[0]
+
+
 def _normalise(value: Any, path: str) -> Any:
     """A JSON-able form of ``value`` that equal values, and a value and its JSON
     text, share; what JSON cannot carry keeps a tag of its type."""
     kind = type(value)
     if kind is str or kind is int or kind is bool or value is None:
         return value  # the common case, first
+    if kind is dict:
+        plain = _plain_map(value)
+        if plain is not None:
+            return plain
     if kind is list or kind is tuple:
         return [_normalise(v, f"{path}[{i}]") for i, v in enumerate(value)]
     value = json_scalar(value)
@@ -152,8 +175,13 @@ def _normalise_enum(value: enum.Enum, path: str) -> Any:
     return {"__enum__": f"{type(value).__qualname__}.{value.name}"}
 
 
+# json.dumps with these options makes a new encoder at every call.
+_TOKEN = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _sort_token(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return _TOKEN.encode(value)
 
 
 def canonical(value: Any, *, where: str = "argument") -> str:
@@ -165,8 +193,7 @@ def canonical(value: Any, *, where: str = "argument") -> str:
             f"cannot key {exc.path}={exc.value!r}: {exc.why}; pass a plain value "
             f"(id, string, number), give the type a __dlock_key__() method, or set "
             f"lock_key / lock_args on the task") from None
-    return json.dumps(normalised, sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False)
+    return _CANONICAL.encode(normalised)
 
 
 def _parameters(fun: Callable[..., Any], drop_first: bool) -> inspect.Signature:

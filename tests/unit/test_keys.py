@@ -247,3 +247,43 @@ def test_a_call_that_does_not_match_a_plain_signature_is_refused_as_bind_would(
     key = make_key_function("t.simple", simple, None)
     with pytest.raises(UnkeyableArgument, match="cannot bind the call"):
         key(args, kwargs)
+
+
+@pytest.mark.parametrize(("task", "fun", "args", "kwargs", "name"), [
+    ("shop.buy", buy, (1,), {"note": "x"},
+     "shop.buy:4e1268177a56b3a0882d3fc66369aeac79f1049e0d5ab2218932253ecaa75305"),
+    ("shop.buy", buy, (7,), {"note": "été ✓"},
+     "shop.buy:261dda6ad57676d60b5c95555f477b314f74806bbf54d11c456614276a91909a"),
+    ("t.simple", simple, (1, True, None), {},
+     "t.simple:d3d84a2fec2573981834194dc85046c7db187c5cd9905f2ec871a482fd2ef570"),
+    ("t.simple", simple, (1, [1, "a", {"z": 1, "b": [2]}]), {},
+     "t.simple:666269909e8733ed958745167c5107f37f94ad0e38bf5b981dbf5e717d0cb78c"),
+])
+def test_a_hashed_name_is_the_same_in_every_release(task, fun, args, kwargs, name):
+    """Workers of two releases (a rolling deploy) must name one call's lock alike, or
+    both would run it: these names were made by 0.1.0 and may never change."""
+    assert make_key_function(task, fun, None)(args, kwargs) == name
+
+
+def test_canonical_text_is_the_same_in_every_release():
+    value = {"b": 1, "a": "x", "é": None,
+             "c": [1, 2.5, {"k": decimal.Decimal("1.10")}]}
+    assert canonical(value) == (
+        '{"__map__":[["\\"\\\\u00e9\\"",null],["\\"a\\"","x"],["\\"b\\"",1],'
+        '["\\"c\\"",[1,2.5,{"__map__":[["\\"k\\"","1.10"]]}]]]}')
+
+
+def test_a_dict_of_plain_values_is_canonical_as_any_other_mapping():
+    """The quick path for a dict of plain values gives what the general one gives (a
+    mapping that is not a dict takes the general one)."""
+    import random
+    import types
+
+    rng = random.Random(7)
+    keys = ["a", "b", "product_id", "qty", "é", "a b", "_x", "Z9", "", "\"q\"", 3,
+            None, True]
+    values = [0, 1, -5, 2**70, "", "x", "été", "\x00\n", True, False, None, 1.5,
+              [1, "a"], {"k": 1}]
+    for _ in range(300):
+        d = {rng.choice(keys): rng.choice(values) for _ in range(rng.randrange(0, 6))}
+        assert canonical(d) == canonical(types.MappingProxyType(d)), d
