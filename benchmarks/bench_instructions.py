@@ -37,8 +37,12 @@ one run, or runs with the same versions in their header.
 
 from __future__ import annotations
 
+import collections
 import glob
+import itertools
+import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -64,6 +68,29 @@ COLUMNS = [
 ]
 VARIANTS = ("floor: 2x PING", "celery_dlock", "celery_dlock renew=on", "redis-py Lock",
             "python-redis-lock", "SET NX PX + DEL")
+TASKS_TITLE = "### j. Instructions per task: producer, pool child, server (callgrind)"
+TASK_VARIANTS = ("plain task", "LockedTask (hashed args)", "LockedTask (template key)",
+                 "celery-once QueueOnce", "celery-singleton Singleton")
+TASK_COLUMNS = [
+    ("variant", "variant", ""),
+    ("send: client", "send_client", ",.0f"),
+    ("send: server", "send_server", ",.0f"),
+    ("run: client", "run_client", ",.0f"),
+    ("run: server", "run_server", ",.0f"),
+    ("total instr/task", "total", ",.0f"),
+    ("added vs plain", "added", "+,.0f"),
+]
+#: The core and task variants, in the order they are counted (the pieces of
+#: ``profile_e2e.py --parts`` follow, named by the client).
+NAMES = (*VARIANTS, *(f"{v}: {what}" for v in TASK_VARIANTS for what in ("send", "run")))
+PARTS_TITLE = ("### j. Where a LockedTask's instructions go: `profile_e2e.py --parts`'s "
+               "pieces (callgrind)")
+PART_COLUMNS = [
+    ("piece", "piece", ""),
+    ("client instr/call", "client", ",.0f"),
+    ("server instr/call", "server", ",.0f"),
+]
+PART = "part: "
 #: The metadata a LockedTask stores with its hold (besides host and pid, always added).
 TASK_INFO = {"task_id": "6f1c2a80-3b0e-4a63-9d57-1c9b5e0a7f42",
              "task_name": "app.tasks.rebuild_report", "worker": "celery@worker-1"}
@@ -102,14 +129,60 @@ def make_variants(client: redis.Redis, prefix: str) -> dict[str, Callable[[], An
                                cycle(prl), set_nx_del), strict=True))
 
 
+def make_task_variants(url: str, prefix: str) -> dict[str, Callable[[], Any]]:
+    """``"<task variant>: send"`` and ``": run"`` for each of ``e2e_app.py``'s tasks:
+    ``apply_async`` as a producer sends it, and the sent task run as a worker's pool
+    child runs it (Celery's tracer: the task's hooks, ``after_return`` included, and
+    signals), each run taking the oldest sent call of its variant."""
+    os.environ["DLOCK_E2E_REDIS_URL"] = url
+    os.environ["DLOCK_E2E_PREFIX"] = prefix
+    import e2e_app
+    from celery.app.trace import build_tracer
+
+    e2e_app.app.finalize()
+    numbers = itertools.count(random.getrandbits(40) << 12)  # no call matches an old one
+    variants: dict[str, Callable[[], Any]] = {}
+    for label, task in e2e_app.VARIANTS.items():
+        sent: collections.deque[tuple[str, int]] = collections.deque()
+        tracer = build_tracer(task.name, task, app=e2e_app.app, eager=False,
+                              propagate=True)
+
+        def send(task: Any = task, sent: Any = sent) -> None:
+            n = next(numbers)
+            sent.append((task.apply_async((n,)).id, n))
+
+        def run(task: Any = task, sent: Any = sent, tracer: Any = tracer) -> None:
+            task_id, n = sent.popleft()
+            request = {"id": task_id, "task": task.name, "args": (n,), "kwargs": {},
+                       "hostname": "bench@localhost", "retries": 0, "is_eager": False,
+                       "delivery_info": {"exchange": "", "routing_key": e2e_app.QUEUE,
+                                         "priority": 0, "redelivered": False}}
+            tracer(task_id, (n,), {}, request)
+
+        variants[f"{label}: send"] = send
+        variants[f"{label}: run"] = run
+    return variants
+
+
+def make_part_variants() -> dict[str, Callable[[], Any]]:
+    """``profile_e2e.py --parts``'s pieces (after :func:`make_task_variants`: they use
+    its app), each named ``part: <piece>``."""
+    import e2e_app
+    from profile_e2e import make_parts
+
+    return {PART + label: fn for label, (_, fn) in make_parts(e2e_app).items()}
+
+
 def child(url: str, cycles: int, warmup: int) -> int:
     """The client process (under callgrind): runs what the parent says on stdin."""
     client = redis.Redis.from_url(url)
     variants = make_variants(client, c.run_id())
+    variants.update(make_task_variants(url, c.run_id()))
+    variants.update(make_part_variants())
     for fn in variants.values():
         for _ in range(warmup):
             fn()
-    print("ready", flush=True)
+    print("ready", json.dumps([n for n in variants if n.startswith(PART)]), flush=True)
     for line in sys.stdin:
         name = line.strip()
         if not name:
@@ -161,16 +234,19 @@ def wait_ping(url: str, limit: float = 60.0) -> redis.Redis:
             time.sleep(0.2)
 
 
-def read_line(proc: subprocess.Popen[str], expect: str) -> None:
+def read_line(proc: subprocess.Popen[str], expect: str) -> str:
+    """The client's next line, which must start with ``expect``; the rest of it."""
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
-    if line != expect:
+    if line.split(" ", 1)[0] != expect:
         raise RuntimeError(f"client said {line!r}, expected {expect!r} "
                            f"(exit code {proc.poll()})")
+    return line[len(expect):].strip()
 
 
-def measure(cycles: int, warmup: int, workdir: Path) -> tuple[list[dict[str, Any]],
-                                                               dict[str, Any]]:
+def measure(cycles: int, warmup: int,
+            workdir: Path) -> tuple[dict[str, tuple[float, float]], dict[str, Any]]:
+    """``{variant: (client, server) instructions per call}`` and the machine."""
     from celery_dlock.ops.embedded import _free_port, find_redis_server
 
     port = _free_port("127.0.0.1")
@@ -185,6 +261,7 @@ def measure(cycles: int, warmup: int, workdir: Path) -> tuple[list[dict[str, Any
                        "--toggle-collect=readQueryFromClient",
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = None
+    names: tuple[str, ...] = NAMES
     try:
         probe = wait_ping(url)
         info = c.machine_info(probe)
@@ -194,8 +271,8 @@ def measure(cycles: int, warmup: int, workdir: Path) -> tuple[list[dict[str, Any
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, env=env, cwd=Path(__file__).parent)
         assert client.stdin is not None
-        read_line(client, "ready")
-        for name in VARIANTS:
+        names = (*NAMES, *json.loads(read_line(client, "ready")))
+        for name in names:
             control("-z", server.pid)
             control("-z", client.pid)
             client.stdin.write(name + "\n")
@@ -214,18 +291,39 @@ def measure(cycles: int, warmup: int, workdir: Path) -> tuple[list[dict[str, Any
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    server_totals = dump_totals(server_out)[:len(VARIANTS)]
-    client_totals = dump_totals(client_out)[:len(VARIANTS)]
-    rows = []
-    for name, srv, cli in zip(VARIANTS, server_totals, client_totals,
-                              strict=True):
-        rows.append({"variant": name, "client": cli / cycles, "server": srv / cycles,
-                     "total": (cli + srv) / cycles})
+    counts = {name: (cli / cycles, srv / cycles) for name, cli, srv in zip(
+        names, dump_totals(client_out)[:len(names)],
+        dump_totals(server_out)[:len(names)], strict=True)}
+    return counts, info
+
+
+def core_rows(counts: dict[str, tuple[float, float]]) -> list[dict[str, Any]]:
+    rows = [{"variant": name, "client": counts[name][0], "server": counts[name][1],
+             "total": sum(counts[name])} for name in VARIANTS]
     floor = rows[0]
     for row in rows:
         row["ratio"] = row["total"] / floor["total"]
         row["server_ratio"] = row["server"] / floor["server"]
-    return rows, info
+    return rows
+
+
+def task_rows(counts: dict[str, tuple[float, float]]) -> list[dict[str, Any]]:
+    rows = []
+    for name in TASK_VARIANTS:
+        (send_client, send_server) = counts[f"{name}: send"]
+        (run_client, run_server) = counts[f"{name}: run"]
+        rows.append({"variant": name, "send_client": send_client,
+                     "send_server": send_server, "run_client": run_client,
+                     "run_server": run_server,
+                     "total": send_client + send_server + run_client + run_server})
+    for row in rows:
+        row["added"] = row["total"] - rows[0]["total"]
+    return rows
+
+
+def part_rows(counts: dict[str, tuple[float, float]]) -> list[dict[str, Any]]:
+    return [{"piece": name[len(PART):], "client": cli, "server": srv}
+            for name, (cli, srv) in counts.items() if name.startswith(PART)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,16 +347,24 @@ def main(argv: list[str] | None = None) -> int:
     cycles = args.cycles or (5 if args.smoke else 300)
     warmup = 3 if args.smoke else 50
     with tempfile.TemporaryDirectory(prefix="dlock-callgrind-") as tmp:
-        rows, info = measure(cycles, warmup, Path(tmp))
+        counts, info = measure(cycles, warmup, Path(tmp))
+    rows, tasks = core_rows(counts), task_rows(counts)
     c.print_machine(info)
     print(f"\n{TITLE}\n")
-    print(f"{cycles} counted cycles per variant after {warmup} warm-up cycles; "
+    print(f"{cycles} counted calls per variant after {warmup} warm-up calls; "
           "user-space instructions under callgrind: the client process (all threads), "
           "the server's command processing (readQueryFromClient).\n")
     print(c.markdown_table(COLUMNS, rows))
+    print(f"\n{TASKS_TITLE}\n")
+    print("send: `apply_async` in the producer; run: the sent task run as a pool child "
+          "runs it (Celery's tracer). The worker's main process is not counted.\n")
+    print(c.markdown_table(TASK_COLUMNS, tasks))
+    parts = part_rows(counts)
+    print(f"\n{PARTS_TITLE}\n")
+    print(c.markdown_table(PART_COLUMNS, parts))
     c.write_json(c.json_path(args, NAME),
                  {"benchmark": NAME, "smoke": args.smoke, "cycles": cycles,
-                  "machine": info, "rows": rows})
+                  "machine": info, "rows": rows, "tasks": tasks, "parts": parts})
     return 0
 
 
