@@ -60,18 +60,23 @@ def test_a_plain_clients_scripts_skip_its_pool(redis_url, prefix, name):
 @pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
 def test_a_call_reaches_the_server_in_the_clients_encoding(redis_url, prefix, name,
                                                            encoding):
-    # The channel packs a call itself only where its bytes are the client's
-    # (resp.pack); a client of another encoding has redis-py pack it.
+    # The channel packs a call itself only where its bytes are the ones redis-py
+    # sends (resp.pack); a client of another encoding has redis-py pack it.  Either
+    # way the server gets what the client's own HSET sends.
     client = _client(redis_url, encoding=encoding)
+    reader = _client(redis_url)
+    client.hset(f"{prefix}:probe:{name}", "f", "rapport_été")
+    sent = reader.hget(f"{prefix}:probe:{name}", "f")
+    assert sent is not None
     lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False,
                      info={"task_name": "rapport_été"})
     assert lock.acquire(blocking=False)
     try:
-        reader = _client(redis_url)
-        assert reader.hget(lock.keys.lock, "task_name") == "rapport_été".encode(encoding)
-        reader.close()
+        assert reader.hget(lock.keys.lock, "task_name") == sent
     finally:
         lock.release()
+        reader.delete(f"{prefix}:probe:{name}")
+        reader.close()
     channel = channel_of(client)
     assert channel is not None and channel._packs is (encoding == "utf-8")
     client.close()
