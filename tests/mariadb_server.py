@@ -100,6 +100,10 @@ class MariaDBServer:
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
         self.socket = self.dir / "mariadb.sock"
+        # Its temporary tables in a folder of its own: in the shared /tmp, one was once
+        # gone before mariadb-install-db removed it, and the install failed.
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir()
         self.password = secrets.token_hex(16)
         self.as_root = ["--user=root"] if os.geteuid() == 0 else []
         self.proc: subprocess.Popen[bytes] | None = None
@@ -109,8 +113,9 @@ class MariaDBServer:
     def _install(self) -> None:
         proc = subprocess.run(
             [str(self.install_db), "--no-defaults", f"--datadir={self.data}",
-             *self.as_root, "--auth-root-authentication-method=socket",
-             "--skip-test-db", "--skip-name-resolve"],
+             f"--tmpdir={self.tmp}", *self.as_root,
+             "--auth-root-authentication-method=socket", "--skip-test-db",
+             "--skip-name-resolve"],
             capture_output=True, text=True, timeout=180, check=False)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -137,7 +142,7 @@ class MariaDBServer:
         self.log.unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [str(self.server), "--no-defaults", *self.as_root,
-             f"--datadir={self.data}", f"--socket={self.socket}",
+             f"--datadir={self.data}", f"--socket={self.socket}", f"--tmpdir={self.tmp}",
              f"--pid-file={self.dir / 'mariadb.pid'}", f"--log-error={self.log}",
              f"--port={self.port}", "--bind-address=127.0.0.1",
              *([f"--init-file={init}"] if init is not None else []),
