@@ -83,27 +83,34 @@ def pin(mode: str, server_pid: int | None) -> bool:
     return True
 
 
+def floor(client: redis.Redis) -> Callable[[], None]:
+    """Two round trips, the least any acquire+release can cost."""
+    def run() -> None:
+        client.ping()
+        client.ping()
+
+    return run
+
+
+def cycle(lock: Any) -> Callable[[], None]:
+    """One acquire and one release of ``lock``."""
+    acquire, release = lock.acquire, lock.release
+
+    def run() -> None:
+        acquire()
+        release()
+
+    return run
+
+
 def make_variants(client: redis.Redis, prefix: str) -> dict[str, Callable[[], Any]]:
     renew_on = RedisLock(client, f"{prefix}:on", ttl=30)
     renew_off = RedisLock(client, f"{prefix}:off", ttl=30, auto_renew=False)
     redispy = client.lock(f"{prefix}:redispy", timeout=30)
     prl = redis_lock.Lock(client, f"{prefix}:prl", expire=30)
 
-    def floor() -> None:
-        client.ping()
-        client.ping()
-
-    def cycle(lock: Any) -> Callable[[], None]:
-        acquire, release = lock.acquire, lock.release
-
-        def run() -> None:
-            acquire()
-            release()
-
-        return run
-
     return {
-        "floor: 2x PING": floor,
+        "floor: 2x PING": floor(client),
         "celery_dlock renew=on": cycle(renew_on),
         "celery_dlock renew=off": cycle(renew_off),
         "redis-py Lock": cycle(redispy),

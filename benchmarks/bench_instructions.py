@@ -99,6 +99,7 @@ TASK_INFO = {"task_id": "6f1c2a80-3b0e-4a63-9d57-1c9b5e0a7f42",
 def make_variants(client: redis.Redis, prefix: str) -> dict[str, Callable[[], Any]]:
     """One function per variant, each one acquire+release cycle (bench_core's)."""
     import redis_lock
+    from bench_core import cycle, floor
 
     from celery_dlock import RedisLock
 
@@ -108,25 +109,12 @@ def make_variants(client: redis.Redis, prefix: str) -> dict[str, Callable[[], An
     prl = redis_lock.Lock(client, f"{prefix}:prl", expire=30)
     once = f"{prefix}:once"
 
-    def floor() -> None:
-        client.ping()
-        client.ping()
-
     def set_nx_del() -> None:
         client.set(once, 1, nx=True, px=60_000)
         client.delete(once)
 
-    def cycle(lock: Any) -> Callable[[], None]:
-        acquire, release = lock.acquire, lock.release
-
-        def run() -> None:
-            acquire()
-            release()
-
-        return run
-
-    return dict(zip(VARIANTS, (floor, cycle(plain), cycle(renewed), cycle(redispy),
-                               cycle(prl), set_nx_del), strict=True))
+    return dict(zip(VARIANTS, (floor(client), cycle(plain), cycle(renewed),
+                               cycle(redispy), cycle(prl), set_nx_del), strict=True))
 
 
 def make_task_variants(url: str, prefix: str) -> dict[str, Callable[[], Any]]:
