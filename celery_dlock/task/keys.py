@@ -36,6 +36,7 @@ import hashlib
 import inspect
 import json
 import math
+import operator
 import re
 import string
 import uuid
@@ -107,12 +108,12 @@ def _plain_map(value: dict[Any, Any]) -> Any:
                 kind is str or kind is int or kind is bool or v is None):
             return None
         items.append([f'"{k}"', v])  # the key's JSON text: no escapes in it
-    items.sort(key=_first)
+    items.sort(key=_BY_TOKEN)
     return {"__map__": items}
 
 
-def _first(item: list[Any]) -> Any:
-    return item[0]
+#: Sorts a map's [token, value] pairs by the key's token.
+_BY_TOKEN = operator.itemgetter(0)
 
 
 def _normalise(value: Any, path: str) -> Any:
@@ -147,7 +148,7 @@ def _normalise(value: Any, path: str) -> Any:
         for k, v in value.items():
             items.append((_sort_token(_object_key(k, f"{path} key")),
                           _normalise(v, f"{path}[{k!r}]")))
-        items.sort(key=lambda kv: kv[0])
+        items.sort(key=_BY_TOKEN)
         return {"__map__": [[k, v] for k, v in items]}
     if isinstance(value, (set, frozenset)):
         members = [_normalise(v, f"{path} member") for v in value]

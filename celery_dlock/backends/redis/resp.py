@@ -19,8 +19,9 @@ from typing import Any
 __all__ = ["pack"]
 
 #: The packed first arguments of a script call (``EVALSHA``, the script's SHA1, the
-#: number of keys), by those arguments: a few dozen at most (scripts x key counts).
-_heads: dict[tuple[Any, Any, Any], bytes] = {}
+#: number of keys), by the SHA1 and the number: a few dozen at most (scripts x key
+#: counts).
+_heads: dict[tuple[str, int], bytes] = {}
 _HEADS_KEPT = 256
 
 
@@ -48,7 +49,7 @@ def pack(args: Sequence[Any]) -> bytes | None:
     start = 0
     if len(args) >= 3 and command == "EVALSHA" and type(args[1]) is str \
             and type(args[2]) is int:
-        key = (args[0], args[1], args[2])
+        key = (args[1], args[2])
         head = _heads.get(key)
         if head is None:
             head = b"%s%s%s" % (_bulk(args[0]), _bulk(args[1]), _bulk(args[2]))
