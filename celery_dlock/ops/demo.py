@@ -33,6 +33,7 @@ from ..core.urls import ENCODE_HINT, ambiguity
 from ..task.connection import mask_url
 from ..task.locked_task import LockedTask
 from .embedded import EmbeddedRedis
+from .interrupt import CtrlC
 from .oneline import OneLineParser, mask_secrets
 
 __all__ = ["app", "main", "run_demo"]
@@ -52,6 +53,8 @@ app.conf.update(
 )
 
 _redis: redis.Redis | None = None
+# Ctrl-C of the demo command: its loops stop at their next step (see .interrupt).
+_CTRL_C = CtrlC()
 
 
 def _client() -> redis.Redis:
@@ -152,6 +155,7 @@ def _wait_ready(demo_app: Celery, names: Sequence[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     waiting = set(names)
     while waiting:
+        _CTRL_C.check()
         if time.monotonic() > deadline:
             raise RuntimeError(f"workers did not start in {timeout:.0f}s: "
                                f"{', '.join(sorted(waiting))}")
@@ -170,12 +174,14 @@ def _run_phase(demo_app: Celery, r: redis.Redis, prefix: str, phase: str, label:
     name = "demo.buy_locked" if phase == "locked" else "demo.buy_plain"
     started = time.monotonic()
     for _ in range(buyers):
+        _CTRL_C.check()
         task_id = uuid.uuid4().hex
         task_ids.append(task_id)  # before sending: an interrupt cleans it up too
         demo_app.send_task(name, args=(product_id,), task_id=task_id)
     deadline = started + timeout
     done = 0
     while done < buyers:
+        _CTRL_C.check()
         done = int(r.get(f"{prefix}:{phase}:done") or 0)
         _progress(out, label, done, buyers)
         if time.monotonic() > deadline:
@@ -392,9 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"celery-dlock demo: {problem}\n")
             return 1
     try:
-        _, locked = run_demo(args.redis_url, workers=args.workers,
-                             concurrency=args.concurrency, stock=args.stock,
-                             buyers=args.buyers)
+        with _CTRL_C.installed():
+            _, locked = run_demo(args.redis_url, workers=args.workers,
+                                 concurrency=args.concurrency, stock=args.stock,
+                                 buyers=args.buyers)
     except KeyboardInterrupt:
         sys.stderr.write("\ncelery-dlock demo: interrupted; workers stopped and the "
                          "demo's keys removed\n")
