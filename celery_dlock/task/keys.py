@@ -97,15 +97,18 @@ def _object_key(value: Any, path: str) -> str:
     return _sort_token(_normalise(value, path))
 
 
+#: The types JSON carries as they are: :func:`_normalise` returns their values as given.
+_AS_IS = frozenset({str, int, bool, type(None)})
+
+
 def _plain_map(value: dict[Any, Any]) -> Any:
     """What the Mapping case of :func:`_normalise` makes of a dict whose keys are
     ASCII identifiers (a call's arguments by name) and whose values are str, int,
     bool or None, made without its general steps; None for any other dict."""
     items = []
     for k, v in value.items():
-        kind = type(v)
-        if not (type(k) is str and k.isascii() and k.isidentifier()) or not (
-                kind is str or kind is int or kind is bool or v is None):
+        if not (type(k) is str and k.isascii() and k.isidentifier()) or (
+                type(v) not in _AS_IS):
             return None
         items.append([f'"{k}"', v])  # the key's JSON text: no escapes in it
     items.sort(key=_BY_TOKEN)
@@ -120,7 +123,7 @@ def _normalise(value: Any, path: str) -> Any:
     """A JSON-able form of ``value`` that equal values, and a value and its JSON
     text, share; what JSON cannot carry keeps a tag of its type."""
     kind = type(value)
-    if kind is str or kind is int or kind is bool or value is None:
+    if kind in _AS_IS:
         return value  # the common case, first
     if kind is dict:
         plain = _plain_map(value)
