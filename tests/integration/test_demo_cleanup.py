@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -81,6 +82,22 @@ def test_ctrl_c_mid_run_stops_the_workers_and_removes_everything(
     r.close()
 
 
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(child) for task in tasks.iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def _pool_processes(queue: str) -> list[int]:
+    """The prefork processes of the worker this test started on ``queue``."""
+    workers = [pid for pid in _children(os.getpid())
+               if queue.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 1, workers
+    assert wait_until(lambda: len(_children(workers[0])) >= 2, timeout=30,
+                      interval=0.05)
+    return _children(workers[0])
+
+
 @pytest.mark.slow
 def test_workers_killed_before_their_warm_shutdown_leave_nothing_behind(
         own_server: EmbeddedRedis) -> None:
@@ -98,6 +115,12 @@ def test_workers_killed_before_their_warm_shutdown_leave_nothing_behind(
         with demo._workers(own_server.url, prefix, queue, 1, 2, io.StringIO(),
                            grace=0) as names:
             demo._wait_ready(app, names, timeout=60)
+            # Its pool processes hang: the worker takes messages and cannot finish them
+            # (nor acknowledge them: a message is acknowledged when a process takes it
+            # up), so it does not stop in time. Unstopped, it could drain all 2000
+            # before the way out, and leave nothing to clean up.
+            for child in _pool_processes(queue):
+                os.kill(child, signal.SIGSTOP)
             for task_id in task_ids:
                 app.send_task("demo.buy_plain", args=(1,), task_id=task_id)
             # the worker has messages reserved that it has not acknowledged
