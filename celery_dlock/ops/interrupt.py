@@ -6,14 +6,16 @@ to be.  When that is a finaliser (a client's ``__del__`` run by the garbage coll
 Python prints "Exception ignored in ..." with a traceback and drops the exception: the
 command goes on as if nothing had been pressed.  So the first press only records the
 request, and the command's loops call :meth:`CtrlC.check` at each step, which raises
-there, where it cannot be dropped.  A second press raises at once, for a step that
-blocks (a server that stopped answering).
+there, where it cannot be dropped; :meth:`CtrlC.sleep` is a wait that checks as it
+goes.  A second press raises at once, for a step that blocks (a server that stopped
+answering).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -23,6 +25,9 @@ __all__ = ["CtrlC"]
 
 class CtrlC:
     """The presses of Ctrl-C while :meth:`installed` is in force."""
+
+    #: The longest a :meth:`sleep` goes without a check, in seconds.
+    STEP = 0.05
 
     def __init__(self) -> None:
         self.presses = 0
@@ -36,6 +41,15 @@ class CtrlC:
         """Raise ``KeyboardInterrupt`` if Ctrl-C was pressed."""
         if self.presses:
             raise KeyboardInterrupt
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``; raise ``KeyboardInterrupt`` within :attr:`STEP` of a
+        press (a plain ``time.sleep`` resumes after the handler returns)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self.check()
+            time.sleep(min(left, self.STEP))
+        self.check()
 
     @contextmanager
     def installed(self) -> Iterator[CtrlC]:

@@ -19,6 +19,7 @@ from .formatting import (
     table_lines,
     with_slots,
 )
+from .interrupt import CtrlC
 from .rates import rate_cell, rate_states
 from .target import Queued, Target, reports_redis_errors, target_of
 
@@ -26,6 +27,10 @@ __all__ = ["top"]
 
 #: Queued calls listed by name (the header counts them all).
 _QUEUED_SHOWN = 5
+
+# Ctrl-C ends the view at the next step, never lost in a client's finaliser
+# (see .interrupt).
+_CTRL_C = CtrlC()
 
 _TOP_COLUMNS = ("key", "task_name", "task_id", "worker", "pid", "count", "fence",
                 "ttl", "held_for", "waiting")
@@ -143,13 +148,15 @@ def top(ctx: click.Context, interval: float, iterations: int, max_events: int) -
     target = target_of(ctx)
     done = 0
     try:
-        while True:
-            lines = _top_screen(target, max_events)
-            click.clear()
-            click.echo("\n".join(printable(line) for line in lines))
-            done += 1
-            if iterations and done >= iterations:
-                return
-            time.sleep(interval)
+        with _CTRL_C.installed():
+            while True:
+                lines = _top_screen(target, max_events)
+                _CTRL_C.check()
+                click.clear()
+                click.echo("\n".join(printable(line) for line in lines))
+                done += 1
+                if iterations and done >= iterations:
+                    return
+                _CTRL_C.sleep(interval)
     except KeyboardInterrupt:
         click.echo("")

@@ -1,10 +1,12 @@
-"""Ctrl-C of the demo is never lost in a finaliser (celery_dlock.ops.interrupt)."""
+"""Ctrl-C of the demo and of top is never lost in a finaliser (ops.interrupt)."""
 
 from __future__ import annotations
 
 import gc
 import signal
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -78,3 +80,25 @@ def test_the_previous_handler_comes_back_and_presses_start_from_none() -> None:
     with ctrl_c.installed():
         ctrl_c.check()  # the earlier press is not carried over
     assert ctrl_c.presses == 0
+
+
+def test_a_press_ends_a_sleep_within_a_step() -> None:
+    ctrl_c = CtrlC()
+    press = threading.Timer(0.2, signal.raise_signal, args=(signal.SIGINT,))
+    with ctrl_c.installed():
+        started = time.monotonic()
+        press.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ctrl_c.sleep(30)
+        finally:
+            press.cancel()
+        took = time.monotonic() - started
+    assert 0.15 < took < 5  # a plain time.sleep would have run its 30 s
+
+
+def test_an_unpressed_sleep_runs_its_length() -> None:
+    ctrl_c = CtrlC()
+    started = time.monotonic()
+    ctrl_c.sleep(0.2)
+    assert time.monotonic() - started >= 0.2
