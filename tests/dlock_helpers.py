@@ -33,6 +33,22 @@ def wait_until(predicate: Callable[[], object], timeout: float = 5.0,
         time.sleep(interval)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid``'s threads started (Linux ``/proc``); none for a process
+    that is gone, and a thread that ends meanwhile is skipped."""
+    pids: list[int] = []
+    try:
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return pids
+    for thread in threads:
+        try:
+            pids += [int(child) for child in (thread / "children").read_text().split()]
+        except OSError:
+            continue
+    return pids
+
+
 def closed_port() -> int:
     """A loopback port nobody listens on (bound, then released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -33,6 +33,7 @@ for extra in (TESTS / "faults", TESTS / "fencing", TESTS):
     if str(extra) not in sys.path:
         sys.path.append(str(extra))
 
+from dlock_helpers import child_pids  # noqa: E402
 from proxy import FaultProxy  # noqa: E402
 
 
@@ -166,12 +167,7 @@ class Run:
         return proc
 
     def children(self) -> list[int]:
-        pids: list[int] = []
-        for w in self.workers:
-            with contextlib.suppress(OSError):
-                text = Path(f"/proc/{w.pid}/task/{w.pid}/children").read_text()
-                pids += [int(x) for x in text.split()]
-        return pids
+        return [pid for w in self.workers for pid in child_pids(w.pid)]
 
     def supervise(self) -> None:
         """Restart a worker whose main process exited (a broker reconnect can crash

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from dlock_helpers import wait_until
+from dlock_helpers import child_pids, wait_until
 
 from celery_dlock.ops import demo
 from celery_dlock.ops.embedded import EmbeddedRedis
@@ -82,20 +82,14 @@ def test_ctrl_c_mid_run_stops_the_workers_and_removes_everything(
     r.close()
 
 
-def _children(pid: int) -> list[int]:
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(child) for task in tasks.iterdir()
-            for child in (task / "children").read_text().split()]
-
-
 def _pool_processes(queue: str) -> list[int]:
     """The prefork processes of the worker this test started on ``queue``."""
-    workers = [pid for pid in _children(os.getpid())
+    workers = [pid for pid in child_pids(os.getpid())
                if queue.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(workers) == 1, workers
-    assert wait_until(lambda: len(_children(workers[0])) >= 2, timeout=30,
+    assert wait_until(lambda: len(child_pids(workers[0])) >= 2, timeout=30,
                       interval=0.05)
-    return _children(workers[0])
+    return child_pids(workers[0])
 
 
 @pytest.mark.slow
