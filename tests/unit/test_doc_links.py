@@ -1,5 +1,6 @@
-"""Every relative link in README.md and docs/*.md names a file that exists, and every
-page under docs/ is reachable from the README (directly or through another page)."""
+"""Every relative link in README.md and docs/*.md names a file that exists; every page
+under docs/ is listed in docs/index.md and reachable from the README; the README stays a
+short front page; docs/architecture.md lists every module."""
 
 from __future__ import annotations
 
@@ -40,9 +41,35 @@ def test_every_docs_page_is_reachable_from_the_readme() -> None:
     assert unreachable == []
 
 
-def test_the_readme_layout_lists_every_module() -> None:
+def test_the_docs_index_links_every_page_and_the_readme_links_the_index() -> None:
+    index = ROOT / "docs" / "index.md"
+    listed = {(index.parent / t).resolve() for t in _relative_links(index)}
+    unlisted = [p.name for p in sorted((ROOT / "docs").glob("*.md"))
+                if p != index and p.resolve() not in listed]
+    assert unlisted == []
+    assert "docs/index.md" in _relative_links(ROOT / "README.md")
+
+
+#: The README is a front page: what and why, the two commands, install, a first app,
+#: the guarantees in brief and a map of docs/. Everything else lives in docs/.
+README_MAX_LINES = 300
+
+
+def test_the_readme_is_a_short_front_page_with_each_command_once() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    layout = text[text.index("## Layout"):]
+    assert len(text.splitlines()) <= README_MAX_LINES
+    for command in ("celery-dlock demo", ".venv/bin/python -m pytest"):
+        assert text.count(command) == 1, command
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    for needed in ("See it in one command", "Run the tests", "Install",
+                   "Your own app in five minutes", "The guarantees in brief",
+                   "Documentation"):
+        assert needed in headings
+
+
+def test_the_architecture_page_lists_every_module() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layout = text[text.index("## Every module"):]
     package = ROOT / "celery_dlock"
     missing = [p.relative_to(package).as_posix() for p in sorted(package.rglob("*.py"))
                if p.name not in ("__init__.py", "__main__.py") and
