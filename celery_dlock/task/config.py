@@ -65,13 +65,46 @@ CALL_KEYWORDS: frozenset[str] = CALL_OPTIONS | frozenset(KEY_OPTIONS) | \
     frozenset(NOT_PER_CALL)
 
 
+#: How close (difflib's ratio) a keyword must be to a lock option to be taken for a
+#: misspelling of it when it has no ``lock_`` / ``on_`` prefix to give it away.
+_NEAR_MISS = 0.8
+#: The ``on_*`` keywords a call may mean as lock options, and how close a misspelling is.
+_POLICY_NEAR_MISS = 0.7
+
+
+def _near_miss(name: str) -> bool:
+    """Whether an ``apply_async``/``send_task`` keyword that is not a lock option looks
+    like a misspelt one: ``lock_*``/``dlock_*`` (``lock_mdoe``), an ``on_*`` close to
+    a policy (``on_duplicat``), or any name very close to a lock option
+    (``lockmode``)."""
+    if name.startswith(("lock_", "dlock_", "lock-")):
+        return True
+    if name.startswith("on_"):
+        return bool(difflib.get_close_matches(name, _POLICY_OPTIONS, n=1,
+                                              cutoff=_POLICY_NEAR_MISS))
+    return bool(difflib.get_close_matches(name, CALL_KEYWORDS, n=1, cutoff=_NEAR_MISS))
+
+
+def _refuse_near_misses(options: Mapping[str, Any]) -> None:
+    for name in options:
+        if isinstance(name, str) and name not in CALL_KEYWORDS and _near_miss(name):
+            raise InvalidLockConfig(
+                f"per-call keyword {name} is not a celery-dlock option"
+                f"{did_you_mean(name, CALL_KEYWORDS | frozenset(_POLICY_OPTIONS))}; "
+                f"nothing was sent")
+
+
 def take_call_options(options: dict[str, Any]) -> dict[str, Any]:
     """Move the lock options given as keywords to ``apply_async``, ``send_task`` or a
     signature's options (``lock_mode="until_finished"``) into the call's headers,
     where they travel with the message, and return every per-call option, checked.
 
-    A keyword beats the same option in ``headers={...}`` (both spellings work).
+    A keyword beats the same option in ``headers={...}`` (both spellings work).  A
+    keyword that looks like a misspelt lock option (``lock_mdoe``, ``on_duplicat``) is
+    refused, as the same header is, before anything is sent: silently ignored, it
+    would leave the call without the option its caller asked for.
     """
+    _refuse_near_misses(options)
     given = options.keys() & CALL_KEYWORDS
     headers = options.get("headers")
     if given:

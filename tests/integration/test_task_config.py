@@ -373,3 +373,56 @@ def test_neither_broker_nor_backend_is_redis_names_dlock_url():
     assert "amqp://guest:**@rabbit//" in text and "'rpc://'" in text
     assert json.dumps(text)  # one plain line
     assert "\n" not in text
+
+
+# -- per-call keywords that look like misspelt lock options ------------------------------
+
+@pytest.fixture
+def typo_app(redis_url: str, r: redis.Redis) -> Iterator[tuple[Celery, Any, str]]:
+    tag = uuid.uuid4().hex[:8]
+    app = _conf_app(redis_url, tag)
+
+    @app.task(base=LockedTask, shared=False, name=f"cfg{tag}.report",
+              lock_key="report:{day}")
+    def report(day: str) -> str:
+        return day
+
+    yield app, report, f"q-cfg{tag}"
+    r.delete(f"q-cfg{tag}")
+    close_app(app)
+
+
+_ROUTES = {
+    "apply_async": lambda task, kw: task.apply_async(("d1",), **kw),
+    "signature.set": lambda task, kw: task.signature(("d1",)).set(**kw).apply_async(),
+    "send_task": lambda task, kw: task.app.send_task(task.name, ("d1",), **kw),
+}
+
+
+@pytest.mark.parametrize("route", sorted(_ROUTES))
+@pytest.mark.parametrize(("keyword", "closest"), [
+    ("lock_mdoe", "lock_mode"),
+    ("on_duplicat", "on_duplicate"),
+    ("on_contension", "on_contention"),
+    ("lockmode", "lock_mode"),
+    ("lock_tll", "lock_ttl"),
+])
+def test_a_misspelt_per_call_keyword_is_refused_before_anything_is_sent(
+        typo_app, r, route, keyword, closest):
+    _, task, queue = typo_app
+    with pytest.raises(InvalidLockConfig) as caught:
+        _ROUTES[route](task, {keyword: "until_finished", "on_duplicate": "raise"})
+    assert f"{keyword} is not a celery-dlock option" in str(caught.value)
+    assert f"did you mean {closest}?" in str(caught.value)
+    assert r.llen(queue) == 0
+
+
+@pytest.mark.parametrize("route", sorted(_ROUTES))
+def test_lock_options_and_celery_options_as_keywords_are_sent(typo_app, r, route):
+    """The control: the check refuses near misses only, never an option of the lock or
+    of Celery's own ``apply_async``."""
+    _, task, queue = typo_app
+    _ROUTES[route](task, {"lock_ttl": 5, "on_contention": "skip", "countdown": 0,
+                          "expires": 600, "shadow": "report(d1)",
+                          "retry_policy": {"max_retries": 1}})
+    assert r.llen(queue) == 1
