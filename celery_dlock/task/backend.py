@@ -33,7 +33,7 @@ from .schemes import check_known, sql_kind
 from .settings import conf_value
 
 __all__ = ["backend_for", "backend_from_url", "backend_of_client",
-           "check_limit_supported", "lock_from_url", "markers_for"]
+           "check_limit_supported", "forget_app", "lock_from_url", "markers_for"]
 
 _lock = threading.Lock()
 _by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDictionary()
@@ -199,6 +199,19 @@ def backend_for(app: Any) -> Backend:
             cached = (client, backend_of_client(client))
             _by_app[app] = cached
         return cached[1]
+
+
+def forget_app(app: Any) -> None:
+    """Drop what this process cached from ``app``'s configuration: its backend, its
+    client (a new one is made from the settings, as at the first call) and the
+    ``dlock_*`` settings each of its tasks read when it first ran.  For tests that
+    change ``app.conf`` between calls (the ``dlock_eager`` fixture)."""
+    with contextlib.suppress(TypeError):
+        _by_app.pop(app, None)
+        _checked_apps.pop(app, None)
+    connection.forget_app(app)
+    for task in list(getattr(app, "tasks", {}).values()):
+        vars(task).pop("_dlock_settings", None)
 
 
 def check_limit_supported(app: Any, limit: Any, where: str) -> None:

@@ -41,8 +41,8 @@ from ..core.errors import BackendUnavailable, InvalidLockConfig
 from .schemes import celery_sql_url, check_known, sql_kind
 from .settings import conf_value
 
-__all__ = ["cached_client", "get_client", "mask_url", "redis_url_of", "redlock_urls",
-           "resolve_url", "sql_url_of"]
+__all__ = ["cached_client", "forget_app", "get_client", "mask_url", "redis_url_of",
+           "redlock_urls", "resolve_url", "sql_url_of"]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Celery's and kombu's spellings of a Redis unix socket.
@@ -362,6 +362,13 @@ def get_client(app: Any) -> Any:
         with contextlib.suppress(TypeError):  # an app that takes no weak references
             _by_app[app] = client
         return client
+
+
+def forget_app(app: Any) -> None:
+    """Forget which client ``app`` uses (the next call reads its settings again;
+    the clients themselves stay cached by URL)."""
+    with contextlib.suppress(TypeError):
+        _by_app.pop(app, None)
 
 
 def _forget_clients() -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from ..task.backend import forget_app
+
 __all__ = ["EAGER_SETTINGS", "Eager"]
 
 #: What :class:`Eager` sets, and restores afterwards.
@@ -37,9 +39,10 @@ class Eager:
         """Make ``app``'s calls eager with real locks; more ``app.conf`` settings for
         the test may be given as keywords (``result_backend="cache+memory://"``).
 
-        A task reads its ``dlock_*`` settings when it first runs in the process: to
-        change a policy for one call, pass it with the call
-        (``task.apply_async(args, on_contention="skip")``)."""
+        The app's tasks read their ``dlock_*`` settings afresh (also those that ran
+        before), and again after :meth:`restore`: a setting of one test never
+        reaches the next.  To change a policy for one call only, pass it with the
+        call (``task.apply_async(args, on_contention="skip")``)."""
         conf = getattr(app, "conf", None)
         if conf is None or not hasattr(conf, "changes"):
             raise TypeError(f"dlock_eager: {app!r} is not a Celery app")
@@ -49,10 +52,12 @@ class Eager:
             saved[key] = (conf.changes[key],) if key in conf.changes else None
             conf[key] = value
         self._saved.append((app, saved))
+        forget_app(app)  # what the tasks and the app cached from the old settings
         return app
 
     def restore(self) -> None:
-        """Put every app's settings back, the latest change first."""
+        """Put every app's settings back, the latest change first, and drop what its
+        tasks cached from the test's settings (they read the app's again)."""
         while self._saved:
             app, saved = self._saved.pop()
             conf = app.conf
@@ -61,3 +66,4 @@ class Eager:
                     conf.changes.pop(key, None)
                 else:
                     conf[key] = old[0]
+            forget_app(app)

@@ -4,7 +4,9 @@ worker would, so that a task of that name meets contention.
 The hold is taken on the app's own backend (:func:`celery_dlock.task.backend.
 backend_for`, so the same Redis and the same key layout as its tasks) under the
 task's key prefix, by an owner of its own: it contends with every call the test
-makes, eager runs, direct calls and workers alike, and is renewed while held.
+makes, eager runs, direct calls and workers alike, and is renewed while held.  It
+takes what the task's own run would take: one slot of a task with ``lock_limit=N``
+(hold it ``N`` times to fill them all), else the lock.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class Holds:
     def __call__(self, target: Any, name: str | None = None, *,
                  args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None,
                  prefix: str | None = None, ttl: float = HOLD_TTL,
-                 timeout: float = 0.0) -> HeldLock:
+                 timeout: float = 0.0, limit: int | None = None) -> HeldLock:
         """Hold the lock ``name`` of ``target``'s app (a Celery app, or a locked task).
 
         For a task the name may be left out: the name its call with ``args`` and
@@ -100,7 +102,9 @@ class Holds:
         ``prefix`` when given, else the task's (``lock_prefix``), else the app's
         ``dlock_key_prefix`` (default ``"dlock"``).  ``timeout``: seconds to wait when
         someone else holds it (default: do not wait), then
-        :class:`~celery_dlock.LockNotAcquired` saying who does.
+        :class:`~celery_dlock.LockNotAcquired` saying who does.  ``limit``: the
+        slots of the name (default: the task's ``lock_limit``, else the app's
+        ``dlock_lock_limit``, else 1); the hold takes one of them.
         """
         task = target if _is_task(target) else None
         app = task.app if task is not None else target
@@ -113,7 +117,10 @@ class Holds:
             prefix = self._prefix_of(task, app)
         info = {"held_by": "dlock_hold", "test": self.test}
         owner = f"dlock_hold:{uuid.uuid4().hex}"
-        lock = backend_for(app).lock(name, ttl, prefix=prefix, info=info, owner=owner)
+        if limit is None:
+            limit = self._limit_of(task, app)
+        lock = backend_for(app).lock(name, ttl, prefix=prefix, info=info, owner=owner,
+                                     limit=limit)
         if timeout > 0:
             acquired = lock.acquire(blocking=True, timeout=timeout)
         else:
@@ -133,6 +140,14 @@ class Holds:
             return str(task.dlock_settings()["lock_prefix"])
         value = conf_value(app, "dlock_key_prefix", DEFAULT_PREFIX)
         return str(SETTINGS["lock_prefix"].check("app.conf.dlock_key_prefix", value))
+
+    @staticmethod
+    def _limit_of(task: Any, app: Any) -> int:
+        if task is not None:
+            return int(task.dlock_settings()["lock_limit"])
+        setting = SETTINGS["lock_limit"]
+        value = conf_value(app, setting.conf, setting.default)
+        return int(setting.check(f"app.conf.{setting.conf}", value))
 
     @property
     def held(self) -> list[HeldLock]:

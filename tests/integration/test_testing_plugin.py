@@ -398,3 +398,56 @@ def test_after_dlock_eager_the_apps_value_is_back(shop: Celery) -> None:
     eager(shop)
     eager.restore()
     assert shop.conf.dlock_enabled is False
+
+
+def test_dlock_eager_settings_never_reach_the_next_test(shop: Celery,
+                                                       dlock_hold: Holds) -> None:
+    """The settings a task read (and cached) under one test's ``dlock_eager`` are
+    read again after it: the next test sees the app's own, and a test's own apply
+    even to a task that ran before it."""
+    buy = shop.tasks["shop.buy"]
+    assert isinstance(buy(7), int)  # ran once: read the defaults (retry)
+    first = Eager()  # one test ...
+    first(shop, dlock_on_contention="skip")
+    with dlock_hold(shop, "stock:7"):
+        assert is_skipped(buy.delay(7).get())  # the test's policy, not the cached one
+    first.restore()
+    second = Eager()  # ... and the next
+    second(shop)
+    try:
+        with dlock_hold(shop, "stock:7"), pytest.raises(LockNotAcquired):
+            buy.delay(7)  # the default again: retry, which an eager run cannot
+        assert buy.dlock_settings()["on_contention"] == "retry"
+    finally:
+        second.restore()
+
+
+def test_dlock_hold_takes_a_slot_of_a_limited_task(
+        redis_url: str, prefix: str, dlock_hold: Holds, dlock_eager: Eager,
+        r: redis.Redis) -> None:
+    app = Celery("limited", broker="memory://", set_as_current=False)
+    app.conf.update(dlock_url=redis_url, dlock_key_prefix=prefix)
+
+    @app.task(base=LockedTask, bind=True, shared=False, name="shop.pack",
+              lock_key="pack:{line}", lock_limit=2)
+    def pack(self: Any, line: int) -> Any:
+        return self.lock.fence
+
+    try:
+        dlock_eager(app)
+        first = dlock_hold(pack, args=(1,))
+        assert r.type(_key(prefix, "pack:1")) == b"zset"  # a slot, as the task takes
+        assert isinstance(pack.apply_async((1,), on_contention="raise").get(), int)
+        second = dlock_hold(pack, args=(1,))  # both slots held now
+        with pytest.raises(LockNotAcquired):
+            pack.apply_async((1,), on_contention="raise").get()
+        with pytest.raises(LockNotAcquired):  # a third slot there is not
+            dlock_hold(pack, args=(1,))
+        second.release()
+        assert isinstance(pack.apply_async((1,), on_contention="raise").get(), int)
+        first.release()
+        assert not r.exists(_key(prefix, "pack:1"))
+        plain = dlock_hold(app, "pack:9")  # by name on the app: its limit, 1
+        assert r.type(_key(prefix, "pack:9")) == b"hash" and plain.held
+    finally:
+        app.close()
