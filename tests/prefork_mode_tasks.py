@@ -29,6 +29,24 @@ def register(app: Celery, dp: str, record: Callable[..., None]) -> None:
                task_id=self.request.id, pid=os.getpid())
         return tag
 
+    @app.task(shared=False, name="pf.mode_retry", base=LockedTask, bind=True,
+              lock_key="mode:{key}", lock_ttl=3, on_contention="wait", lock_wait=60,
+              lock_mode="until_finished", max_retries=3)
+    def mode_retry(self: Any, key: str, seconds: float, tag: str,
+                   retry_in: float | None = None) -> str:
+        """``pf.mode``, which asks for one retry (in ``retry_in`` seconds) after its
+        first attempt when ``retry_in`` is given."""
+        start = time.time()
+        attempt = self.request.retries
+        record(f"{dp}:mode-start:{key}", tag=tag, start=start, attempt=attempt,
+               task_id=self.request.id)
+        time.sleep(seconds)
+        record(f"{dp}:mode:{key}", tag=tag, start=start, end=time.time(),
+               attempt=attempt, task_id=self.request.id, pid=os.getpid())
+        if retry_in is not None and attempt == 0:
+            raise self.retry(countdown=retry_in)
+        return tag
+
     @app.task(shared=False, name="pf.lock_state", base=LockedTask, bind=True,
               lock_key="state:{key}", on_contention="raise",
               lock_mode="until_finished", on_duplicate="raise")

@@ -11,7 +11,7 @@ from celery.exceptions import Ignore
 from ..core.errors import DLockError
 from ..core.protocol import Lock
 from .backend import markers_for
-from .markers import MarkerRecord, record_of
+from .markers import MARKER_HEADER, MarkerRecord, record_of
 
 __all__ = ["free_marker", "free_marker_of", "hand_over"]
 
@@ -37,20 +37,28 @@ def hand_over(task: Any, request: Any, lock: Lock) -> None:
     call took the marker), or kept in the queue past ``lock_queue_ttl`` while a later
     call was accepted.  The later call runs; this one ends here (Ignore), recorded as
     revoked, without running.  A throttle's window is left alone: each accepted call
-    runs."""
+    runs.
+
+    The retry of a call that started (its record says ``started``) is never
+    superseded: it removes the marker only if it took it again (``until_finished``).
+    Every other call, once handed over, is marked ``started`` on its request, so that
+    a retry it asks for carries the mark."""
     record = _own_record(request)
     if record is None or not record.removed_at_start:
         return
+    if record.started and record.mode != "until_finished":
+        return  # its retry claimed nothing: there is nothing to hand over
     try:
         replaced_by = markers_for(task.app).hand_over(
             record.prefix, record.name, record.task_id, remove=True,
-            replaced_check=True)
+            replaced_check=not record.started)
     except DLockError as exc:
         logger.warning("Task %s[%s]: could not hand its queue marker of %r over (it "
                        "expires within lock_queue_ttl): %s", task.name, request.id,
                        record.name, exc)
-        return
+        replaced_by = None
     if replaced_by is None:
+        _mark_started(request, record)
         return
     lock.release()
     logger.info("Task %s[%s] does not run: its queue marker of %r was taken by %s "
@@ -60,6 +68,23 @@ def hand_over(task: Any, request: Any, lock: Lock) -> None:
         task.backend.mark_as_revoked(request.id, reason=f"superseded by {replaced_by}",
                                      request=request)
     raise Ignore(f"{request.id} was superseded by {replaced_by}")
+
+
+def _mark_started(request: Any, record: MarkerRecord) -> None:
+    """Record on ``request`` that its call started: a retry it asks for copies the
+    request's headers, and so carries a record that says so."""
+    if record.started:
+        return
+    record.started = True
+    header = record.header()
+    headers = getattr(request, "headers", None)
+    if isinstance(headers, dict) and MARKER_HEADER in headers:
+        headers[MARKER_HEADER] = header
+    if isinstance(getattr(request, MARKER_HEADER, None), dict):
+        try:
+            setattr(request, MARKER_HEADER, header)
+        except AttributeError:  # a request that takes no attributes
+            pass
 
 
 def free_marker(task: Any, request: Any, requeue: bool = True) -> None:

@@ -23,6 +23,14 @@ shows its marker or its holder (``until_finished`` checks both): no gap in which
 second call could queue.  A call that ends without taking the lock (skip, raise,
 its bound of retries) frees its marker; a call re-queued with its task id (a retry,
 a contention retry) keeps it.
+
+Re-queues: a call re-queued before it started (a contention retry, a rate park) keeps
+its marker; a ``throttle`` call's re-queue claims nothing, so its window keeps counting
+from the accepted enqueue.  A call that started and retries (``self.retry()``,
+``autoretry_for``) carries ``started`` in its record: in ``until_finished`` it takes
+the marker again (the name stays held between its attempts), in ``until_started`` and
+``queued_and_running`` it claims nothing (the name freed at its start, and a call
+queued meanwhile stays queued); its start is never taken for a superseded call's.
 """
 
 from __future__ import annotations
@@ -56,8 +64,12 @@ class MarkerStore(Protocol):
     """What enqueue-time uniqueness asks of a backend."""
 
     def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
-              running_counts: bool, replace: bool,
-              requeue: bool) -> tuple[int, str, float | None]: ...
+              running_counts: bool, replace: bool, requeue: bool,
+              op: str = "") -> tuple[int, str, float | None]: ...
+
+    def confirm(self, prefix: str, name: str, task_id: str) -> bool: ...
+
+    def undo(self, prefix: str, name: str, task_id: str) -> bool: ...
 
     def hand_over(self, prefix: str, name: str, task_id: str, *, remove: bool,
                   replaced_check: bool) -> str | None: ...
@@ -70,21 +82,30 @@ class MarkerStore(Protocol):
 
 
 class MarkerRecord:
-    """The marker a message carries: ``name`` under ``prefix``, for ``task_id``."""
+    """The marker a message carries: ``name`` under ``prefix``, for ``task_id``.
 
-    __slots__ = ("mode", "name", "policy", "prefix", "task_id")
+    ``started``: the call has started once (its marker was handed over), so this
+    message is its retry (``self.retry()``, ``autoretry_for``, or a re-queue of such a
+    retry): it is never superseded, and in ``until_started`` and ``queued_and_running``
+    it claims nothing (the name freed when the call started)."""
+
+    __slots__ = ("mode", "name", "policy", "prefix", "started", "task_id")
 
     def __init__(self, name: str, prefix: str, mode: str, policy: str,
-                 task_id: str) -> None:
+                 task_id: str, started: bool = False) -> None:
         self.name = name
         self.prefix = prefix
         self.mode = mode
         self.policy = policy
         self.task_id = task_id
+        self.started = started
 
     def header(self) -> dict[str, str]:
-        return {"name": self.name, "prefix": self.prefix, "mode": self.mode,
-                "policy": self.policy, "id": self.task_id}
+        fields = {"name": self.name, "prefix": self.prefix, "mode": self.mode,
+                  "policy": self.policy, "id": self.task_id}
+        if self.started:
+            fields["started"] = "1"
+        return fields
 
     @property
     def removed_at_start(self) -> bool:
@@ -111,7 +132,9 @@ def record_of(source: Any) -> MarkerRecord | None:
         return None
     if not all(isinstance(f, str) and f for f in fields):
         return None
-    return MarkerRecord(*fields)
+    name, prefix, mode, policy, task_id = fields
+    return MarkerRecord(name, prefix, mode, policy, task_id,
+                        started=raw.get("started") == "1")
 
 
 def _seconds(value: Any, now: datetime) -> float | None:

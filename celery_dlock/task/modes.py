@@ -92,46 +92,75 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
     # A call accepted before and re-queued with its task id (a retry, a contention
     # retry, a duplicate delivery's copy) is never a duplicate of anything.
     requeue = record is not None and record.task_id == task_id
+    started = requeue and record is not None and record.started
+    if requeue and (mode == "throttle" or (started and mode != "until_finished")):
+        # A throttle call's re-queue leaves its window as it is (it counts from the
+        # accepted enqueue); the retry of a started call holds no name in
+        # until_started and queued_and_running (it freed when the call started):
+        # either is published as it is, claiming nothing.
+        headers[MARKER_HEADER] = MarkerRecord(lock_name, prefix, mode, policy,
+                                              task_id, started).header()
+        options["headers"] = headers
+        return original(name, args, kwargs, **options)
     store = markers_for(app)
     ttl = marker_ttl(mode, settings, options)
+
+    op = uuid()  # the same for a re-sent claim (its reply lost), new for each send
 
     def claim() -> tuple[int, str, float | None]:
         return store.claim(prefix, lock_name, task_id, ttl,
                            running_counts=mode == "until_finished",
-                           replace=policy == "replace" and not requeue, requeue=requeue)
+                           replace=policy == "replace" and not requeue, requeue=requeue,
+                           op=op)
 
     code, other, left = claim()
+    # (A marker naming this very task id is never judged by the result store: a
+    # task id sent again may have a result of an earlier run.)
     if code == QUEUED and not requeue and mode != "throttle" and \
-            _stale(app, task, other):
+            other != task_id and _stale(app, task, other):
         store.clear(prefix, lock_name, other)  # its call ended or was revoked
         code, other, left = claim()
     if requeue or code in (CLAIMED, OURS, REPLACED):
         headers[MARKER_HEADER] = MarkerRecord(lock_name, prefix, mode, policy,
-                                              task_id).header()
+                                              task_id, started).header()
         options["headers"] = headers
         try:
             result = original(name, args, kwargs, **options)
         except BaseException:
             if code in (CLAIMED, REPLACED):
-                _clear_quietly(store, prefix, lock_name, task_id)
+                _take_back(store, prefix, lock_name, task_id)
             raise
         if code == REPLACED:
-            _replaced(app, task, lock_name, other, task_id, mode)
+            _replaced(app, task, store, prefix, lock_name, other, task_id, mode)
         return result
     return _duplicate(app, task, lock_name, task_id, other, left, mode, policy,
                       running=code == RUNNING)
 
 
-def _clear_quietly(store: MarkerStore, prefix: str, name: str, task_id: str) -> None:
+def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str) -> None:
+    """The publish failed: the claim is taken back (a replace replaces nothing: the
+    call it replaced is queued under the name again, and runs)."""
     try:
-        store.clear(prefix, name, task_id)
+        store.undo(prefix, name, task_id)
     except DLockError as exc:  # it expires within its ttl
-        logger.warning("Could not remove the queue marker of %r after a failed "
-                       "publish: %s", name, exc)
+        logger.warning("Could not take back the queue marker of %r after a failed "
+                       "publish (a call it replaced starts all the same: the replace "
+                       "was not confirmed): %s", name, exc)
 
 
-def _replaced(app: Any, task: Any, lock_name: str, old: str, new: str,
-              mode: str) -> None:
+def _replaced(app: Any, task: Any, store: MarkerStore, prefix: str, lock_name: str,
+              old: str, new: str, mode: str) -> None:
+    try:
+        stands = store.confirm(prefix, lock_name, new)
+    except DLockError as exc:  # unconfirmed: ``old`` may still start (and run)
+        logger.warning("Task %s[%s] replaced %s, but the replace could not be "
+                       "confirmed (if %s starts first, it runs and %s does not): %s",
+                       task.name, new, old, old, new, exc)
+        return
+    if not stands:  # ``old`` started first and took the replace back
+        logger.info("Task %s[%s] does not replace %s, which started first: %s never "
+                    "runs (superseded)", task.name, new, old, new)
+        return
     signals.send(signals.lock_duplicate, task, lock_name, task_id=new, existing=old,
                  mode=mode, policy="replace")
     try:

@@ -198,6 +198,34 @@ def test_queued_and_running_lets_one_wait_behind_the_running_one(
     assert_disjoint(runs(h, "qr"))
 
 
+@pytest.mark.parametrize("mode", ("until_started", "queued_and_running",
+                                  "until_finished"))
+def test_the_retry_of_a_started_call_is_never_superseded(harness: Harness,
+                                                         mode: str) -> None:
+    """a starts and asks for a retry (self.retry); b is sent while a runs, for later
+    (until_started, queued_and_running: the name freed when a started, so b queues
+    and holds the marker when a's retry starts; until_finished: b is a duplicate of
+    the running a, and the retry takes the name again).  a's retry runs all the same,
+    b runs once, nothing overlaps."""
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    task = h.app.tasks["pf.mode_retry"]
+    a = task.apply_async(("rt", 1.0, "a"), {"retry_in": 1.0}, lock_mode=mode)
+    wait_for(lambda: h.records("mode-start", "rt"), 20, what="a to start")
+    b = task.apply_async(("rt", 0.0, "b"), lock_mode=mode, countdown=4)
+    assert (b.id == a.id) == (mode == "until_finished")
+    wait_for(lambda: runs(h, "rt"), 20, what="a's first attempt to end")
+    # Between a's attempts: a call sent now is a duplicate of the queued one.
+    c = task.apply_async(("rt", 0.0, "c"), lock_mode=mode)
+    assert c.id == b.id
+    assert a.get(timeout=30) == "a"
+    assert b.get(timeout=30) == ("a" if mode == "until_finished" else "b")
+    done = runs(h, "rt")
+    assert [(run["tag"], run["attempt"]) for run in done] == \
+        [("a", 0), ("a", 1)] + ([] if mode == "until_finished" else [("b", 0)])
+    assert_disjoint(done)
+
+
 def test_throttle_runs_once_per_window_counted_from_the_enqueue(
         harness: Harness) -> None:
     h = harness
