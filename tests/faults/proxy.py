@@ -12,7 +12,11 @@ connection or for all of them at once:
 * ``drop_reply(pattern)``: forward the next request that contains ``pattern`` (so the
   server runs it) and swallow every reply on that connection from then on: the client
   times out, reconnects and may re-send the command, as redis-py's ``Retry`` does;
-* ``delay(seconds)``: hold every chunk for ``seconds`` before forwarding it.
+* ``delay(seconds)``: hold every chunk for ``seconds`` before forwarding it;
+* ``hold_request(pattern)``: hold the next request that contains ``pattern`` until
+  the test lets it go (:class:`HeldRequest`), then forward it, even when the client
+  gave up on it meanwhile: a request that reaches the server late, at a moment the
+  test chooses.
 
 Everything is bounded: pump threads poll with a short timeout and stop with
 :meth:`FaultProxy.close`.
@@ -27,9 +31,29 @@ import threading
 import time
 from types import TracebackType
 
-__all__ = ["FaultProxy"]
+__all__ = ["FaultProxy", "HeldRequest"]
 
 _POLL = 0.05
+#: The longest a held request waits for the test to let it go (seconds).
+_HOLD_MAX = 30.0
+
+
+class HeldRequest:
+    """A request :meth:`FaultProxy.hold_request` holds: ``arrived`` is set when the
+    proxy has it, ``forwarded`` once it went on to the server after :meth:`let_go`."""
+
+    def __init__(self, pattern: bytes) -> None:
+        self.pattern = pattern
+        self.arrived = threading.Event()
+        self.forwarded = threading.Event()
+        self._go = threading.Event()
+
+    def let_go(self) -> None:
+        self._go.set()
+
+    def wait_to_go(self) -> None:
+        self.arrived.set()
+        self._go.wait(_HOLD_MAX)
 
 
 class _Link:
@@ -77,6 +101,12 @@ class _Link:
         if proxy.delay_s > 0:
             time.sleep(proxy.delay_s)
         if upstream:
+            held = proxy.take_held(chunk)
+            if held is not None:
+                held.wait_to_go()
+                dst.sendall(chunk)
+                held.forwarded.set()
+                return
             if proxy.take_match(chunk):
                 self.drop_replies = True
         elif self.drop_replies:
@@ -107,6 +137,7 @@ class FaultProxy:
         self._patterns: list[bytes] = []
         self._drops_left = 0
         self._matched = threading.Event()
+        self._held: list[HeldRequest] = []
         self._lock = threading.Lock()
         self._links: list[_Link] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -149,6 +180,22 @@ class FaultProxy:
             self._matched.clear()
         return self._matched
 
+    def hold_request(self, pattern: bytes) -> HeldRequest:
+        """Hold the next request that contains ``pattern`` (on whatever connection)
+        until the returned :class:`HeldRequest` is let go."""
+        held = HeldRequest(pattern)
+        with self._lock:
+            self._held.append(held)
+        return held
+
+    def take_held(self, chunk: bytes) -> HeldRequest | None:
+        with self._lock:
+            for held in self._held:
+                if held.pattern in chunk:
+                    self._held.remove(held)
+                    return held
+        return None
+
     def take_match(self, chunk: bytes) -> bool:
         with self._lock:
             if self._drops_left <= 0:
@@ -188,6 +235,10 @@ class FaultProxy:
 
     def close(self) -> None:
         self.closed = True
+        with self._lock:
+            held, self._held = self._held, []
+        for h in held:
+            h.let_go()
         with contextlib.suppress(OSError):
             self._listener.close()
         self.cut_all()

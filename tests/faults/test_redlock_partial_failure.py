@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import redis
 from dlock_helpers import closed_port, wait_until
+from proxy import FaultProxy
 
-from celery_dlock import RedlockLock
+from celery_dlock import RedisLock, RedlockLock
 from celery_dlock.backends.redis.redlock.workers import IDLE_EXIT, NODE_WORKERS
+from celery_dlock.backends.redis.scripts import RELEASE
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 
@@ -261,6 +263,59 @@ def test_one_node_stopped_past_several_ttls_starves_nobody(nodes):
     assert workers() <= 3 * NODE_WORKERS
     # and they end once idle
     assert wait_until(lambda: workers() == 0, timeout=IDLE_EXIT + 10)
+
+
+# -- a give-back that arrives late -----------------------------------------------------
+
+
+def _evalsha_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats").get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0))
+
+
+def test_a_late_give_back_never_removes_the_owners_next_hold(nodes):
+    """The steps of a black-holed node healing, in a fixed order: attempt 1 is
+    refused by nodes 0 and 1 and granted by node 2, whose give-back is held up on the
+    way (past the node timeout: the caller goes on); that grant expires; the same
+    owner's attempt 2 takes a new hold on all three; then the give-back reaches node 2.
+    It names the acquire it undoes, so it leaves attempt 2's hold there alone (before,
+    it released whatever the owner held: the hold just granted was gone from node 2)."""
+    proxy = FaultProxy(nodes.servers[2].port)
+    through_proxy = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=5)
+    try:
+        clients = [*nodes.clients()[:2], through_proxy]
+        # No renewal: the only script call node 2 gets after attempt 2 is the give-back.
+        a = _lock(clients, "late-undo", "owner-a", ttl=1.0, node_timeout=0.2,
+                  auto_renew=False)
+        others = [RedisLock(nodes.admin(i), "late-undo", owner="owner-x", ttl=30,
+                            prefix="pf", auto_renew=False) for i in (0, 1)]
+        for other in others:
+            assert other.acquire(blocking=False)
+        nodes.admin(2).script_load(RELEASE.source)  # a late EVALSHA finds it there
+        held = proxy.hold_request(RELEASE.sha.encode())
+        assert not a.acquire(blocking=False)  # attempt 1: 1 of 3 granted
+        assert held.arrived.wait(5)  # its give-back to node 2, held up
+        assert nodes.owners(a.keys.lock) == ["owner-x", "owner-x", "owner-a"]
+        for other in others:
+            other.release()
+        # attempt 1's grant on node 2 ends by its ttl
+        assert wait_until(lambda: nodes.owners(a.keys.lock, (2,)) == [None],
+                          timeout=5)
+        assert a.acquire(blocking=False)  # attempt 2, the same owner
+        a.extend(30.0)  # on every node, answered
+        assert nodes.owners(a.keys.lock) == ["owner-a"] * 3
+        before = _evalsha_calls(nodes.admin(2))
+        held.let_go()  # now the give-back of attempt 1 reaches node 2
+        assert held.forwarded.wait(5)
+        assert wait_until(lambda: _evalsha_calls(nodes.admin(2)) > before, timeout=5)
+        assert nodes.owners(a.keys.lock) == ["owner-a"] * 3
+        assert not a.lost
+        a.ensure_held()
+        a.release()
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == [None] * 3)
+    finally:
+        through_proxy.close()
+        proxy.close()
 
 
 # -- one server is not several nodes ----------------------------------------------------

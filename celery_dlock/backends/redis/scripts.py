@@ -191,7 +191,8 @@ return reply
 
 # KEYS[1] lock hash
 # ARGV[1] owner, ARGV[2] operation id, ARGV[3] the fence of the owner's hold ('' when
-# unknown: a give-back)
+# unknown: a give-back), ARGV[4] for a give-back, the operation id of the acquire it
+# undoes ('' or absent: a release of the owner's own)
 # Returns {1} released (the key is gone; the first waiter was woken),
 #         {2, count} still held by this owner (count > 0 acquisitions left),
 #         {0} already expired (nothing to release), {-1} held by another owner
@@ -199,6 +200,10 @@ return reply
 #         a non-final one from the hold's ``ops``; a final one from the fence counter,
 #         which the final release leaves at the hold's fence + 1 (see ``freed``: the
 #         answer holds until the next hold of the name ends).
+# A give-back takes back only the count its acquire added to the hold there now: when
+# that hold never counted it (the acquire never ran there, or its hold ended and the
+# owner took a new one since), it returns {0} and leaves the hold alone, so a give-back
+# that arrives late never removes the owner's later hold.
 # The final release leaves no key behind but the fence counter.
 RELEASE = LuaScript(
     "release",
@@ -218,6 +223,8 @@ end
 local ops = call('HGET', lock, 'ops')
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
+local undoes = ARGV[4]
+if undoes and undoes ~= '' and not seen(ops, undoes) then return {0} end
 local count = tonumber(call('HGET', lock, 'count')) - 1
 if count > 0 then
   call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))

@@ -144,6 +144,8 @@ class RedlockLock(Hold):
         self._in_flight: dict[int, list[cf.Future[Any]]] = {}
         # Per node, the fence of this object's fresh hold there (None: no answer).
         self._node_fences: tuple[int | None, ...] = ()
+        # The operation id of the last acquire sent: a give-back names it.
+        self._last_acquire_op = ""
 
     # -- helpers ------------------------------------------------------------------
 
@@ -173,6 +175,7 @@ class RedlockLock(Hold):
 
     def _send_acquire(self, owner: str, op: str, *, queue: bool,
                       reentry: bool) -> Grant | Refused | int:
+        self._last_acquire_op = op
         args = [owner, self._acquire_ttl_ms(reentry), 0, op, "", "pid", os.getpid(),
                 *self._info_args]
         keys = (self.keys.lock,)
@@ -257,7 +260,9 @@ class RedlockLock(Hold):
         time.sleep(delay)
 
     def _give_back(self, owner: str) -> None:
-        out = self._call_all(RELEASE, (owner, new_op_id()))
+        # Named after the acquire it undoes: a node where that acquire did not count
+        # (it never ran there) keeps whatever hold the owner has there.
+        out = self._call_all(RELEASE, (owner, new_op_id(), "", self._last_acquire_op))
         if sum(1 for r in out if answered(r)) < len(self._nodes):
             logger.debug("lock %r: not every node confirmed the give-back", self.name)
 

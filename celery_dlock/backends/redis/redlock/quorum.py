@@ -143,12 +143,17 @@ def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[A
     (``late``): the same request again (if the first ran, this is its answer, else it
     runs now), then a release if it granted; acquire-then-release changes nothing
     whatever order it takes with the caller's next attempt, so a hung node costs the
-    caller nothing more."""
+    caller nothing more.  Each release names the acquire it undoes (its operation
+    id), so it takes back only that acquire's count: one that reaches a node late
+    (after the caller's next attempt took a new hold there) leaves that hold alone."""
     lock = (keys.lock,)
     granted = {i for i, r in enumerate(out) if answered(r) and int(r[0]) == 1}
+    undoes = str(args[3])  # the attempt's operation id
 
     def release(i: int, node: Any) -> Any:
-        return RELEASE(node, lock, (owner, op_id())) if i in granted else None
+        if i not in granted:
+            return None
+        return RELEASE(node, lock, (owner, op_id(), "", undoes))
 
     def undo(i: int, node: Any) -> None:
         first = late.get(i)
@@ -158,7 +163,7 @@ def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[A
                 return  # never sent: nothing to undo
         try:
             if int(ACQUIRE(node, lock, args)[0]) == 1:
-                RELEASE(node, lock, (owner, op_id()))
+                RELEASE(node, lock, (owner, op_id(), "", undoes))
         except RedisError as exc:
             where = describe(node, i)
             warn_now_and_then((where, "give-back", type(exc).__name__),
