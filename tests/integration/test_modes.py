@@ -240,6 +240,46 @@ def test_throttle_runs_once_per_window_counted_from_the_enqueue(
     assert [run["tag"] for run in runs(h, "th")] == ["a", "c"]
 
 
+@pytest.mark.parametrize("requeue", ("contention", "rate"))
+def test_a_requeue_never_restarts_the_throttle_window(harness: Harness,
+                                                      requeue: str) -> None:
+    """A throttle call is accepted at t0 (window 3 s) and delivered at t0 + 1.5 s,
+    where it is re-queued (its lock held elsewhere: a contention retry; its rate used
+    up: a park).  The window still ends at t0 + 3 s: a call sent after that is
+    accepted, and both run once."""
+    from celery_dlock.backends.redis.rate import RedisRates
+    from celery_dlock.core.rates import parse_rate
+    from celery_dlock.task.backend import backend_for
+
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    task, name, window = h.app.tasks["pf.rated"], "rated:thw", 3.0
+    opts = {"lock_mode": "throttle", "lock_ttl": window, "on_duplicate": "drop",
+            "on_contention": "retry"}
+    blocker = backend_for(h.app).lock(name, 10, prefix=h.prefix)
+    t0 = time.monotonic()
+    a = task.apply_async(("thw", 1), countdown=1.5, **opts)
+    if requeue == "contention":
+        assert blocker.acquire(blocking=False)
+    else:  # the next 2 s of the name's rate (5/s) are taken
+        for _ in range(10):
+            RedisRates(h.r).take(h.prefix, name, parse_rate("5/s"))
+    try:
+        wait_for(lambda: a.state == "RETRY", 20, what="a to be re-queued")
+        pttl = h.r.pttl(h.lock_key(name) + ":m")
+        assert 0 < pttl <= (window - (time.monotonic() - t0)) * 1000 + 300, \
+            f"the re-queue restarted the window: {pttl} ms left"
+        wait_for(lambda: time.monotonic() - t0 > window + 0.2, window + 5,
+                 what="the window to end")
+        b = task.apply_async(("thw", 2), **opts)
+        assert not isinstance(b, DroppedResult), "the window outlived its 3 s"
+    finally:
+        if blocker.owned():
+            blocker.release()
+    assert a.get(timeout=30) == 1 and b.get(timeout=30) == 2
+    assert sorted(run["n"] for run in h.records("rated", "thw")) == [1, 2]
+
+
 def test_replace_keeps_the_latest_arguments_and_runs_once(harness: Harness) -> None:
     h = harness
     opts = {"lock_mode": "until_started", "on_duplicate": "replace"}
