@@ -2,12 +2,14 @@
 registered on the app of :mod:`prefork_app`.
 
 ``pf.rated`` records each start (the Redis server's time, its task id, retries and
-node) under ``<prefix>-data:rated:<key>``.
+node) under ``<prefix>-data:rated:<key>``; ``pf.rated_slow`` (1/s) likewise, under
+``<prefix>-data:rated_slow:<key>``, then holds its lock ``seconds``.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,4 +29,13 @@ def register(app: Celery, dp: str, record: Callable[..., None],
         record(f"{dp}:rated:{key}", n=n, start=secs + usecs / 1e6,
                task_id=self.request.id, retries=self.request.retries,
                node=self.request.hostname or socket.gethostname())
+        return n
+
+    @app.task(shared=False, name="pf.rated_slow", base=LockedTask, bind=True,
+              lock_key="rated_slow:{key}", lock_rate="1/s", max_retries=0)
+    def rated_slow(self: Any, key: str, n: int, seconds: float) -> int:
+        secs, usecs = data().time()
+        record(f"{dp}:rated_slow:{key}", n=n, start=secs + usecs / 1e6,
+               task_id=self.request.id)
+        time.sleep(seconds)
         return n

@@ -81,7 +81,7 @@ from .contention import (
 from .handover import free_marker, hand_over
 from .hooks import install
 from .keys import KeyFunction, task_key_function
-from .rate import SLOT_HEADER, park_if_over
+from .rate import SLOT_HEADER, within_rate
 from .request import LockedRequest
 from .settings import check_combination, check_max_hold_option, conf_value, enabled
 from .startup import install as install_startup_check
@@ -271,8 +271,6 @@ class LockedTask(Task):  # type: ignore[misc]
         error: DLockError | None = None
         lock: Lock | None = None
         try:
-            if requeue and settings["lock_rate"] is not None:
-                park_if_over(self, request, args, kwargs, key, settings)
             lock = self._new_lock(key, settings, request)
             acquired = lock.acquire(blocking=False)
             if not acquired and requeue:
@@ -303,6 +301,18 @@ class LockedTask(Task):  # type: ignore[misc]
         if duplicate and first_run_ended(self, request.id, DUPLICATE_GRACE):
             lock.release()  # the first run released, and its result came just after
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
+        if requeue and settings["lock_rate"] is not None:
+            try:
+                outcome = within_rate(self, request, lock, args, kwargs, key, settings,
+                                      functools.partial(self._contended, key, lock))
+            except Retry:
+                raise  # parked, or re-queued: it keeps its queue marker
+            except BaseException:
+                free_marker(self, request, requeue)
+                raise
+            if outcome is not ACQUIRED:
+                free_marker(self, request, requeue)
+                return outcome
         if requeue:
             hand_over(self, request, lock)
         return self._run_body(request, lock, args, kwargs, started, settings)

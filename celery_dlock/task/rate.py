@@ -14,27 +14,35 @@ nothing (no lock was taken).  So a parked call
   one that comes back more than one interval late asks afresh;
 * keeps its queue marker (``lock_mode``), as a contention retry does.
 
+The rate is asked with the lock held, right before the body would start (after a
+wait for the lock, after contention retries): it bounds the *starts* of bodies, at
+most ``R + B`` in any window of one period.  A call over it releases the lock before
+it is parked.
+
 Direct calls and eager runs (``apply()``) are not counted: they cannot be parked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery.exceptions import Retry
 
-from ..core.errors import NotSupported
-from ..core.protocol import RateStore
+from ..core.errors import BackendUnavailable, DLockError, NotSupported
+from ..core.protocol import Lock, RateStore
 from ..core.rates import Rate, RateDecision
 from . import signals
 from .backend import backend_for
 from .connection import redlock_urls
+from .contention import ACQUIRED
 from .schemes import sql_kind
 from .settings import conf_value
 
-__all__ = ["SLOT_HEADER", "check_rates_supported", "park_if_over", "rates_for"]
+__all__ = ["SLOT_HEADER", "check_rates_supported", "park_if_over", "rates_for",
+           "within_rate"]
 
 logger = logging.getLogger("celery_dlock.rate")
 
@@ -83,9 +91,11 @@ def _slot_of(request: Any) -> int | None:
 
 def park_if_over(task: Any, request: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any], name: str,
-                 settings: Mapping[str, Any]) -> None:
+                 settings: Mapping[str, Any],
+                 release: Callable[[], object] | None = None) -> None:
     """Return when this call may start now under the task's ``lock_rate``; otherwise
-    re-publish it for its slot and raise :class:`celery.exceptions.Retry`.  Raises
+    call ``release`` (the call's lock), re-publish the call for its slot and raise
+    :class:`celery.exceptions.Retry`.  Raises
     :class:`~celery_dlock.BackendUnavailable` when the server cannot be asked."""
     rate: Rate = settings["lock_rate"]
     if settings["lock_rate_burst"] != rate.burst:
@@ -94,6 +104,12 @@ def park_if_over(task: Any, request: Any, args: tuple[Any, ...],
         settings["lock_prefix"], name, rate, _slot_of(request))
     if decision.run:
         return
+    if release is not None:
+        try:
+            release()  # the call does not start: its lock goes first
+        except DLockError as exc:  # lost meanwhile: nothing of it is left to free
+            logger.info("Task %s[%s]: releasing %r before parking: %s", task.name,
+                        request.id, name, exc)
     headers = {**(request.headers or {}), SLOT_HEADER: decision.slot}
     sig = task.signature_from_request(request, args, kwargs, countdown=decision.delay,
                                       retries=request.retries, headers=headers)
@@ -104,3 +120,35 @@ def park_if_over(task: Any, request: Any, args: tuple[Any, ...],
                 request.id, decision.delay, rate, name)
     raise Retry(f"parked for {decision.delay:.3f}s by lock_rate {rate} of {name!r}",
                 when=decision.delay, sig=sig)
+
+
+def within_rate(task: Any, request: Any, lock: Lock, args: tuple[Any, ...],
+                kwargs: dict[str, Any], name: str, settings: Mapping[str, Any],
+                contended: Callable[..., Any]) -> Any:
+    """Ask ``lock_rate`` with ``lock`` held, just before the body would start.
+
+    :data:`ACQUIRED`: start now.  Over the rate: the lock is released and the call
+    parked (:class:`Retry`).  The rate cannot be asked: fail-open starts the body
+    (locked); otherwise the lock is released and ``contended(error, args, kwargs,
+    settings, requeue)`` (the contention policy) answers, as for an unavailable
+    lock; a lock the policy then takes again is asked about once more, and a second
+    failure is raised.
+    """
+    for last in (False, True):
+        try:
+            park_if_over(task, request, args, kwargs, name, settings,
+                         release=lock.release)
+            return ACQUIRED
+        except BackendUnavailable as exc:
+            if settings["lock_fail_open"]:
+                logger.warning("Task %s[%s] starts without asking its lock_rate of %r: "
+                               "%s (fail-open)", task.name, request.id, name, exc)
+                return ACQUIRED
+            with contextlib.suppress(DLockError):
+                lock.release()
+            if last:
+                raise
+            outcome = contended(exc, args, kwargs, settings, True)
+            if outcome is not ACQUIRED:
+                return outcome
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -3,7 +3,9 @@
 The rule on the Redis backend directly (grants, parked slots, a parked call's return,
 the state ``celery dlock show`` reads), the checks at declaration and worker start, and
 two real worker nodes running 30 calls at 5/s with ``max_retries=0``: all succeed, and
-no one-second window holds more starts than the rate plus the burst.
+no one-second window holds more starts than the rate plus the burst; that bound also
+when calls wait for the lock or come back from contention retries (the rate is asked
+with the lock held, right before the body starts).
 """
 
 from __future__ import annotations
@@ -215,3 +217,26 @@ def test_two_nodes_keep_the_rate_and_park_without_dropping(harness: Harness) -> 
     assert starts[-1] - starts[0] >= 5.0
     # Both nodes took part.
     assert len({run["node"] for run in runs}) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["wait", "retry"])
+def test_waiting_for_the_lock_lets_no_more_starts_through(harness: Harness,
+                                                          policy: str) -> None:
+    """1/s: the first call holds the lock 2.5 s; three more, parked for their slots
+    (1, 2 and 3 s), meet the held lock and wait for it (or retry): when it frees,
+    they must not all start at once."""
+    h = harness
+    h.start_workers(count=1, concurrency=4)
+    key = uuid.uuid4().hex[:8]
+    task = h.app.tasks["pf.rated_slow"]
+    first = task.apply_async((key, 0, 2.5), on_contention=policy)
+    wait_for(lambda: h.records("rated_slow", key), 20, what="the first start")
+    rest = [task.apply_async((key, n, 0.0), on_contention=policy) for n in (1, 2, 3)]
+    assert sorted(res.get(timeout=60) for res in [first, *rest]) == [0, 1, 2, 3]
+    starts = sorted(run["start"] for run in h.records("rated_slow", key))
+    assert len(starts) == 4, "each call ran once"
+    # At most R + B = 1 + 1 starts in any one-second window.
+    worst = max(sum(1 for t in starts if s <= t < s + 1.0) for s in starts)
+    assert worst <= 2, [round(t - starts[0], 3) for t in starts]

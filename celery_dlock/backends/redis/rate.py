@@ -3,13 +3,16 @@
 The rule is :mod:`celery_dlock.core.rates`.  ``P:{NAME}:rate`` is a hash beside the
 lock's, sharing its hash tag (one Cluster slot): ``tat`` (the theoretical arrival
 time), ``interval`` and ``tau`` (``(burst - 1) * interval``), all in server
-microseconds.  It expires one second after ``tat``: a name with no calls lately keeps
+microseconds, and ``ops``: the last few calls' operation ids with their answers, so a
+call the client re-sends (a lost reply, a request the server ran late) takes one
+slot, not two.  It expires one second after ``tat``: a name with no calls lately keeps
 nothing.  It is a hash with none of a hold's fields, so ``celery dlock ls`` (which
 lists the lock hashes) never shows it as a lock.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +23,7 @@ from ...core.rates import Rate, RateDecision, RateState
 from .cluster import node_clients
 from .hashtag import lock_key, name_of_key, scan_pattern
 from .keyspace import UNTOUCHED, decode
-from .scripts import LuaScript
+from .scripts import OPS_KEPT, LuaScript
 
 __all__ = ["RATE_SUFFIX", "TAKE", "RedisRates", "rate_key"]
 
@@ -28,12 +31,16 @@ __all__ = ["RATE_SUFFIX", "TAKE", "RedisRates", "rate_key"]
 RATE_SUFFIX = ":rate"
 
 # KEYS[1] the rate state.  ARGV[1] interval (us), ARGV[2] tau (us), ARGV[3] the slot
-# (us) a parked call comes back for, or ''.
+# (us) a parked call comes back for, or '', ARGV[4] the call's operation id (hex).
 # Replies {code, wait (us), slot (us)}: 1 start now; 0 parked: wait for the slot,
 # reserved; 2 back too early for its slot: wait again (nothing changed).
+# Idempotent: the last OPS_KEPT operation ids that moved ``tat`` are kept in ``ops``
+# (" id:code:slot" each, newest first); a re-sent call (a lost reply, a request the
+# server ran late) finds its id and gets its first answer, ``tat`` unmoved.
 TAKE = LuaScript("rate_take", """
 local key = KEYS[1]
 local interval, tau = tonumber(ARGV[1]), tonumber(ARGV[2])
+local op = ARGV[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if ARGV[3] ~= '' then
@@ -41,21 +48,38 @@ if ARGV[3] ~= '' then
   if now < slot then return {2, slot - now, slot} end
   if now <= slot + interval then return {1, 0, slot} end
 end
-local tat = tonumber(redis.call('HGET', key, 'tat') or '0')
+local state = redis.call('HMGET', key, 'tat', 'ops')
+local ops = state[2] or ''
+if op ~= '' then
+  local code, given = string.match(ops, ' ' .. op .. ':(%d):(%d+)')
+  if code then
+    given = tonumber(given)
+    if code == '1' or given <= now then return {tonumber(code), 0, given} end
+    return {0, given - now, given}
+  end
+end
+local tat = tonumber(state[1] or '0')
 if tat < now then tat = now end
 local at = tat - tau
 if at < now then at = now end
 local new = tat + interval
 local ms = math.ceil((new - now) / 1000) + 1000
+local code = 0
+if at <= now then code = 1 end
+local kept, n = ' ' .. op .. ':' .. code .. ':' .. string.format('%.0f', at), 1
+for entry in string.gmatch(ops, ' [^ ]+') do
+  if n >= OPS_KEPT then break end
+  kept, n = kept .. entry, n + 1
+end
 -- The expiry first (on a missing key it changes nothing): a refused command stops the
 -- script before the write.
 redis.call('PEXPIRE', key, ms)
 redis.call('HSET', key, 'tat', string.format('%.0f', new), 'interval', ARGV[1],
-           'tau', ARGV[2])
+           'tau', ARGV[2], 'ops', kept)
 redis.call('PEXPIRE', key, ms)
-if at <= now then return {1, 0, now} end
+if code == 1 then return {1, 0, now} end
 return {0, at - now, at}
-""")
+""".replace("OPS_KEPT", str(OPS_KEPT)))
 
 # KEYS[1] the rate state.  Replies {tat, interval, tau, now} (us; empty when none).
 READ = LuaScript("rate_read", """
@@ -101,9 +125,11 @@ class RedisRates:
     def take(self, prefix: str, name: str, rate: Rate,
              slot: int | None = None) -> RateDecision:
         interval = _us(rate.interval)
+        # One operation id per call: a re-send of it (redis-py's, after a lost reply)
+        # gets the first answer and takes no second slot.
         reply = self._run(TAKE, rate_key(prefix, name),
                           (interval, interval * (rate.burst - 1),
-                           "" if slot is None else int(slot)), name)
+                           "" if slot is None else int(slot), uuid.uuid4().hex), name)
         code, wait, given = (int(x) for x in reply)
         if code == 1:
             return RateDecision(True)
