@@ -21,7 +21,7 @@ from typing import Any
 from . import owner as _owner
 from .deadline import DRIFT_RATE, margin_of
 from .errors import Holder, LockLost
-from .max_hold import capped_ms, check_max_hold
+from .max_hold import capped_ms, check_max_hold, first_lease_ms
 from .protocol import GONE, Grant, Refused
 from .renew_target import RenewTarget
 from .scheduler import RenewalScheduler, get_scheduler
@@ -53,7 +53,7 @@ class HoldState:
         be told first (default: :func:`~celery_dlock.core.deadline.pause_budget`).
     :param max_hold: seconds after which a hold is no longer renewed and is reported
         lost ("max hold ... reached"), however often it was renewed, re-entered or
-        extended (None: unbounded; at least the ttl; see
+        extended (None: unbounded; shorter than the ttl, it cuts the first grant; see
         :mod:`celery_dlock.core.max_hold`).
     """
 
@@ -69,7 +69,7 @@ class HoldState:
         self.name = name
         self.on_lost = on_lost
         self.ttl_ms = _ttl_to_ms(ttl, "ttl", name)
-        self.max_hold = check_max_hold(max_hold, self.ttl_ms / 1000.0, name)
+        self.max_hold = check_max_hold(max_hold, name)
         #: When the current hold reaches its max hold (scheduler clock; None: never).
         self._bound: float | None = None
         self.auto_renew = auto_renew
@@ -137,10 +137,11 @@ class HoldState:
         raise NotImplementedError
 
     def _acquire_ttl_ms(self, reentry: bool) -> int:
-        """The ttl (ms) an acquire asks the server for: the lock's, or for a
-        re-entry of a hold with a max hold, no more than the time left to it."""
+        """The ttl (ms) an acquire asks the server for: the lock's (a max hold shorter
+        than it for a fresh hold), or for a re-entry of a hold with a max hold, no more
+        than the time left to it."""
         if not reentry or self._bound is None:
-            return self.ttl_ms
+            return first_lease_ms(self.ttl_ms, self.max_hold)
         return max(1, capped_ms(self.ttl_ms, self._bound, self._get_scheduler().now()))
 
     def _renew_key(self) -> str:
@@ -168,7 +169,10 @@ class HoldState:
         return self.ttl_ms / 1000.0
 
     def _margin(self, ttl_ms: int) -> float:
-        return margin_of(ttl_ms, self.pause_budget, self._drift_rate())
+        # A max hold shorter than the ttl is the longest lease a hold ever has: the
+        # margin (drift, and the default pause budget, a tenth) is of that lease.
+        lease = first_lease_ms(ttl_ms, self.max_hold)
+        return margin_of(lease, self.pause_budget, self._drift_rate())
 
     def _current_owner(self) -> str:
         return self._fixed_owner or _owner.current_owner()

@@ -18,8 +18,10 @@ The hold is not released at the bound: it expires by itself on the server, so th
 that tells a holder before its lock can pass on is the one of every deadline
 (:mod:`celery_dlock.core.deadline`), and a holder that is frozen or cut off at the
 bound changes nothing.  Re-entries and ``extend`` never move the bound either (they
-are cut short like a renewal).  ``max_hold`` must be at least the ttl (the first grant
-already lasts a ttl).
+are cut short like a renewal).  A ``max_hold`` shorter than the ttl cuts the first
+grant itself to the bound (as Redisson's ``leaseTime`` does): the hold is never
+renewed, its deadline (and so the moment its holder is told) is the bound less the
+margin of that shorter lease, and the server's hold expires at the bound.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from typing import Any
 from .errors import InvalidLockConfig
 from .ttl import MAX_TTL
 
-__all__ = ["capped_ms", "check_max_hold", "reached_reason"]
+__all__ = ["capped_ms", "check_max_hold", "first_lease_ms", "reached_reason"]
 
 
-def check_max_hold(max_hold: Any, ttl: float, name: str | None = None,
+def check_max_hold(max_hold: Any, name: str | None = None,
                    what: str = "max_hold") -> float | None:
     """``max_hold`` as seconds (None: unbounded); InvalidLockConfig unless it is a
-    finite number of seconds no less than ``ttl``."""
+    finite positive number of seconds (at least a millisecond)."""
     if max_hold is None:
         return None
     if isinstance(max_hold, bool) or not isinstance(max_hold, (int, float)) or \
@@ -46,11 +48,17 @@ def check_max_hold(max_hold: Any, ttl: float, name: str | None = None,
     if max_hold > MAX_TTL * 12:
         raise InvalidLockConfig(f"{what} must be at most {MAX_TTL * 12:g} seconds, got "
                                 f"{max_hold!r}", lock_name=name)
-    if max_hold < ttl:
-        raise InvalidLockConfig(f"{what} ({max_hold:g}s) must be at least the ttl "
-                                f"({ttl:g}s): the first grant already lasts a ttl",
-                                lock_name=name)
+    if max_hold < 0.001:
+        raise InvalidLockConfig(f"{what} must be at least 0.001 seconds, got "
+                                f"{max_hold!r}", lock_name=name)
     return float(max_hold)
+
+
+def first_lease_ms(ttl_ms: int, max_hold: float | None) -> int:
+    """The ttl (ms) a fresh hold is granted: the lock's, or a shorter max hold."""
+    if max_hold is None:
+        return ttl_ms
+    return max(1, min(ttl_ms, math.floor(max_hold * 1000)))
 
 
 def capped_ms(ttl_ms: int, bound: float | None, sent_at: float) -> int:

@@ -195,8 +195,10 @@ class RenewalScheduler:
         ``bound``: renewals never take it past that moment (its max hold)."""
         entry = _Entry(ref=weakref.ref(lock), lock_id=id(lock), hold_id=hold_id,
                        target=target, key=key, owner=owner, ttl_ms=ttl_ms,
-                       deadline=lease_end(sent_at, ttl_ms, margin), next_due=0.0,
+                       deadline=0.0, next_due=0.0,
                        fence=fence, margin=margin, started=sent_at, bound=bound)
+        # A bound closer than the ttl (a max hold shorter than it) cut the grant.
+        entry.deadline = lease_end(sent_at, entry.send_ms(sent_at), margin)
         entry.at_bound = bound is not None and entry.send_ms(sent_at) < ttl_ms
         entry.next_due = sent_at + entry.interval
         with self._cond:

@@ -83,7 +83,7 @@ from .hooks import install
 from .keys import KeyFunction, task_key_function
 from .rate import SLOT_HEADER, within_rate
 from .request import LockedRequest
-from .settings import check_combination, check_max_hold_option, conf_value, enabled
+from .settings import check_combination, conf_value, enabled
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -172,8 +172,6 @@ class LockedTask(Task):  # type: ignore[misc]
         task_key_function(cls, name)
         check_combination(f"task {name!r}", getattr(cls, "lock_mode", None),
                           getattr(cls, "on_duplicate", None))
-        check_max_hold_option(f"task {name!r}", getattr(cls, "lock_ttl", None),
-                              getattr(cls, "lock_max_hold", None))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:

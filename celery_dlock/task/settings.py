@@ -45,7 +45,6 @@ __all__ = [
     "Setting",
     "check_bool",
     "check_combination",
-    "check_max_hold_option",
     "conf_of",
     "conf_value",
     "defaults",
@@ -183,8 +182,8 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
             "the longest a lost message keeps its key from being queued again"),
     Setting("lock_max_hold", "dlock_lock_max_hold", None, _positive,
             "seconds after which a hold is no longer renewed and is lost with the "
-            "reason 'max hold ... reached' (lock_lost_action applies); at least "
-            "lock_ttl (None: unbounded)"),
+            "reason 'max hold ... reached' (lock_lost_action applies); shorter than "
+            "lock_ttl, the grant itself is cut to it (None: unbounded)"),
     Setting("lock_rate", "dlock_rate", None, _rate,
             "per lock name, cluster-wide: at most this many calls start per second, "
             "minute or hour ('5/s', '100/m', '2/h'); a call over it is parked "
@@ -303,14 +302,3 @@ def check_combination(where: str, mode: Any, policy: Any) -> None:
             f"{where}: on_duplicate='replace' cannot go with lock_mode='throttle' (the "
             f"window's call may have run already); use drop, raise or return_existing")
 
-
-def check_max_hold_option(where: str, ttl: Any, max_hold: Any) -> None:
-    """Refuse a lock_max_hold shorter than the lock_ttl (the first grant already
-    lasts a ttl)."""
-    if max_hold is None or ttl is None:
-        return
-    if _positive(f"{where} option lock_max_hold", max_hold) < \
-            _positive(f"{where} option lock_ttl", ttl):
-        raise InvalidLockConfig(f"{where}: lock_max_hold ({max_hold:g}s) must be at "
-                                f"least lock_ttl ({ttl:g}s): the first grant already "
-                                f"lasts a ttl")

@@ -22,7 +22,7 @@ from .backend import check_limit_supported
 from .config import SETTINGS, check_conf, read_setting
 from .keys import task_key_function
 from .rate import check_rates_supported
-from .settings import check_max_hold_option, enabled
+from .settings import enabled
 
 __all__ = ["check_app", "install"]
 
@@ -44,8 +44,6 @@ def check_app(app: Any) -> None:
     for task in _locked_tasks(app):
         type(task)._dlock_check_options()  # unknown options, annotations included
         values = {option: read_setting(task, option) for option in SETTINGS}
-        check_max_hold_option(f"task {task.name!r}", values["lock_ttl"],
-                              values["lock_max_hold"])
         if values["lock_rate"] is not None and enabled(app):
             check_rates_supported(app, f"task {task.name!r} option lock_rate")
         task_key_function(type(task), task.name)

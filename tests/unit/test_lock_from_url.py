@@ -74,8 +74,9 @@ def test_max_hold_and_limit_reach_the_lock():
     assert isinstance(lock, RedisLock) and lock.max_hold == 60
     slots = lock_from_url("redis://127.0.0.1:1/0", "n", ttl=5, limit=3)
     assert isinstance(slots, RedisSemaphore) and slots.limit == 3
+    assert lock_from_url("redis://127.0.0.1:1/0", "n", ttl=5, max_hold=1).max_hold == 1
     with pytest.raises(InvalidLockConfig, match="max_hold"):
-        lock_from_url("redis://127.0.0.1:1/0", "n", ttl=5, max_hold=1)
+        lock_from_url("redis://127.0.0.1:1/0", "n", ttl=5, max_hold=0)
     trio = ";".join(f"redlock://127.0.0.1:{p}/0" for p in (1, 2, 3))
     with pytest.raises(InvalidLockConfig, match="lock_limit"):
         lock_from_url(trio, "n", limit=2)

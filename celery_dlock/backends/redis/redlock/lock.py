@@ -38,6 +38,7 @@ from ....core.deadline import pause_budget
 from ....core.errors import FencingUnavailable, Holder, InvalidLockConfig
 from ....core.hold import Hold
 from ....core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ....core.max_hold import first_lease_ms
 from ....core.protocol import GONE, OK, STILL_HELD, TAKEN, Grant, Refused, new_op_id
 from ....core.renew_target import RenewTarget
 from ....core.scheduler import RenewalScheduler
@@ -151,8 +152,9 @@ class RedlockLock(Hold):
 
     def _margin(self, ttl_ms: int) -> float:
         """The drift allowance (``ttl * drift_factor + 2 ms``, never less than the
-        single server's) plus the pause budget."""
-        ttl = ttl_ms / 1000.0
+        single server's) plus the pause budget, of the longest lease a hold has (a
+        max hold shorter than the ttl cuts it)."""
+        ttl = first_lease_ms(ttl_ms, self.max_hold) / 1000.0
         drift = max(ttl * self._drift_rate(), ttl * self.drift_factor + DRIFT_FLOOR)
         return drift + pause_budget(ttl, self.pause_budget)
 
@@ -202,14 +204,15 @@ class RedlockLock(Hold):
         leftover: dict[int, cf.Future[Any]] = {}
         # Back as soon as a quorum granted, or can no longer grant.
         # No call starts once the grant could no longer be valid.
-        left = self.ttl - self._margin(self.ttl_ms)
+        lease = self._acquire_ttl_ms(False) / 1000.0
+        left = lease - self._margin(self.ttl_ms)
         out = fan_out(self._nodes, call, self.node_timeout,
                       lambda o: len(with_code(o, 1)) >= quorum
                       or len(with_code(o, 0)) + len(with_code(o, 2)) > n - quorum,
                       leftover, budget=left if left > 0 and not reentry else None)
         now = scheduler.now()
         yes, no, gone = with_code(out, 1), with_code(out, 0), with_code(out, 2)
-        valid = now < sent_at + self.ttl - self._margin(self.ttl_ms)
+        valid = now < sent_at + lease - self._margin(self.ttl_ms)
         # A node that answered with an error (out of memory, a read-only replica, a
         # missing ACL permission) refused: it did not grant, and vetoes nothing.
         report_refusals(self.name, "acquire", self.clients, failures(out))
