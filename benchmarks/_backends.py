@@ -188,7 +188,7 @@ def start_backends(args: argparse.Namespace, stack: contextlib.ExitStack,
 class Requests:
     """Counts the requests this process's drivers send to a server: redis-py round
     trips (``Connection.send_packed_command``: a command, or a whole pipeline; on
-    the client's pool and on a lock's script channel alike), psycopg statements
+    the client's pool and on renewal's alike), psycopg statements
     (``Connection.execute``: each one an autocommitted round trip), PyMySQL
     statements (``Cursor.execute``; a transaction's BEGIN and COMMIT are not
     counted), kazoo requests (``KazooClient._call``: a ZooKeeper request; requests

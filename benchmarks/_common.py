@@ -301,9 +301,8 @@ class CountingConnection(redis.Connection):
     """A connection that counts what it sends, one round trip per send (each command,
     or a whole pipeline), between ``start_at`` and ``end_at`` (monotonic; always by
     default).  Counting on the connection counts every path alike: the client's
-    pool, a lock's script channel (which only a plain ``redis.Redis`` has: a client
-    subclass would not measure the path users get) and the renewal pool copied from
-    the client's settings.  Each :func:`counting_client` has a subclass of its own."""
+    pool and the renewal pool copied from the client's settings.  Each
+    :func:`counting_client` has a subclass of its own."""
 
     sent = 0
     start_at = 0.0

@@ -50,6 +50,9 @@ def check_lock_options(name: Any, prefix: Any, owner: Any, blocking_timeout: Any
     if owner is not None and (not isinstance(owner, str) or not owner):
         raise InvalidLockConfig(f"owner must be a non-empty string, got {owner!r}",
                                 lock_name=name)
+    if owner is not None and not _encodable(owner):
+        raise InvalidLockConfig(f"owner must be encodable as UTF-8 (no lone "
+                                f"surrogate), got {owner!r}", lock_name=name)
     # NaN compares false with everything: refuse it rather than wait forever.
     if blocking_timeout is not None and (
             isinstance(blocking_timeout, bool)
@@ -68,7 +71,12 @@ def check_lock_options(name: Any, prefix: Any, owner: Any, blocking_timeout: Any
             raise InvalidLockConfig(f"info may not set the reserved field {k!r}",
                                     lock_name=name)
         if v is not None:
-            info_args += (str(k), str(v))
+            field, value = str(k), str(v)
+            if not (_encodable(field) and _encodable(value)):
+                raise InvalidLockConfig(f"info field {field!r} must be encodable as "
+                                        f"UTF-8 (no lone surrogate), with its value "
+                                        f"{value!r}", lock_name=name)
+            info_args += (field, value)
     return info_args
 
 

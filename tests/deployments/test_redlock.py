@@ -178,6 +178,46 @@ def test_reentry_after_one_node_restarted_empty_keeps_the_outer_hold(trio):
     b.release()
 
 
+def test_the_first_calls_after_every_node_restarted_work(trio):
+    """Each node's idle connection was closed by its restarted server: the node's
+    pool replaces it before use (the nodes' calls are never re-sent), so the first
+    acquire after the restarts is granted, and renewal goes on."""
+    a = _lock(trio.clients(), "restarted", "owner-a", ttl=1.5, node_timeout=0.3)
+    assert a.acquire(blocking=False)
+    a.release()
+    for i in range(3):
+        trio.restart_empty(i)
+    assert a.acquire(blocking=False)
+    assert wait_until(lambda: trio.holders(a.keys.lock) == ["owner-a"] * 3)
+    time.sleep(2.0)  # past the ttl: renewed on the restarted nodes
+    assert not a.lost, a.lost_reason
+    a.ensure_held()
+    a.release()
+    assert wait_until(lambda: trio.holders(a.keys.lock) == [None] * 3)
+
+
+def test_reentry_after_one_node_restarted_with_another_slow_keeps_depth_2(trio):
+    """Node 0 restarted with its data (the hold is there, its connection is gone)
+    and node 2 stopped: the re-entry's quorum is nodes 0 and 1, so node 0's first call
+    after its restart must work."""
+    a = _lock(trio.clients(), "reenter-slow", "owner-a", ttl=3.0, node_timeout=0.3)
+    assert a.acquire(blocking=False)
+    assert wait_until(lambda: trio.holders(a.keys.lock) == ["owner-a"] * 3)
+    trio.restart_keeping_data(0)
+    assert trio.holders(a.keys.lock)[0] == "owner-a"
+    trio.stop_process(2)
+    try:
+        assert a.acquire(blocking=False)  # the inner block
+        assert a.depth == 2 and not a.lost
+        a.release()
+        assert a.depth == 1 and not a.lost
+    finally:
+        trio.resume(2)
+    a.ensure_held()
+    a.release()
+    assert wait_until(lambda: trio.holders(a.keys.lock) == [None] * 3)
+
+
 def test_two_nodes_restarted_empty_within_a_ttl_break_exclusion(trio):
     """The documented limit: without persistence (or a delayed restart), two of three
     nodes restarted empty hand the lock to another owner while the first still holds

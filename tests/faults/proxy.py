@@ -12,6 +12,7 @@ connection or for all of them at once:
 * ``drop_reply(pattern)``: forward the next request that contains ``pattern`` (so the
   server runs it) and swallow every reply on that connection from then on: the client
   times out, reconnects and may re-send the command, as redis-py's ``Retry`` does;
+* ``point_to(port)``: send new connections to another server (a failover);
 * ``delay(seconds)``: hold every chunk for ``seconds`` before forwarding it;
 * ``hold_request(pattern)``: hold the next request that contains ``pattern`` until
   the test lets it go (:class:`HeldRequest`), then forward it, even when the client
@@ -154,6 +155,11 @@ class FaultProxy:
         return f"redis://127.0.0.1:{self.port}/0"
 
     # -- faults ---------------------------------------------------------------------
+
+    def point_to(self, upstream_port: int) -> None:
+        """New connections go to ``upstream_port`` from now on (a failover behind a
+        DNS name or a virtual IP); open ones stay where they are until closed."""
+        self.upstream = (self.upstream[0], upstream_port)
 
     def black_hole(self) -> None:
         """Forward nothing, on old and new connections, and never reset them."""

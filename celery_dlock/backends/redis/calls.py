@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from redis.exceptions import RedisError
+from redis.exceptions import DataError, RedisError
 
-from ...core.errors import BackendUnavailable, DLockError
+from ...core.errors import BackendUnavailable, DLockError, InvalidLockConfig
 from ...core.hold import Hold
 from ...core.protocol import Grant, Refused
 from .keyspace import LockKeys, parse_holder
@@ -73,6 +73,12 @@ class RedisHold(Hold):
     def _run(self, script: LuaScript, args: Sequence[Any]) -> Any:
         try:
             return script(self.client, (self.keys.lock,), args)
+        except (UnicodeError, DataError) as exc:
+            # redis-py refused to encode an argument (in the client's encoding) before
+            # sending anything: the lock's arguments are wrong, not the server.
+            raise InvalidLockConfig(f"an argument of {script.name} cannot be sent with "
+                                    f"this client's encoding: {exc}",
+                                    lock_name=self.name) from exc
         except RedisError as exc:
             raise self._error(exc, script.name) from exc
 

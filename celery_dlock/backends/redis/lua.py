@@ -11,7 +11,6 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .channel import channel_of
 from .keyspace import HOLD_FIELDS, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
@@ -23,8 +22,13 @@ OPS_KEPT = 8
 
 
 class LuaScript:
-    """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss,
-    on the client's :mod:`~celery_dlock.backends.redis.channel` where it has one.
+    """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss.
+
+    Every call goes through the client's own command path and connection pool: a
+    connection the server closed is replaced before use as the pool does it, the
+    client's re-send policy applies, and ``pool.disconnect()``, ``client.close()``
+    and the pool's ``max_connections`` govern the lock's calls as they govern the
+    application's own.
 
     Holds no per-client state, so it is safe to share between clients, threads and
     forked processes.
@@ -38,12 +42,7 @@ class LuaScript:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        channel = channel_of(client)
         try:
-            if channel is not None:
-                reply = channel.call(("EVALSHA", self.sha, len(keys), *keys, *args))
-                if reply is not NotImplemented:
-                    return reply
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             # EVAL caches the script, so the next EVALSHA finds it.
