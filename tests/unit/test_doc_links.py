@@ -75,3 +75,22 @@ def test_the_architecture_page_lists_every_module() -> None:
                if p.name not in ("__init__.py", "__main__.py") and
                f" {p.name} " not in layout.replace("\n", " ")]
     assert missing == []
+
+
+def test_the_changelog_speaks_of_released_versions_only() -> None:
+    """One "Unreleased" section until a release; every other section is a released
+    version with its date, and no page names a version of celery-dlock that has not
+    been released."""
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    sections = re.findall(r"^## (.+)$", changelog, flags=re.M)
+    assert sections[0] == "Unreleased"
+    released = sections[1:]
+    assert all(re.fullmatch(r"\d+\.\d+\.\d+ \(\d{4}-\d\d-\d\d\)", s) for s in released)
+    known = {s.split()[0] for s in released}
+    for page in _pages():
+        text = page.read_text(encoding="utf-8")
+        named = re.findall(r"celery-dlock (\d+\.\d+(?:\.\d+)?)\b|"
+                           r"(?:goes away|removed|deprecated|its name) (?:in|before) "
+                           r"(\d+\.\d+)\b", text)
+        versions = {a or b for a, b in named}
+        assert versions <= known | {v + ".0" for v in known}, (page.name, versions)
