@@ -78,12 +78,13 @@ from .contention import (
     get_policy,
     policy_name,
 )
+from .follow import follow, follows
 from .handover import free_marker, hand_over
 from .hooks import install
 from .keys import KeyFunction, task_key_function
 from .rate import SLOT_HEADER, within_rate
 from .request import LockedRequest
-from .settings import check_combination, conf_value, enabled
+from .settings import check_combination, check_max_hold_option, conf_value, enabled
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -172,6 +173,8 @@ class LockedTask(Task):  # type: ignore[misc]
         task_key_function(cls, name)
         check_combination(f"task {name!r}", getattr(cls, "lock_mode", None),
                           getattr(cls, "on_duplicate", None))
+        check_max_hold_option(f"task {name!r}", getattr(cls, "lock_ttl", None),
+                              getattr(cls, "lock_max_hold", None))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -254,9 +257,15 @@ class LockedTask(Task):  # type: ignore[misc]
             return self._run_locked(request, args, kwargs, requeue=False)
         # A fresh owner for every attempt: a redelivery (same task id) contends, and
         # an eager run contends with its caller's own locks.
-        with owner_context():
-            return self._run_locked(request, args, kwargs,
-                                    requeue=not request.is_eager)
+        def attempt() -> Any:
+            with owner_context():
+                return self._run_locked(request, args, kwargs,
+                                        requeue=not request.is_eager)
+
+        following = None if request.is_eager else follows(request)
+        if following is not None:  # a duplicate in a canvas (task/follow.py)
+            return follow(self, request, args, kwargs, following, attempt)
+        return attempt()
 
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     requeue: bool) -> Any:

@@ -27,6 +27,10 @@ mode                   a second call is a duplicate while ...      the name free
   running call (``until_finished``) ``replace`` acts as ``return_existing``.  With
   ``throttle`` it is refused (the window's call may have run already).
 
+A duplicate inside a canvas (a group or chord member, a chain's link, a call with
+callbacks) is sent as a follower instead, so that its own task id gets an outcome
+(:mod:`celery_dlock.task.follow`).
+
 Cost: one script call per send (the claim); at start one script call (the
 hand-over, after the lock is taken; none in ``throttle``).
 """
@@ -44,6 +48,7 @@ from ..core.errors import DLockError, InvalidLockConfig
 from . import signals
 from .backend import markers_for
 from .duplicates import AlreadyQueued, DroppedResult
+from .follow import FOLLOW_HEADER, follow_header, in_canvas
 from .markers import (
     CLAIMED,
     MARKER_HEADER,
@@ -88,6 +93,8 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
     task_id = options.get("task_id") or uuid()
     options["task_id"] = task_id
     headers = dict(options.get("headers") or {})
+    if FOLLOW_HEADER in headers:  # a duplicate's follower, re-queued: never claims
+        return original(name, args, kwargs, **options)
     record = record_of(headers)
     # A call accepted before and re-queued with its task id (a retry, a contention
     # retry, a duplicate delivery's copy) is never a duplicate of anything.
@@ -133,6 +140,13 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         if code == REPLACED:
             _replaced(app, task, store, prefix, lock_name, other, task_id, mode)
         return result
+    if in_canvas(options):  # its own id must get an outcome: sent as a follower
+        _told(task, lock_name, task_id, other, mode, policy)
+        headers[FOLLOW_HEADER] = follow_header(
+            other, "return_existing" if policy == "replace" else policy, lock_name,
+            prefix)
+        options["headers"] = headers
+        return original(name, args, kwargs, **options)
     return _duplicate(app, task, lock_name, task_id, other, left, mode, policy,
                       running=code == RUNNING)
 
@@ -170,14 +184,19 @@ def _replaced(app: Any, task: Any, store: MarkerStore, prefix: str, lock_name: s
                        "its start finds it replaced): %s", task.name, new, old, exc)
 
 
-def _duplicate(app: Any, task: Any, lock_name: str, task_id: str, other: str,
-               left: float | None, mode: str, policy: str, running: bool) -> Any:
+def _told(task: Any, lock_name: str, task_id: str, other: str, mode: str,
+          policy: str) -> None:
     signals.send(signals.lock_duplicate, task, lock_name, task_id=task_id,
                  existing=other or None, mode=mode,
                  policy="return_existing" if policy == "replace" else policy)
     logger.info("Task %s: call %s is a duplicate of %s (lock %r, %s): %s", task.name,
                 task_id, other or "a holder that is not a task", lock_name, mode,
                 policy)
+
+
+def _duplicate(app: Any, task: Any, lock_name: str, task_id: str, other: str,
+               left: float | None, mode: str, policy: str, running: bool) -> Any:
+    _told(task, lock_name, task_id, other, mode, policy)
     if policy == "raise":
         what = "running" if running else "queued"
         raise AlreadyQueued(

@@ -11,6 +11,7 @@ faults whose staging is one server's alone are in ``test_postgres_faults.py`` an
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import uuid
@@ -279,3 +280,119 @@ def test_threads_waiting_on_one_name_all_get_it_in_turn(db):
     for t in threads:
         t.join(30)
     assert sorted(got) == ["w0", "w1", "w2", "w3"]
+
+
+#: Names every other store takes, which each SQL store must take as one lock each:
+#: long (compressible and not), a NUL, Unicode past the BMP, and a name that looks
+#: like PostgreSQL's digest of another (tests/unit and docs/backends.md, names).
+_HARD_NAMES = {
+    "long": "x" * 5000,
+    "long-random": secrets.token_urlsafe(3750),  # 5,000 characters no codec shrinks
+    "nul": "a\x00b",
+    "unicode": "ключ-日本-\U0001f512-" + "é" * 600,
+    "digest-like": "\x01sha256:" + "0" * 64,
+}
+
+
+def test_every_name_the_other_stores_take_is_one_lock(db):
+    """Each name is granted, refused to another owner, listed under itself, freed by
+    a force release, and never an outage or a configuration error on a healthy
+    server (a 5,000-character name was an "index row size" BackendUnavailable on
+    PostgreSQL, a NUL "text fields cannot contain NUL")."""
+    from celery_dlock.task.backend import backend_from_url
+
+    suffix = uuid.uuid4().hex[:6]
+    backend = backend_from_url(db.url)
+    for label, base in _HARD_NAMES.items():
+        name = base + suffix
+        holder = lock_from_url(db.url, name, ttl=10, owner="holder")
+        assert holder.acquire(blocking=False), label
+        other = lock_from_url(db.url, name, ttl=10, owner="other")
+        assert other.acquire(blocking=False) is False, label
+        assert holder.holder() is not None and holder.holder().owner == "holder"
+        found = backend.read("dlock", name)
+        assert found is not None and found.owner == "holder", label
+        # jsonb keeps no NUL: PostgreSQL shows a digested name's NUL as \0
+        assert found.key == (name.replace("\x00", "\\0") if db.kind == "postgres"
+                             else name), label
+        assert found.extra.get("dlock_name") is None, label
+        holder.acquire()  # re-entry, and the renewal keeps both
+        time.sleep(0.1)
+        assert holder.owned()
+        holder.release()
+        holder.release()
+        assert other.acquire(blocking=False), label
+        assert backend.force_release("dlock", name) is not None, label
+        third = lock_from_url(db.url, name, ttl=10, owner="third")
+        assert third.acquire(blocking=False), label  # freed: a fresh hold
+        third.release()
+    # no prefix and name meet another's: NUL in the prefix, long prefixes
+    long_prefix = secrets.token_urlsafe(3000)
+    pairs = [(suffix + "a\x00b", "c"), (suffix + "a", "b\x00c"),
+             (long_prefix, "n"), (long_prefix, "n2")]
+    held = [lock_from_url(db.url, n, ttl=10, prefix=p, owner="one") for p, n in pairs]
+    for lock in held:
+        assert lock.acquire(blocking=False), (lock.prefix[:10], lock.name)
+    assert {len(list(backend.holds(p))) for p, _ in pairs[:2]} == {1}
+    assert sorted(h.key for h in backend.holds(pairs[2][0])) == ["n", "n2"]
+    for lock in held:
+        lock.release()
+
+
+@pytest.mark.parametrize("label", ["long-random", "nul"])
+def test_fail_open_never_runs_a_second_body_for_a_hard_name(db, label):
+    """``lock_fail_open`` runs a body unlocked only when the store is down: a name the
+    store could not key was an outage, and ran a second body beside the holder's."""
+    from celery import Celery
+
+    from celery_dlock import LockedTask, LockNotAcquired
+
+    name = _HARD_NAMES[label] + uuid.uuid4().hex[:6]
+    app = Celery("hard-names", set_as_current=False)
+    app.conf.update(dlock_url=db.url, dlock_fail_open=True)
+    ran: list[str] = []
+
+    @app.task(base=LockedTask, shared=False, lock_key=lambda x: x,
+              on_contention="raise")
+    def guarded(x: str) -> None:
+        ran.append(x)
+
+    with lock_from_url(db.url, name, ttl=10, owner="running body"), \
+            pytest.raises(LockNotAcquired):
+        guarded(name)
+    assert ran == []
+    guarded(name)
+    assert ran == [name]
+
+
+def test_a_value_the_server_refuses_is_invalid_config_not_an_outage(db):
+    """What the server refuses for its content (SQLSTATE classes 22, 42, 54 on
+    PostgreSQL; a value too long for its column on MySQL) would be refused again on
+    any healthy server: InvalidLockConfig, never BackendUnavailable (which
+    ``lock_fail_open`` treats as a reason to run the body unlocked)."""
+    big = {"payload": "y" * 70_000}
+    if db.kind == "postgres":
+        # jsonb holds no NUL (22P05); a waiter's key past the index's limit (54000)
+        lock = lock_from_url(db.url, _name(), ttl=5, info={"note": "a\x00b"})
+        with pytest.raises(InvalidLockConfig, match="SQLSTATE 22"):
+            lock.acquire(blocking=False)
+        name = _name()
+        with lock_from_url(db.url, name, ttl=5, owner="holder"):
+            waiter = lock_from_url(db.url, name, ttl=5,
+                                   owner=secrets.token_urlsafe(3750))
+            with pytest.raises(InvalidLockConfig, match="SQLSTATE 54"):
+                waiter.acquire(timeout=1)
+        # an info PostgreSQL takes whatever its size
+        with lock_from_url(db.url, _name(), ttl=5, info=big) as lock:
+            assert lock.holder().info["payload"] == big["payload"]
+    else:
+        # refused where the lock is made, naming the column's limit
+        with pytest.raises(InvalidLockConfig, match="65,535") as info:
+            lock_from_url(db.url, _name(), ttl=5, info=big)
+        assert "not celery-dlock's" not in str(info.value)
+        with pytest.raises(InvalidLockConfig, match="65,535"):
+            lock_from_url(db.url, "n" * 70_000, ttl=5)
+        # the largest info the column holds is taken
+        fits = {"payload": "y" * 65_000}
+        with lock_from_url(db.url, _name(), ttl=5, info=fits) as lock:
+            assert lock.holder().info["payload"] == fits["payload"]

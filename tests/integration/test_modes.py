@@ -40,7 +40,10 @@ def queued(h: Harness) -> list[dict[str, Any]]:
 
 
 def queued_ids(h: Harness, key: str) -> list[str]:
-    return [m["id"] for m in queued(h) if f"'{key}'" in m.get("argsrepr", "")]
+    """The calls of ``key`` queued (a duplicate's follower, which never runs a body,
+    is not one)."""
+    return [m["id"] for m in queued(h) if f"'{key}'" in m.get("argsrepr", "")
+            and "dlock_follows" not in m]
 
 
 def send(h: Harness, key: str, tag: str, seconds: float = 0.0, **options: Any) -> Any:
@@ -296,6 +299,61 @@ def test_replace_keeps_the_latest_arguments_and_runs_once(harness: Harness) -> N
     assert [run["tag"] for run in runs(h, "rp")] == ["new"]
 
 
+def _canvas(h: Harness, kind: str, key: str, policy: str) -> tuple[Any, Any]:
+    """A group, chord or chain whose members of ``key`` are duplicates: the result
+    its caller waits on, and what it must give."""
+    m = h.app.tasks["pf.mode"]
+
+    def dup(tag: str) -> Any:
+        return m.si(key, 0.0, tag).set(on_duplicate=policy)
+
+    got = None if policy == "drop" else "x"  # what each duplicate member gets
+    if kind == "group":
+        return group(dup("b"), dup("c")).apply_async(), [got, got]
+    if kind == "chord":
+        return chord([dup("b"), dup("c")], m.si(f"{key}-body", 0.0, "body")
+                     ).apply_async(), "body"
+    return chain(dup("b"), m.si(f"{key}-tail", 0.0, "tail")).apply_async(), "tail"
+
+
+@pytest.mark.parametrize("policy", ("return_existing", "drop", "raise"))
+@pytest.mark.parametrize("kind", ("group", "chord", "chain"))
+def test_a_canvas_with_a_duplicate_member_completes(harness: Harness, kind: str,
+                                                    policy: str) -> None:
+    """x of a name is running; a group, a chord or a chain with members of that name
+    is sent.  The duplicate members never run a body, yet each one's own id gets an
+    outcome: x's result (return_existing), None (drop), AlreadyQueued (raise); the
+    canvas completes and its get() returns (or raises) instead of hanging."""
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    key = f"cv-{kind}-{policy}"
+    x = send(h, key, "x", 1.5)
+    wait_for(lambda: h.records("mode-start", key), 20, what="x to start")
+    result, expected = _canvas(h, kind, key, policy)
+    if policy == "raise":
+        with pytest.raises(Exception, match="already queued"):
+            result.get(timeout=20, disable_sync_subtasks=False)
+    else:
+        assert result.get(timeout=20, disable_sync_subtasks=False) == expected
+    assert x.get(timeout=20) == "x"
+    time.sleep(0.3)
+    assert [run["tag"] for run in runs(h, key)] == ["x"]
+    assert marker(h, key) is None and h.owner(f"mode:{key}") is None
+
+
+def test_a_follower_of_a_lost_call_runs_itself(harness: Harness) -> None:
+    """The queued call a group member duplicates was lost (its message purged: only
+    its marker is left, 1.5 s of it): the member waits while the marker lasts, then
+    runs as the call it is, once."""
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    h.r.set(h.lock_key("mode:lost") + ":m", "purged-call", px=1500)
+    result = group(h.app.tasks["pf.mode"].si("lost", 0.0, "b")).apply_async()
+    assert result.get(timeout=30) == ["b"]
+    assert [run["tag"] for run in runs(h, "lost")] == ["b"]
+    assert marker(h, "lost") is None and h.owner("mode:lost") is None
+
+
 def test_a_revoked_queued_call_frees_its_marker(harness: Harness) -> None:
     """A call queued behind a busy worker is revoked: its name frees (at the latest
     when the worker discards the message; at once where the worker records the revoke
@@ -406,6 +464,8 @@ def test_every_route_to_the_broker_is_de_duplicated(harness: Harness,
     ROUTES[route](h, key, "second")
     assert len(queued_ids(h, key)) == 1
     assert marker(h, key) == queued_ids(h, key)[0]
+    if route not in ("chain", "group", "chord"):  # outside a canvas: no follower
+        assert len(queued(h)) == 1
 
 
 def test_per_call_keywords_reach_the_worker(harness: Harness) -> None:

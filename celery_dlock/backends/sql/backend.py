@@ -10,6 +10,7 @@ from ...core.holds import HoldInfo
 from ...core.text import clean_text
 from .lease import hold_info as _info
 from .lease_backend import LeaseBackend
+from .pg_keys import row_key, row_part
 from .pg_server import PgServer, server_for
 from .postgres import PostgresLock
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
@@ -39,11 +40,13 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
                                params, what, name)
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
-        rows = self._rows(HOLD, {"prefix": prefix, "name": name}, "a read", name)
+        row_prefix, row_name = row_key(prefix, name)
+        rows = self._rows(HOLD, {"prefix": row_prefix, "name": row_name}, "a read",
+                          name)
         return _info(rows[0]) if rows else None
 
     def holds(self, prefix: str) -> Iterator[HoldInfo]:
-        for row in self._rows(HOLDS, {"prefix": prefix}, "a read"):
+        for row in self._rows(HOLDS, {"prefix": row_part(prefix)}, "a read"):
             yield _info(row)
 
     def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
@@ -52,14 +55,16 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
         if not names:
             return {}
         counts = {str(name): int(n) for name, n in self._rows(
-            WAITING_MANY, {"prefix": prefix, "names": names}, "a read")}
-        return {name: counts.get(name, 0) for name in names}
+            WAITING_MANY, {"prefix": row_part(prefix),
+                           "names": [row_part(name) for name in names]}, "a read")}
+        return {name: counts.get(row_part(name), 0) for name in names}
 
     def force_release(self, prefix: str, name: str, *, fence: int | None = None,
                       by: str | None = None, reason: str | None = None,
                       conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+        row_prefix, row_name = row_key(prefix, name)
         rows = self._rows(FORCE_RELEASE, {
-            "prefix": prefix, "name": name, "fence": fence, "by": clean_text(by),
+            "prefix": row_prefix, "name": row_name, "fence": fence, "by": clean_text(by),
             "reason": clean_text(reason),
             "cond": json.dumps({str(k): str(v) for k, v in (conditions or {}).items()}),
             "channel": channel_of(prefix, name)}, "force release", name)

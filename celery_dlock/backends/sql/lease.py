@@ -27,12 +27,17 @@ from ...core.protocol import GONE, OK, STILL_HELD, TAKEN, Grant, Refused, new_op
 from ...core.scheduler import RenewalScheduler
 from .released import forced_reason
 
-__all__ = ["LeaseLock", "Status", "hold_info", "holder_of", "renew_key", "split_key"]
+__all__ = ["NAME_FIELD", "LeaseLock", "Status", "hold_info", "holder_of", "renew_key",
+           "split_key"]
 
 logger = logging.getLogger("celery_dlock.lock")
 
 #: A dialect's server object (one per URL and process).
 S = TypeVar("S")
+
+#: The field of a row's ``info`` that keeps the lock's name when the row's key is
+#: not the name itself (PostgreSQL's digested names, :mod:`.pg_keys`).
+NAME_FIELD = "dlock_name"
 
 
 def renew_key(prefix: str, name: str) -> str:
@@ -70,19 +75,22 @@ def holder_of(row: tuple[Any, ...]) -> Holder:
     return Holder(owner=_text(owner), count=int(count), fence=int(fence),
                   age=None if age is None else max(0.0, float(age)),
                   ttl=None if ttl is None else max(0.0, float(ttl)),
-                  info={str(k): str(v) for k, v in _mapping(info).items()})
+                  info={str(k): str(v) for k, v in _mapping(info).items()
+                        if k != NAME_FIELD})
 
 
 def hold_info(row: tuple[Any, ...]) -> HoldInfo:
     """The :class:`HoldInfo` (``celery dlock``'s view) of a hold row."""
     holder = holder_of(row)
     extra = dict(holder.info)
+    key = _mapping(row[6]).get(NAME_FIELD)
     pid = extra.pop("pid", None)
     task_name = extra.pop("task_name", None)
     task_id = extra.pop("task_id", None)
     worker = extra.pop("worker", None)
     host = extra.pop("host", None)
-    return HoldInfo(key=_text(row[0]) or "", task_name=task_name, task_id=task_id,
+    return HoldInfo(key=str(key) if key is not None else _text(row[0]) or "",
+                    task_name=task_name, task_id=task_id,
                     worker=worker, pid=int(pid) if pid and pid.isdigit() else None,
                     owner=holder.owner or "", count=holder.count, fence=holder.fence,
                     ttl=holder.ttl, held_for=holder.age, host=host, extra=extra)

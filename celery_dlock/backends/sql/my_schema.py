@@ -18,13 +18,17 @@ import re
 
 from .shape import GRANTS, lease_columns
 
-__all__ = ["COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS", "create_line_sql", "create_sql",
-           "lock_id", "missing_columns", "owner_id", "quote_table"]
+__all__ = ["BLOB_MAX_BYTES", "COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS",
+           "create_line_sql", "create_sql", "lock_id", "missing_columns", "owner_id",
+           "quote_table"]
 
 #: Each column and the ``DATA_TYPE`` information_schema reports for it.
 COLUMNS: dict[str, str] = {"lock_id": "char", **lease_columns(
     "blob", "blob", "blob", "int", "bigint", "datetime", "datetime", "bigint",
     "text", "text", "text")}
+
+#: The most bytes a ``BLOB`` (prefix, name) or ``TEXT`` (info) column holds.
+BLOB_MAX_BYTES = 65_535
 
 #: ``expires_at`` of a free row.
 FREE = "1970-01-01 00:00:00"
@@ -42,8 +46,19 @@ _NAME = re.compile(r"^[A-Za-z0-9_$]{1,64}(\.[A-Za-z0-9_$]{1,64})?$")
 
 
 def lock_id(prefix: str, name: str) -> str:
-    """The row's key of a lock."""
-    return hashlib.sha256(f"{prefix}\x00{name}".encode()).hexdigest()
+    """The row's key of a lock: one key per (prefix, name), whatever either holds.
+
+    A prefix without a NUL is keyed as every release before this one keyed it (the
+    digest of prefix, NUL, name: the first NUL ends the prefix, so no two pairs meet
+    and a rolling deploy finds the same rows).  A prefix with a NUL would make that
+    ambiguous (``("a\\0b", "c")`` and ``("a", "b\\0c")``): its pair is keyed by
+    the digest of a length-prefixed text written in hex, which holds no NUL and so is
+    never the text of a pair of the first kind."""
+    if "\x00" not in prefix:
+        return hashlib.sha256(f"{prefix}\x00{name}".encode()).hexdigest()
+    raw = prefix.encode()
+    text = b"%d:" % len(raw) + raw + name.encode()
+    return hashlib.sha256(b"dlock-lp:" + text.hex().encode()).hexdigest()
 
 
 def owner_id(owner: str) -> str:

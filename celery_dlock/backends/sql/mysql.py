@@ -28,10 +28,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ...core.errors import InvalidLockConfig
 from ...core.renew_target import RenewTarget
 from .lease import LeaseLock, Status
 from .my_renewal import renew_target
-from .my_schema import lock_id, owner_id
+from .my_schema import BLOB_MAX_BYTES, lock_id, owner_id
 from .my_server import MyServer, server_for
 from .my_statements import (
     AHEAD,
@@ -87,10 +88,24 @@ class MySQLLock(LeaseLock[MyServer]):
         return url if isinstance(url, MyServer) else server_for(url)
 
     def _prepare(self) -> None:
+        self._check_sizes()
         self.lock_id = lock_id(self.prefix, self.name)
         # How many waiters stood before this object's owner at its last refused try
         # (0: it was first).
         self._ahead = 0
+
+    def _check_sizes(self) -> None:
+        """InvalidLockConfig, naming the limit, for a prefix, name or info longer than
+        its column holds (MySQL would refuse each acquire)."""
+        info = json.dumps({**self._info, "pid": "9" * 10})  # as an acquire writes it
+        for what, text, column in (("prefix", self.prefix, "BLOB"),
+                                   ("name", self.name, "BLOB"), ("info", info, "TEXT")):
+            size = len(text.encode())
+            if size > BLOB_MAX_BYTES:
+                raise InvalidLockConfig(
+                    f"the lock's {what} takes {size:,} bytes (info as JSON): MySQL's "
+                    f"{column} column holds at most {BLOB_MAX_BYTES:,} "
+                    f"(docs/backends.md, MySQL / MariaDB)", lock_name=self.name)
 
     # -- talking to MySQL -------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from .schema import (
     DEFAULT_TABLE,
     GRANTS,
     LINE_COLUMNS,
+    LINE_SUFFIX,
     create_line_sql,
     create_sql,
     line_table_of,
@@ -58,8 +59,32 @@ CONNECT_TIMEOUT = 3
 #: The longest a statement may run on the server (ms; the URL's ``options`` may set
 #: another ``statement_timeout``).
 STATEMENT_TIMEOUT_MS = 5000
+#: The longest identifier PostgreSQL keeps (bytes, NAMEDATALEN - 1): a longer one
+#: is cut short without an error.
+NAME_MAX_BYTES = 63
 #: How long a reply may be outstanding before the connection counts as dead (ms).
 TCP_USER_TIMEOUT_MS = 5000
+
+
+def check_table_name(table: str, shown: str) -> None:
+    """InvalidLockConfig when ``dlock_table=`` (``table`` or ``schema.table``) names no
+    table PostgreSQL can make beside its line of waiters: an empty part, a NUL, or a
+    part (the line's included) past :data:`NAME_MAX_BYTES`, which PostgreSQL would
+    cut short, so that two tables' names could meet.  Whether the schema exists is
+    the server's to say (the first call: InvalidLockConfig too)."""
+    parts = table.split(".")
+    if len(parts) > 2 or not all(parts) or "\x00" in table:
+        raise InvalidLockConfig(
+            f"dlock_table={table!r} in {shown!r} is not a table name: give 'table' or "
+            f"'schema.table', each part non-empty")
+    line = line_table_of(parts[-1])
+    for part in (*parts, line):
+        if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
+            raise InvalidLockConfig(
+                f"dlock_table={table!r} in {shown!r} is too long: PostgreSQL keeps "
+                f"{NAME_MAX_BYTES} bytes of a name, and {part!r} (the lease table's "
+                f"name, or its line of waiters', {line!r}) has more: at most "
+                f"{NAME_MAX_BYTES - len(LINE_SUFFIX)} bytes for the table")
 
 
 def _conninfo(url: str) -> tuple[str, str]:
@@ -75,6 +100,7 @@ def _conninfo(url: str) -> tuple[str, str]:
         elif part:
             kept.append(part)
     url = base + ("?" + "&".join(kept) if kept else "")
+    check_table_name(table, mask_url(url))
     try:
         given = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
@@ -96,11 +122,28 @@ def _conninfo(url: str) -> tuple[str, str]:
     return make_conninfo(url, **extra), table
 
 
+#: SQLSTATE classes of a statement refused for what it says (a value too long for
+#: the index, a value a column cannot hold, a table or schema of another shape, or
+#: missing): the same statement would be refused again, whatever the server's health,
+#: so they are configuration errors or conflicts, never :class:`BackendUnavailable`.
+REFUSED_CLASSES = frozenset({"22", "3F", "42", "54"})
+
+
+def _content_refused(exc: BaseException) -> bool:
+    """Whether the server (or psycopg, before sending) refused ``exc``'s statement
+    for its content."""
+    state = getattr(exc, "sqlstate", None)
+    if state:
+        return str(state)[:2] in REFUSED_CLASSES
+    # psycopg's own DataError (a NUL in a text parameter) is raised before sending.
+    return isinstance(exc, psycopg.DataError)
+
+
 def is_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` says the server could not be reached or did not answer (rather
     than refusing a statement)."""
     return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)) and \
-        not isinstance(exc, pg_errors.InsufficientPrivilege)
+        not _content_refused(exc)
 
 
 class PgServer:
@@ -205,9 +248,20 @@ class PgServer:
                 f"{self.shown} is not celery-dlock's ({exc.diag.message_primary}); "
                 f"nothing was changed: name another with ?dlock_table=",
                 lock_name=lock_name)
+        message = exc.diag.message_primary or \
+            (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, pg_errors.InvalidSchemaName):
+            return InvalidLockConfig(
+                f"dlock_table={self.table_name!r}: PostgreSQL at {self.shown} has no "
+                f"such schema ({message}); create it, or name another table",
+                lock_name=lock_name)
+        if _content_refused(exc):
+            return InvalidLockConfig(
+                f"PostgreSQL at {self.shown} refused {what} for what it holds "
+                f"(SQLSTATE {exc.sqlstate or 'none, refused by psycopg'}: {message}); "
+                f"the same call would be refused again", lock_name=lock_name)
         return BackendUnavailable(f"PostgreSQL at {self.shown} refused {what}: "
-                                  f"{exc.diag.message_primary or exc}",
-                                  lock_name=lock_name)
+                                  f"{message}", lock_name=lock_name)
 
     # -- the table ------------------------------------------------------------------
 

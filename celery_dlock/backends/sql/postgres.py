@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...core.renew_target import RenewTarget
-from .lease import LeaseLock, Status, holder_of
+from .lease import NAME_FIELD, LeaseLock, Status, holder_of, renew_key
+from .pg_keys import is_raw, row_key, shown_name
 from .pg_server import PgServer, server_for
 from .renewal import renew_target
 from .statements import (
@@ -63,12 +64,18 @@ class PostgresLock(LeaseLock[PgServer]):
 
     def _prepare(self) -> None:
         self.channel = channel_of(self.prefix, self.name)
+        # The row's key: the prefix and name, or their digests (:mod:`.pg_keys`).
+        self.row_prefix, self.row_name = row_key(self.prefix, self.name)
+        self._info.pop(NAME_FIELD, None)
+        if not is_raw(self.name):
+            self._info[NAME_FIELD] = shown_name(self.name)
         self._listener: Listener | None = None
 
     # -- talking to PostgreSQL --------------------------------------------------------
 
     def _params(self, owner: str, **more: Any) -> dict[str, Any]:
-        return {"prefix": self.prefix, "name": self.name, "owner": owner, **more}
+        return {"prefix": self.row_prefix, "name": self.row_name, "owner": owner,
+                **more}
 
     def _run(self, statement: Any, params: Mapping[str, Any],
              what: str) -> list[tuple[Any, ...]]:
@@ -130,6 +137,9 @@ class PostgresLock(LeaseLock[PgServer]):
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+
+    def _renew_key(self) -> str:
+        return renew_key(self.row_prefix, self.row_name)
 
     def _renew_target(self) -> RenewTarget | None:
         target: RenewTarget = renew_target(self.server)
