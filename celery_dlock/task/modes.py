@@ -44,7 +44,7 @@ from typing import Any
 from celery import states
 from kombu.utils.uuid import uuid
 
-from ..core.errors import DLockError, InvalidLockConfig
+from ..core.errors import BackendUnavailable, DLockError, InvalidLockConfig
 from . import signals
 from .backend import markers_for
 from .duplicates import AlreadyQueued, DroppedResult
@@ -61,7 +61,7 @@ from .markers import (
     marker_ttl,
     record_of,
 )
-from .settings import check_combination
+from .settings import check_combination, check_limit_mode
 
 __all__ = ["send"]
 
@@ -88,6 +88,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
     settings = {**task.dlock_settings(), **per_call}
     mode, policy = settings["lock_mode"], settings["on_duplicate"]
     check_combination(f"call of {name!r}", mode, policy)
+    check_limit_mode(f"call of {name!r}", mode, settings["lock_limit"])
     lock_name = task.lock_name(tuple(args or ()), kwargs or {})
     prefix = settings["lock_prefix"]
     task_id = options.get("task_id") or uuid()
@@ -120,7 +121,14 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
                            replace=policy == "replace" and not requeue, requeue=requeue,
                            op=op)
 
-    code, other, left = claim()
+    try:
+        code, other, left = claim()
+    except BackendUnavailable:
+        # No reply: the claim may have run, or may run later (a stalled server).
+        # Nothing is published, so it is taken back (best effort: its ttl bounds it).
+        if not requeue:
+            _take_back(store, prefix, lock_name, task_id, op, ttl)
+        raise
     # (A marker naming this very task id is never judged by the result store: a
     # task id sent again may have a result of an earlier run.)
     if code == QUEUED and not requeue and mode != "throttle" and \
@@ -135,7 +143,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
             result = original(name, args, kwargs, **options)
         except BaseException:
             if code in (CLAIMED, REPLACED):
-                _take_back(store, prefix, lock_name, task_id)
+                _take_back(store, prefix, lock_name, task_id, op, ttl)
             raise
         if code == REPLACED:
             _replaced(app, task, store, prefix, lock_name, other, task_id, mode)
@@ -151,11 +159,13 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
                       running=code == RUNNING)
 
 
-def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str) -> None:
-    """The publish failed: the claim is taken back (a replace replaces nothing: the
-    call it replaced is queued under the name again, and runs)."""
+def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str, op: str,
+               ttl: float) -> None:
+    """The publish failed (or the claim got no reply): the claim is taken back (a
+    replace replaces nothing: the call it replaced is queued under the name again,
+    and runs)."""
     try:
-        store.undo(prefix, name, task_id)
+        store.undo(prefix, name, task_id, op, ttl)
     except DLockError as exc:  # it expires within its ttl
         logger.warning("Could not take back the queue marker of %r after a failed "
                        "publish (a call it replaced starts all the same: the replace "

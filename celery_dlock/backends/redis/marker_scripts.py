@@ -1,0 +1,210 @@
+"""The Lua scripts of the queue markers on Redis (:mod:`celery_dlock.backends.redis.
+markers` says what the keys hold and what the replies mean; each script's header
+says its KEYS, ARGV and reply)."""
+
+from __future__ import annotations
+
+from .scripts import LuaScript
+
+__all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_SUFFIX",
+           "UNDO"]
+
+# The keys of one lock name's markers, after the marker's own (``P:{NAME}:m``): the
+# replaced calls (a sorted set: task id -> the ms, on the server's clock, until which
+# its message could still be delivered) and the claim record (a hash: ``op``, ``code``
+# and ``other`` of the last send's claim that wrote, so a re-sent claim gets its first
+# reply; ``pend``, ``pold`` and ``pdl``: a replace whose publish is not confirmed yet,
+# the call it replaced and that call's marker's deadline in ms; ``conf``: the last
+# replace confirmed; ``back``: the last replace taken back by the replaced call's
+# start; ``x``: the operation id of a claim taken back before it ran).
+REPLACED_SUFFIX = "r"
+RECORD_SUFFIX = "c"
+
+# The server's clock in ms, for the scripts that read it.
+_NOW = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# Keep ``id`` in the replaced set until ``deadline`` at least (the set lives as long as
+# its longest-lived member); members whose time is past are dropped first.
+_REMEMBER = """
+local function remember(replaced, id, deadline, now)
+  redis.call('ZREMRANGEBYSCORE', replaced, '-inf', now)
+  local was = tonumber(redis.call('ZSCORE', replaced, id))
+  if not was or was < deadline then redis.call('ZADD', replaced, deadline, id) end
+  local keep = deadline - now
+  if redis.call('PTTL', replaced) < keep then redis.call('PEXPIRE', replaced, keep) end
+end
+"""
+
+CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
+-- KEYS[1] marker, KEYS[2] the lock's hash, KEYS[3] the replaced calls, KEYS[4] the
+-- claim record.  ARGV[1] task id, ARGV[2] ttl (ms),
+-- ARGV[3] '1': a running holder (another task holding the lock) is a duplicate too,
+-- ARGV[4] '1': replace a queued call, ARGV[5] '1': a re-queue of an accepted call
+-- (never a duplicate: it keeps or takes the marker, unless another call's is there),
+-- ARGV[6] the send's operation id (a re-send of this claim gets the first reply; a
+-- claim taken back by UNDO before it ran does nothing: reply 2 naming no call).
+-- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
+-- (the lock's holder is it) is a duplicate of that call, in every mode.
+local marker, lock, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
+local requeue = ARGV[5] == '1'
+local current = redis.call('GET', marker)
+local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x')
+if r[7] == ARGV[6] then return {2, '', 0} end
+if current == id then
+  if requeue then
+    -- It was delivered, so its publish went through: a replace it made is confirmed.
+    if r[4] == id then redis.call('HDEL', rec, 'pend', 'pold', 'pdl') end
+    redis.call('PEXPIRE', marker, ARGV[2])
+    return {1, id, 0}
+  end
+  if r[1] == ARGV[6] then return {tonumber(r[2]), r[3], 0} end  -- a re-sent claim
+  return {2, id, redis.call('PTTL', marker)}
+end
+if not current and not requeue and (ARGV[3] == '1'
+    or redis.call('TYPE', lock)['ok'] == 'hash') then
+  if redis.call('EXISTS', lock) == 1 then
+    local holder = redis.call('HGET', lock, 'task_id')
+    if ARGV[3] == '1' or holder == id then
+      return {3, holder or '', redis.call('PTTL', lock)}
+    end
+  end
+end
+if current then
+  if requeue then
+    return {2, current, redis.call('PTTL', marker)}
+  end
+  if ARGV[4] == '1' then
+    -- The replaced call's id is kept as long as its message could be delivered (its
+    -- marker's time) and as the new marker, so that its start finds it replaced, also
+    -- after the new call started and removed the marker, and after a worker restart
+    -- lost the revoke.  Until the caller confirms its publish the replace is pending:
+    -- a failed publish gives the name back to the call queued before (``pold``).
+    redis.call('ZSCORE', replaced, current)
+    local now, ttl = now_ms(), tonumber(ARGV[2])
+    local left = redis.call('PTTL', marker)
+    if left < 0 then left = ttl end
+    local pold, pdl = current, now + left
+    if r[4] == current then pold, pdl = r[5], tonumber(r[6]) end
+    remember(replaced, current, now + math.max(left, ttl), now)
+    redis.call('SET', marker, id, 'PX', ttl)
+    redis.call('HDEL', rec, 'pold', 'pdl', 'conf', 'back')
+    redis.call('HSET', rec, 'op', ARGV[6], 'code', 4, 'other', current, 'pend', id)
+    if pold then redis.call('HSET', rec, 'pold', pold, 'pdl', pdl) end
+    if redis.call('PTTL', rec) < ttl then redis.call('PEXPIRE', rec, ttl) end
+    return {4, current, 0}
+  end
+  return {2, current, redis.call('PTTL', marker)}
+end
+redis.call('SET', marker, id, 'PX', ARGV[2])
+redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back')
+redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
+if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', rec, ARGV[2])
+end
+return {0, '', 0}
+""")
+
+CONFIRM = LuaScript("marker_confirm", """
+-- KEYS[1] the claim record.  ARGV[1] the task id of a replace whose publish went
+-- through.  1: the replace stands (the replaced call is to be revoked); 0: it was
+-- taken back (the replaced call started first: it runs, this one never does);
+-- -1: nothing is known of it (the record expired or was lost, or the replace was
+-- replaced in turn): the replaced call is to be revoked all the same.
+local r = redis.call('HMGET', KEYS[1], 'pend', 'conf', 'back')
+if r[2] == ARGV[1] then return 1 end  -- a re-sent confirm, or it started first
+if r[3] == ARGV[1] then return 0 end
+if r[1] ~= ARGV[1] then return -1 end
+redis.call('HDEL', KEYS[1], 'pend', 'pold', 'pdl')
+redis.call('HSET', KEYS[1], 'conf', ARGV[1])
+return 1
+""")
+
+UNDO = LuaScript("marker_undo", _NOW + """
+-- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record.  ARGV[1] the
+-- task id whose publish failed (or whose claim's reply never came), ARGV[2] its
+-- claim's operation id, ARGV[3] ttl (ms) of what is kept of it.  The claim is taken
+-- back: a replace gives the name back to the call queued before it (its marker, with
+-- the time it had left, and no longer replaced); a plain claim removes its marker.  A
+-- claim that has not run yet (a stalled server runs it later) does nothing when it
+-- runs (``x``).  1: taken back; 0: nothing of it was left (not run yet, replaced in
+-- turn, or expired).
+local marker, replaced, rec, id, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
+local current = redis.call('GET', marker)
+local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl')
+redis.call('ZSCORE', replaced, id)
+local undone = 0
+if r[1] == op then
+  if r[2] == id and r[3] then
+    redis.call('ZREM', replaced, r[3])
+    local left = tonumber(r[4]) - now_ms()
+    if current == id then
+      if left > 0 then redis.call('SET', marker, r[3], 'PX', left)
+      else redis.call('DEL', marker) end
+    end
+  elseif current == id then
+    redis.call('DEL', marker)
+  end
+  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl')
+  undone = 1
+elseif r[3] == id then
+  -- This call, never published, was replaced by one still pending: that one's failed
+  -- publish gives the name back to no call.
+  redis.call('HDEL', rec, 'pold', 'pdl')
+end
+redis.call('HSET', rec, 'x', op)
+if redis.call('PTTL', rec) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', rec, ARGV[3])
+end
+return undone
+""")
+
+HAND_OVER = LuaScript("marker_hand_over", _NOW + _REMEMBER + """
+-- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record.  ARGV[1] the
+-- starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1': another task
+-- id in the marker means this call was replaced.
+-- 1: go on; 0: this call was replaced (element 2: by which task id, or 'a later
+-- call' when the one that replaced it has started already).
+-- A call replaced by one whose publish is not confirmed yet starts all the same: the
+-- replace is taken back (the replacing call, if its publish went through, is
+-- recorded replaced and never runs).  The replacing call starting first confirms it.
+local marker, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
+local current = redis.call('GET', marker)
+local r = redis.call('HMGET', rec, 'pend', 'pold')
+local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
+if r[1] and r[1] == id then
+  redis.call('HDEL', rec, 'pend', 'pold', 'pdl')
+  redis.call('HSET', rec, 'conf', id)
+elseif r[1] and r[2] == id and ARGV[3] == '1' then
+  local now = now_ms()
+  local left = redis.call('PTTL', marker)
+  if left < 0 then left = 0 end
+  redis.call('ZREM', replaced, id)
+  remember(replaced, r[1], now + math.max(left, 1), now)
+  if ARGV[2] == '1' and current == r[1] then redis.call('DEL', marker) end
+  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl')
+  redis.call('HSET', rec, 'back', r[1])
+  return {1, ''}
+end
+if ARGV[3] == '1' and until_ms and until_ms > now_ms() then
+  return {0, current or 'a later call'}
+end
+if current == id then
+  if ARGV[2] == '1' then redis.call('DEL', marker, rec) end
+  return {1, ''}
+end
+if current and ARGV[3] == '1' then return {0, current} end
+return {1, ''}
+""")
+
+CLEAR = LuaScript("marker_clear", """
+-- KEYS[1] marker, ARGV[1] task id: remove the marker if it is this call's.
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+""")
