@@ -84,7 +84,13 @@ from .hooks import install
 from .keys import KeyFunction, task_key_function
 from .rate import SLOT_HEADER, within_rate
 from .request import LockedRequest
-from .settings import check_combination, check_max_hold_option, conf_value, enabled
+from .settings import (
+    check_combination,
+    check_limit_mode,
+    check_max_hold_option,
+    conf_value,
+    enabled,
+)
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -173,6 +179,8 @@ class LockedTask(Task):  # type: ignore[misc]
         task_key_function(cls, name)
         check_combination(f"task {name!r}", getattr(cls, "lock_mode", None),
                           getattr(cls, "on_duplicate", None))
+        check_limit_mode(f"task {name!r}", getattr(cls, "lock_mode", None),
+                         getattr(cls, "lock_limit", None))
         check_max_hold_option(f"task {name!r}", getattr(cls, "lock_ttl", None),
                               getattr(cls, "lock_max_hold", None))
 
@@ -187,6 +195,8 @@ class LockedTask(Task):  # type: ignore[misc]
             limit = getattr(cls, "lock_limit", None) or \
                 conf_value(app, "dlock_lock_limit")
             check_limit_supported(app, limit, f"task {cls.name!r} option lock_limit")
+            check_limit_mode(f"task {cls.name!r}", getattr(cls, "lock_mode", None) or
+                             conf_value(app, "dlock_mode"), limit)
 
     # -- the lock of a call ---------------------------------------------------------
 

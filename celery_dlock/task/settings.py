@@ -45,6 +45,7 @@ __all__ = [
     "Setting",
     "check_bool",
     "check_combination",
+    "check_limit_mode",
     "conf_of",
     "conf_value",
     "defaults",
@@ -293,6 +294,17 @@ def enabled(app: Any) -> bool:
     """``app.conf.dlock_enabled`` (default True): False turns every lock and queue
     marker of the app into a no-op."""
     return conf_value(app, "dlock_enabled", True) is not False
+
+
+def check_limit_mode(where: str, mode: Any, limit: Any) -> None:
+    """Refuse ``lock_mode="until_finished"`` with a ``lock_limit`` above 1: the mode
+    allows one call of a name queued or running, the limit lets N run at once."""
+    if mode == "until_finished" and isinstance(limit, int) and limit > 1:
+        raise InvalidLockConfig(
+            f"{where}: lock_mode='until_finished' (one call of a name queued or "
+            f"running) cannot go with lock_limit={limit} (that many running at once); "
+            f"use until_started or queued_and_running, whose marker bounds the queued "
+            f"calls while the limit bounds the running ones (docs/modes.md)")
 
 
 def check_combination(where: str, mode: Any, policy: Any) -> None:

@@ -263,6 +263,24 @@ def test_a_bad_lock_limit_is_refused_at_declaration(bad):
         _declare(app, lock_limit=bad)
 
 
+def test_until_finished_with_a_limit_is_refused_at_declaration(redis_url):
+    app = Celery("limits", broker="memory://", set_as_current=False)
+    app.finalize()
+    with pytest.raises(InvalidLockConfig, match=r"until_finished.*lock_limit=2"):
+        _declare(app, lock_limit=2, lock_mode="until_finished")
+    for mode in ("until_started", "queued_and_running", "throttle"):
+        _declare(app, lock_limit=2, lock_mode=mode)  # the marker bounds the queue
+    _declare(app, lock_limit=1, lock_mode="until_finished")  # a lock is fine
+    configured = Celery("limits", broker="memory://", set_as_current=False)
+    configured.conf.update(dlock_url=redis_url, dlock_mode="until_finished")
+    configured.finalize()
+    with pytest.raises(InvalidLockConfig, match=r"until_finished.*lock_limit=3"):
+        _declare(configured, lock_limit=3)  # the app's mode, the task's limit
+    limited = _declare(app, lock_limit=2)
+    with pytest.raises(InvalidLockConfig, match=r"until_finished.*lock_limit=2"):
+        limited.apply_async(("x",), lock_mode="until_finished")  # before any send
+
+
 def test_lock_limit_cannot_be_set_per_call():
     app = Celery("limits", broker="memory://", set_as_current=False)
     app.finalize()

@@ -15,6 +15,7 @@ import redis
 from celery.result import ResultSet
 from worker_harness import Harness, open_harness, wait_for
 
+from celery_dlock import InvalidLockConfig
 from celery_dlock.backends.redis.backend import RedisBackend
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -71,3 +72,27 @@ def test_sigkill_of_a_slot_holder_frees_its_slot(harness: Harness) -> None:
     assert third.get(timeout=30)
     for result in held:
         result.revoke(terminate=True, signal="SIGKILL")
+
+
+@pytest.mark.parametrize("mode", ["until_started", "queued_and_running"])
+def test_a_limit_with_a_queue_marker_runs_calls_side_by_side(harness: Harness,
+                                                              mode: str) -> None:
+    """``lock_limit=3`` with a marker mode: while one call runs, a new call of the
+    name is accepted (the marker gates the queue, the slots the runs) and runs beside
+    it; ``until_finished`` (one call queued or running) cannot go with a limit and is
+    refused where the call is made, not on the server as a key it cannot read."""
+    h = harness
+    h.start_workers(count=1, concurrency=3)
+    task = h.app.tasks["pf.slot_wait"]
+    key = f"k-marker-{mode}"
+    base = f"{h.dp}:slots:{key}"
+    first = task.apply_async((key, 2.0), lock_mode=mode)
+    wait_for(lambda: int(h.r.get(f"{base}:inside") or 0) == 1, 30,
+             what="the first call to run")
+    second = task.apply_async((key, 0.5), lock_mode=mode)
+    assert second.id != first.id, "accepted: a call of its own"
+    assert isinstance(second.get(timeout=30), int)
+    assert isinstance(first.get(timeout=30), int)
+    assert int(h.r.get(f"{base}:peak") or 0) == 2, "the two ran side by side"
+    with pytest.raises(InvalidLockConfig, match=r"until_finished.*lock_limit=3"):
+        task.apply_async((key, 0.0), lock_mode="until_finished")
