@@ -98,6 +98,14 @@ def register(app: Celery, dp: str, record: Callable[..., None]) -> None:
         run(self, seconds, item=key)
         return key
 
+    # Renewed every 4/3 s; its holder's deadline comes 2 s after its last renewal
+    # (a pause budget of 2 s), its expiry 4 s after.
+    @app.task(shared=False, name="pf.compat_short", base=Singleton, bind=True,
+              lock_key="cshort:{key}", lock_ttl=4, lock_pause_budget=2)
+    def compat_short(self: Any, key: str, seconds: float) -> str:
+        run(self, seconds, item=key)
+        return key
+
     @app.task(shared=False, name="pf.compat_throttle", base=LockedTask, bind=True,
               lock_key="cthr:{key}", lock_ttl=60, lock_mode="throttle")
     def compat_throttle(self: Any, key: str) -> str:

@@ -3,14 +3,19 @@
 celery-singleton's ``clear_locks`` deletes every lock, a running task's too; this one
 removes only what nobody will ever release:
 
-* a **lock hold** of a task whose worker does not answer (asked twice, by name), or
-  answers but runs no process with the hold's pid (a child that died: its worker
-  frees such a hold itself, within milliseconds, unless it died too), or whose task
-  id has a result (SUCCESS or FAILURE: the run ended, its release failed; not
-  REVOKED, which a call revoked while it runs may show as it goes on).  The hold is
-  freed with conditions (that task id, worker and pid), so a newer hold of the name
-  is never touched.  Holds that are not a task's (a
-  ``RedisLock`` of your code) are left alone;
+* a **lock hold** of a task whose holder is known to be gone: its worker answers and
+  runs no process with the hold's pid (a child that died: its worker frees such a
+  hold itself, within milliseconds, unless it died too), or its task id has a result
+  (SUCCESS or FAILURE: the run ended, its release failed; not REVOKED, which a call
+  revoked while it runs may show as it goes on); or whose **renewal has stopped**:
+  the server shows it unrenewed for longer than its holder may believe it holds it
+  (its ttl less the drift and pause margin, the holder's own deadline:
+  :mod:`celery_dlock.core.deadline`), so a live holder has been told it lost it.
+  A worker that does not answer is no evidence by itself: a solo pool running a
+  task, a gevent loop blocked by a body, a worker cut off from the broker all keep
+  running their holds, and their locks are kept.  The hold is freed with conditions
+  (that task id, worker and pid), so a newer hold of the name is never touched.
+  Holds that are not a task's (a ``RedisLock`` of your code) are left alone;
 * a **queue marker** whose call has a ready result (it ran, or was revoked, and its
   marker outlived it).  A queued call's marker (PENDING) stays, and so does a
   ``throttle`` window (it counts accepted calls, whether they ran or not): a marker
@@ -22,6 +27,7 @@ Both expire by themselves (a hold within its ``lock_ttl``, a marker within its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import string
@@ -31,6 +37,7 @@ from typing import Any
 
 from celery import states
 
+from ..core.deadline import margin_of
 from ..core.errors import DLockError, NotSupported
 from ..core.holds import HoldInfo
 from ..task.backend import backend_for, markers_for
@@ -69,7 +76,7 @@ def _prefixes(app: Any) -> set[str]:
 def _live_processes(app: Any, workers: set[str],
                     timeout: float) -> dict[str, set[int]] | None:
     """For each of ``workers`` that answers: its pids (main process and pool); None
-    when the question could not be sent."""
+    when the question could not be sent.  Not answering proves nothing."""
     answers: dict[str, set[int]] = {}
     ask = sorted(workers)
     for _ in range(2):  # a worker that missed the first question is asked by name
@@ -108,6 +115,26 @@ def _ready(app: Any, task_id: str | None,
 RAN = frozenset({states.SUCCESS, states.FAILURE})
 
 
+def _renewal_stopped(app: Any, hold: HoldInfo) -> str | None:
+    """Why the hold's renewal has stopped for good, or None: unrenewed past its
+    holder's own deadline (its lease less the margin the holder keeps back, with the
+    task's ``lock_pause_budget`` when the task is known here)."""
+    since, lease = hold.unrenewed_for, hold.lease
+    if since is None or lease is None:
+        return None  # the backend does not say when it was renewed: never judged
+    budget = None
+    task = app.tasks.get(hold.task_name) if hold.task_name else None
+    settings_of = getattr(task, "dlock_settings", None)
+    if settings_of is not None:
+        with contextlib.suppress(DLockError):
+            budget = settings_of()["lock_pause_budget"]
+    deadline = lease - margin_of(round(lease * 1000), budget)
+    if since < deadline:
+        return None
+    return (f"its renewal stopped: not renewed for {since:.1f}s, past its holder's "
+            f"deadline ({deadline:.1f}s of its {lease:g}s ttl)")
+
+
 def _gone(app: Any, hold: HoldInfo,
           alive: Mapping[str, set[int]] | None) -> str | None:
     """Why the hold's holder is gone, or None when it may still run."""
@@ -116,11 +143,14 @@ def _gone(app: Any, hold: HoldInfo,
     state = _ready(app, hold.task_id, RAN)
     if state is not None:
         return f"its task {hold.task_id} has ended ({state})"
+    stopped = _renewal_stopped(app, hold)
+    if stopped is not None:
+        return stopped
     if hold.worker is None or alive is None:
         return None
     pids = alive.get(hold.worker)
     if pids is None:
-        return f"its worker {hold.worker} does not answer"
+        return None  # silent: busy (a solo pool, a blocked loop), cut off, or dead
     if hold.pid is not None and pids and hold.pid not in pids:
         return f"its worker {hold.worker} has no process {hold.pid}"
     return None
@@ -173,7 +203,10 @@ def clear_locks(app: Any, *, prefixes: Iterable[str] | None = None,
     chosen = set(prefixes) if prefixes is not None else _prefixes(app)
     for prefix in sorted(chosen):
         holds = [h for h in backend.holds(prefix) if h.task_id]
-        workers = {h.worker for h in holds if h.worker}
+        # Only a worker that answers can say a process is gone: ask about the holds
+        # not already shown to have stopped renewing.
+        workers = {h.worker for h in holds
+                   if h.worker and _renewal_stopped(app, h) is None}
         alive = _live_processes(app, workers, timeout) if workers else {}
         for hold in holds:
             reason = _gone(app, hold, alive)

@@ -43,6 +43,18 @@ class HoldInfo:
     #: holder whose slot frees first, and ``holders`` has every live holder.
     limit: int | None = None
     holders: tuple[HoldInfo, ...] = field(default=(), hash=False)
+    #: The seconds each renewal gives the hold (its ttl as asked; None: the backend
+    #: does not say).  With ``ttl``: how long ago it was last renewed
+    #: (:attr:`unrenewed_for`).
+    lease: float | None = None
+
+    @property
+    def unrenewed_for(self) -> float | None:
+        """Seconds since the hold's expiry was last set (its acquire, renewal or
+        extend), by the server's clock; None when the backend does not say."""
+        if self.lease is None or self.ttl is None:
+            return None
+        return max(0.0, self.lease - self.ttl)
 
     @property
     def slots(self) -> str | None:

@@ -7,6 +7,7 @@ runs); and ``clear_locks`` next to live and dead holders.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -264,10 +265,13 @@ def test_clear_locks_removes_only_what_nobody_will_release(harness: Harness) -> 
     throttle = h.app.tasks["pf.compat_throttle"]
     markers = markers_for(h.app)
 
-    # A hold whose worker is killed (lock_ttl 60 s: it stays).
+    # A hold whose worker is killed, all of it (lock_ttl 60 s: it stays, and as its
+    # worker cannot answer, nothing says it is dead until its renewal has stopped
+    # for longer than its holder's deadline).
     w1, = h.start_workers(count=1, concurrency=1)
-    dead = hold.delay("dead", 60.0)
+    hold.delay("dead", 60.0)
     wait_for(lambda: started(h, "pf.compat_hold"), 20, what="the doomed run")
+    os.killpg(w1.pid, signal.SIGKILL)
     w1.stop(signal.SIGKILL)
     assert h.owner("chold:dead") is not None
 
@@ -294,17 +298,57 @@ def test_clear_locks_removes_only_what_nobody_will_release(harness: Harness) -> 
     removed = clear_locks(h.app, timeout=0.5)
 
     assert sorted((x.kind, x.name, x.task_id) for x in removed) == sorted([
-        ("lock", "chold:dead", dead.id),
         ("marker", "chold:done", done.id),
         ("marker", "chold:revoked", revoked.id),
     ])
-    assert "does not answer" in next(x.reason for x in removed if x.kind == "lock")
-    assert h.owner("chold:dead") is None
+    assert h.owner("chold:dead") is not None  # a silent worker proves nothing
     assert h.owner("chold:live") is not None  # the live holder keeps its lock
     assert marker(h, "pf.compat_hold", ("waiting", 0.0)) == waiting.id  # PENDING
     assert marker(h, "pf.compat_throttle", ("w",)) == window.id  # the window
     assert live.get(timeout=30) == "live"
-    # What was freed can be queued again, and the window still refuses.
-    assert hold.delay("dead", 0.0).get(timeout=30) == "dead"
+    # The window still refuses.
     assert throttle.delay("w").id == window.id
     assert clear_locks(h.app, timeout=0.5) == []
+
+
+def test_clear_locks_keeps_the_hold_of_a_worker_that_cannot_answer(
+        harness: Harness) -> None:
+    """A solo pool runs the task in its main process, so the worker answers no
+    question while it runs: that is no evidence of death, and its hold (renewed all
+    along) is kept."""
+    h = harness
+    hold = h.app.tasks["pf.compat_short"]
+    h.start_workers(count=1, concurrency=1, pool="solo")
+    busy = hold.delay("solo", 6.0)
+    wait_for(lambda: started(h, "pf.compat_short"), 20, what="the solo run")
+    owner = h.owner("cshort:solo")
+    deadline = time.monotonic() + 4.5  # past its holder's deadline and its ttl
+    while time.monotonic() < deadline:
+        assert clear_locks(h.app, timeout=0.3) == []
+        assert h.owner("cshort:solo") == owner, "the live holder keeps its lock"
+        time.sleep(0.2)
+    assert busy.get(timeout=30) == "solo"
+
+
+def test_clear_locks_frees_a_hold_whose_renewal_stopped(harness: Harness) -> None:
+    """A worker killed with its pool: its hold (ttl 4 s) is freed by clear_locks once
+    the server shows it unrenewed past its holder's deadline (2 s after its last
+    renewal), before it would have expired (4 s after)."""
+    h = harness
+    hold = h.app.tasks["pf.compat_short"]
+    w, = h.start_workers(count=1, concurrency=1)
+    doomed = hold.delay("gone", 30.0)
+    wait_for(lambda: started(h, "pf.compat_short"), 20, what="the doomed run")
+    assert clear_locks(h.app, timeout=0.3) == []  # renewed, its worker answers
+    os.killpg(w.pid, signal.SIGKILL)
+    w.stop(signal.SIGKILL)
+    removed: list[Any] = []
+    deadline = time.monotonic() + 6.0
+    while not removed and h.owner("cshort:gone") is not None and \
+            time.monotonic() < deadline:
+        removed = clear_locks(h.app, timeout=0.2)
+        time.sleep(0.05)
+    assert [(x.kind, x.name, x.task_id) for x in removed] == [
+        ("lock", "cshort:gone", doomed.id)], "freed by clear_locks, not by its ttl"
+    assert "renewal stopped" in removed[0].reason
+    assert h.owner("cshort:gone") is None

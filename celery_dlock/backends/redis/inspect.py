@@ -106,6 +106,12 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _lease(ttl_ms: str | None) -> float | None:
+    """The ``ttl`` field of a hold (ms, the longest asked for) in seconds."""
+    ms = _int(ttl_ms)
+    return ms / 1000.0 if ms is not None and ms > 0 else None
+
+
 def _lock_info(name: str, fields: Mapping[str, str], pttl_ms: int | None,
                now_ms: int | None) -> LockInfo | None:
     owner = fields.get("owner")
@@ -129,6 +135,7 @@ def _lock_info(name: str, fields: Mapping[str, str], pttl_ms: int | None,
         held_for=held_for,
         host=fields.get("host"),
         extra={k: v for k, v in sorted(fields.items()) if k not in _KNOWN},
+        lease=_lease(fields.get("ttl")),
     )
 
 

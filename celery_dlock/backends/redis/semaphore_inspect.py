@@ -42,6 +42,12 @@ def _int(text: str | None) -> int | None:
         return None
 
 
+def _lease(ttl_ms: str | None) -> float | None:
+    """A holder's ``ttl`` field (ms, the longest asked for) in seconds."""
+    ms = _int(ttl_ms)
+    return ms / 1000.0 if ms is not None and ms > 0 else None
+
+
 def _hold(name: str, flat: Sequence[Any], pttl_ms: int | None,
           now_ms: int | None) -> HoldInfo:
     fields = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
@@ -56,7 +62,8 @@ def _hold(name: str, flat: Sequence[Any], pttl_ms: int | None,
         fence=_int(fields.get("fence")),
         ttl=pttl_ms / 1000.0 if pttl_ms is not None and pttl_ms >= 0 else None,
         held_for=held_for, host=fields.get("host"),
-        extra={k: v for k, v in sorted(fields.items()) if k not in _KNOWN})
+        extra={k: v for k, v in sorted(fields.items()) if k not in _KNOWN},
+        lease=_lease(fields.get("ttl")))
 
 
 def _limit_of(flat: Sequence[Any]) -> int:
