@@ -1,5 +1,6 @@
 """``lock_rate``'s script under network faults: a call the client sends twice (its
-reply was lost) takes one slot, not two; a stalled server fails the call (closed)
+reply was lost, or the server ran the first request late, after the re-send) takes
+one slot, not two; a stalled server fails the call (closed)
 within the client's timeouts, taking nothing (a black hole) or one slot (a request
 it runs late)."""
 
@@ -58,6 +59,28 @@ def test_a_call_resent_after_its_reply_was_lost_takes_one_slot(
     assert _tat(own_server, prefix, name) == first + STEP, "one slot taken, not two"
     after = rates.take(prefix, name, RATE)
     assert after.slot == first + STEP, "the next call gets the very next slot"
+
+
+def test_a_request_the_server_runs_late_after_its_resend_takes_no_second_slot(
+        own_server: EmbeddedRedis, proxy: FaultProxy, prefix: str, name: str) -> None:
+    """A stalled link: the client gives up on its request and sends it again, which
+    is answered; then the first arrives after all.  Both ran: one slot."""
+    rates = RedisRates(_client(proxy.url, timeout=0.5, retries=2))
+    _warm(rates, prefix)
+    assert rates.take(prefix, name, RATE).run
+    first = _tat(own_server, prefix, name)
+    held = proxy.hold_request(TAKE.sha.encode())
+    parked = rates.take(prefix, name, RATE)  # answered: the re-send
+    assert held.arrived.is_set() and not parked.run and parked.slot == first
+    held.let_go()  # the first request reaches the server now, and runs
+    assert held.forwarded.wait(5)
+    direct = redis.Redis.from_url(own_server.url, socket_timeout=10)
+    try:
+        assert direct.ping()  # served after the late request (one server thread)
+    finally:
+        direct.close()
+    time.sleep(0.3)  # and time to spare
+    assert _tat(own_server, prefix, name) == first + STEP, "one slot taken, not two"
 
 
 def test_a_stalled_server_fails_the_call_closed_and_its_late_run_takes_one_slot(
