@@ -18,8 +18,11 @@ server keeps, per name, the *theoretical arrival time* ``tat`` (on the server's 
 
 So at most ``R + B - 1`` starts are granted in any period-long window, and, as a
 parked call may start up to one interval after its slot, at most ``R + B`` calls start
-in any window of one period.  Every time is the server's (``TIME`` inside the script):
-the workers' clocks matter only to when a parked message comes back.
+in any window of one period.  That holds for the *starts of bodies* only if a grant is
+asked for right before the body starts: the Celery face asks with the call's lock
+held (after any wait for it), never before it is taken.  Every time is the server's
+(``TIME`` inside the script): the workers' clocks matter only to when a parked
+message comes back.
 """
 
 from __future__ import annotations
