@@ -84,13 +84,7 @@ from .hooks import install
 from .keys import KeyFunction, task_key_function
 from .rate import SLOT_HEADER, within_rate
 from .request import LockedRequest
-from .settings import (
-    check_combination,
-    check_limit_mode,
-    check_max_hold_option,
-    conf_value,
-    enabled,
-)
+from .settings import check_combination, check_limit_mode, conf_value, enabled
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -181,8 +175,6 @@ class LockedTask(Task):  # type: ignore[misc]
                           getattr(cls, "on_duplicate", None))
         check_limit_mode(f"task {name!r}", getattr(cls, "lock_mode", None),
                          getattr(cls, "lock_limit", None))
-        check_max_hold_option(f"task {name!r}", getattr(cls, "lock_ttl", None),
-                              getattr(cls, "lock_max_hold", None))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
