@@ -302,8 +302,9 @@ def test_a_late_give_back_never_removes_the_owners_next_hold(nodes):
         assert wait_until(lambda: nodes.owners(a.keys.lock, (2,)) == [None],
                           timeout=5)
         assert a.acquire(blocking=False)  # attempt 2, the same owner
-        a.extend(30.0)  # on every node, answered
-        assert nodes.owners(a.keys.lock) == ["owner-a"] * 3
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == ["owner-a"] * 3)
+        a.extend(30.0)  # past the checks below; node 2 may answer after the quorum
+        assert wait_until(lambda: nodes.admin(2).pttl(a.keys.lock) > 5000)
         before = _evalsha_calls(nodes.admin(2))
         held.let_go()  # now the give-back of attempt 1 reaches node 2
         assert held.forwarded.wait(5)
