@@ -243,6 +243,26 @@ def test_throttle_runs_once_per_window_counted_from_the_enqueue(
     assert [run["tag"] for run in runs(h, "th")] == ["a", "c"]
 
 
+def test_a_replace_never_stops_a_started_call_between_its_attempts(
+        harness: Harness) -> None:
+    """until_finished: a started and asked for a retry, which holds the name; a call
+    sent with replace between a's attempts finds it queued (a started call is never
+    stopped: replace acts as return_existing), and a's retry runs."""
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    task = h.app.tasks["pf.mode_retry"]
+    opts = {"lock_mode": "until_finished", "on_duplicate": "replace"}
+    a = task.apply_async(("rr", 0.5, "a"), {"retry_in": 1.5}, **opts)
+    wait_for(lambda: runs(h, "rr"), 20, what="a's first attempt to end")
+    wait_for(lambda: h.owner("mode:rr") is None, 10, what="a's first attempt's release")
+    assert marker(h, "rr") == a.id  # its retry holds the name
+    c = task.apply_async(("rr", 0.0, "c"), **opts)
+    assert c.id == a.id
+    assert a.get(timeout=30) == "a"
+    assert [(run["tag"], run["attempt"]) for run in runs(h, "rr")] == \
+        [("a", 0), ("a", 1)]
+
+
 @pytest.mark.parametrize("requeue", ("contention", "rate"))
 def test_a_requeue_never_restarts_the_throttle_window(harness: Harness,
                                                       requeue: str) -> None:

@@ -16,7 +16,8 @@ __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_
 # reply; ``pend``, ``pold`` and ``pdl``: a replace whose publish is not confirmed yet,
 # the call it replaced and that call's marker's deadline in ms; ``conf``: the last
 # replace confirmed; ``back``: the last replace taken back by the replaced call's
-# start; ``x``: the operation id of a claim taken back before it ran).
+# start; ``x``: the operation id of a claim taken back before it ran; ``run``: the
+# started call whose retry holds the marker, never replaced).
 REPLACED_SUFFIX = "r"
 RECORD_SUFFIX = "c"
 
@@ -47,19 +48,32 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- ARGV[4] '1': replace a queued call, ARGV[5] '1': a re-queue of an accepted call
 -- (never a duplicate: it keeps or takes the marker, unless another call's is there),
 -- ARGV[6] the send's operation id (a re-send of this claim gets the first reply; a
--- claim taken back by UNDO before it ran does nothing: reply 2 naming no call).
+-- claim taken back by UNDO before it ran does nothing: reply 2 naming no call),
+-- ARGV[7] '1': the re-queue (ARGV[5]) of a call that has started (its retry): the
+-- marker it keeps or takes is never replaced (the record's ``run``): a replace finds
+-- it queued (reply 2), as a replace finds a running call.
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
 -- (the lock's holder is it) is a duplicate of that call, in every mode.
 local marker, lock, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
 local requeue = ARGV[5] == '1'
 local current = redis.call('GET', marker)
-local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x')
+local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
+                    'run')
 if r[7] == ARGV[6] then return {2, '', 0} end
+local function started()  -- a started call's re-queue holds the marker from now on
+  if ARGV[7] == '1' then
+    redis.call('HSET', rec, 'run', id)
+    if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
+      redis.call('PEXPIRE', rec, ARGV[2])
+    end
+  end
+end
 if current == id then
   if requeue then
     -- It was delivered, so its publish went through: a replace it made is confirmed.
     if r[4] == id then redis.call('HDEL', rec, 'pend', 'pold', 'pdl') end
     redis.call('PEXPIRE', marker, ARGV[2])
+    started()
     return {1, id, 0}
   end
   if r[1] == ARGV[6] then return {tonumber(r[2]), r[3], 0} end  -- a re-sent claim
@@ -78,7 +92,7 @@ if current then
   if requeue then
     return {2, current, redis.call('PTTL', marker)}
   end
-  if ARGV[4] == '1' then
+  if ARGV[4] == '1' and r[8] ~= current then
     -- The replaced call's id is kept as long as its message could be delivered (its
     -- marker's time) and as the new marker, so that its start finds it replaced, also
     -- after the new call started and removed the marker, and after a worker restart
@@ -106,6 +120,7 @@ redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
 if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', rec, ARGV[2])
 end
+started()
 return {0, '', 0}
 """)
 

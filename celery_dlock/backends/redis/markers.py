@@ -90,16 +90,18 @@ class RedisMarkers:
 
     def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
               running_counts: bool, replace: bool, requeue: bool,
-              op: str = "") -> tuple[int, str, float | None]:
+              op: str = "", started: bool = False) -> tuple[int, str, float | None]:
         """Claim the marker of ``name`` for ``task_id`` (see the module's reply
         codes): ``(code, other task id, its seconds left or None)``.  ``op``: the
-        send's operation id (a re-sent claim gets the first reply)."""
+        send's operation id (a re-sent claim gets the first reply); ``started``: a
+        re-queue of a call that has started (its marker is never replaced)."""
         lock = LockKeys.for_name(prefix, name).lock
         marker = lock + MARKER_SUFFIX
         reply = self._run(CLAIM, (marker, lock, marker + REPLACED_SUFFIX,
                                   marker + RECORD_SUFFIX),
                           (task_id, max(1, int(ttl * 1000)), _flag(running_counts),
-                           _flag(replace), _flag(requeue), op or task_id), name)
+                           _flag(replace), _flag(requeue), op or task_id,
+                           _flag(started)), name)
         left = int(reply[2])
         return int(reply[0]), decode(reply[1]), (left / 1000.0 if left > 0 else None)
 
