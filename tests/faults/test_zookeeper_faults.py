@@ -387,3 +387,84 @@ def test_another_applications_znode_at_the_lock_path_is_a_conflict(zk_server, pr
     finally:
         zk.stop()
         zk.close()
+
+
+def test_another_applications_ephemeral_node_at_the_prefix_is_a_conflict(zk_server,
+                                                                         prefix, name):
+    """An ephemeral node cannot have children: one of another application's at the
+    prefix's path (or at the lock's, holding our mark) made every acquire
+    BackendUnavailable on a healthy server."""
+    from kazoo.client import KazooClient
+
+    from celery_dlock.backends.zookeeper.nodes import DIR_MARK
+
+    lock = ZooKeeperLock(zk_server.url, name, 5, prefix=prefix, auto_renew=False)
+    zk = KazooClient(zk_server.hosts)
+    zk.start(10)
+    try:
+        top = lock.path.rsplit("/", 1)[0]
+        zk.create(top, b"theirs", ephemeral=True)
+        for call in (lambda: lock.acquire(blocking=False),
+                     lambda: lock.acquire(timeout=0.3)):
+            with pytest.raises(LockKeyConflict, match="ephemeral") as info:
+                call()
+            assert "nothing was changed" in str(info.value)
+        assert zk.get(top)[0] == b"theirs" and lock.depth == 0
+        zk.delete(top)
+        zk.create(lock.path, DIR_MARK, ephemeral=True, makepath=True)
+        with pytest.raises(LockKeyConflict, match="ephemeral"):
+            lock.acquire(blocking=False)
+        assert zk.get_children(lock.path) == []
+    finally:
+        zk.stop()
+        zk.close()
+
+
+def test_a_path_whose_acl_refuses_this_user_is_invalid_config(zk_server, prefix, name):
+    """NoAuth is the same on every healthy ensemble: InvalidLockConfig (never an
+    outage a ``lock_fail_open`` task would run unlocked through)."""
+    from kazoo.client import KazooClient
+    from kazoo.security import make_acl, make_digest_acl
+
+    from celery_dlock import InvalidLockConfig
+
+    lock = ZooKeeperLock(zk_server.url, name, 5, prefix=prefix, auto_renew=False)
+    top = lock.path.rsplit("/", 1)[0]
+    zk = KazooClient(zk_server.hosts, auth_data=[("digest", "admin:pw")])
+    zk.start(10)
+    try:
+        zk.create(top, b"", acl=[make_digest_acl("admin", "pw", all=True),
+                                 make_acl("world", "anyone", read=True)])
+        with pytest.raises(InvalidLockConfig, match="ACL") as info:
+            lock.acquire(blocking=False)
+        assert "NoAuthError" in str(info.value)
+        assert zk.get_children(top) == [] and lock.depth == 0
+        # the user the ACL names takes the lock
+        granted = ZooKeeperLock(zk_server.url.replace("zookeeper://",
+                                                      "zookeeper://admin:pw@"),
+                                name, 5, prefix=prefix, auto_renew=False)
+        with granted:
+            assert granted.owned()
+    finally:
+        zk.delete(top, recursive=True)
+        zk.stop()
+        zk.close()
+
+
+def test_every_kazoo_exception_is_mapped_on_purpose():
+    """The table lists every exception kazoo defines (a new kazoo's would fall to
+    its base, the fail-closed reading: this test then names it)."""
+    import inspect
+
+    from kazoo import exceptions as kz
+
+    from celery_dlock.backends.zookeeper.answers import ANSWERS, UNEXPECTED, meaning_of
+
+    listed = {kind for kind, _, _ in ANSWERS}
+    defined = {cls for _, cls in inspect.getmembers(kz, inspect.isclass)
+               if issubclass(cls, Exception) and cls.__module__ == kz.__name__}
+    assert defined - listed == set(), sorted(c.__name__ for c in defined - listed)
+    # each row is reached (no row is shadowed by one before it)
+    for kind, meaning, why in ANSWERS:
+        assert meaning_of(kind.__new__(kind)) == (meaning, why), kind
+    assert meaning_of(ValueError())[0] == UNEXPECTED

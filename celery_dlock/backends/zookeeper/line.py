@@ -46,7 +46,7 @@ class LockNode:
     def call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         session = self.session
         client = session.start(what, self.name)
-        return session.wait(what, fn(client), self.name)
+        return session.wait(what, fn(client), self.name, self.path)
 
     def child(self, name: str) -> str:
         return f"{self.path}/{name}"
@@ -60,8 +60,8 @@ class LockNode:
             data = client.get_async(self.path)
             kids = client.get_children_async(self.path)
             try:
-                raw, _ = session.wait("acquire", data, self.name)
-                names = session.wait("acquire", kids, self.name)
+                raw, _ = session.wait("acquire", data, self.name, self.path)
+                names = session.wait("acquire", kids, self.name, self.path)
             except NoNodeError:
                 if not make:
                     return []

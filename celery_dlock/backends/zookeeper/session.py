@@ -34,17 +34,12 @@ import weakref
 from typing import Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
-from kazoo.exceptions import (
-    BadVersionError,
-    KazooException,
-    NodeExistsError,
-    NoNodeError,
-    NotEmptyError,
-)
+from kazoo.exceptions import KazooException
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
 from ...core.errors import BackendUnavailable, InvalidLockConfig
+from .answers import UNAVAILABLE, error_for, meaning_of
 from .logs import kazoo_logger
 from .url import ZkSpec
 
@@ -81,7 +76,8 @@ class ZkSession:
         self.holders: weakref.WeakSet[Any] = weakref.WeakSet()
         #: Its renew target (:func:`.renewal.renew_target`).
         self.renew_target: Any = None
-        auth = [("digest", spec.digest.encode())] if spec.digest else None
+        # kazoo encodes the credential itself (bytes fail in its connection thread).
+        auth = [("digest", spec.digest)] if spec.digest else None
         self.client = KazooClient(
             hosts=spec.connect_string, timeout=timeout_ms / 1000.0, auth_data=auth,
             connection_retry=KazooRetry(max_tries=-1, delay=0.05, max_delay=0.5,
@@ -184,6 +180,10 @@ class ZkSession:
                         self.client.close()
                     except Exception:  # pragma: no cover - best effort
                         pass
+                    if meaning_of(exc)[0] != UNAVAILABLE:  # credentials, SASL, ...
+                        raise (error_for(exc, what, lock_name) or
+                               BackendUnavailable(str(exc), lock_name=lock_name)
+                               ) from exc
                     raise BackendUnavailable(
                         f"ZooKeeper unavailable during {what}: no answer from "
                         f"{','.join(self.spec.hosts)} within "
@@ -204,11 +204,12 @@ class ZkSession:
                 f"20 tickTimes by default): lower the ttl or raise the server's "
                 f"maxSessionTimeout", lock_name=lock_name)
 
-    def wait(self, what: str, result: Any, lock_name: str | None = None) -> Any:
+    def wait(self, what: str, result: Any, lock_name: str | None = None,
+             where: str | None = None) -> Any:
         """Wait for a kazoo async result, at most :data:`CALL_TIMEOUT` (or the session
         timeout): kazoo's answers about a node (no node, bad version, ...) are raised
-        as they are; a lost connection, an expired session or no answer become
-        BackendUnavailable."""
+        as they are; every other exception as :mod:`.answers` maps it (a lost
+        connection, an expired session or no answer: BackendUnavailable)."""
         timeout = min(CALL_TIMEOUT, max(self.timeout_ms / 1000.0, 1.0))
         try:
             return result.get(timeout=timeout)
@@ -216,11 +217,10 @@ class ZkSession:
             raise BackendUnavailable(f"ZooKeeper did not answer during {what} within "
                                      f"{timeout:g}s", lock_name=lock_name) from exc
         except (KazooException, OSError) as exc:
-            if _is_answer(exc):
+            error = error_for(exc, what, lock_name, where)
+            if error is None:
                 raise
-            raise BackendUnavailable(f"ZooKeeper unavailable during {what}: "
-                                     f"{type(exc).__name__} {exc}".rstrip(),
-                                     lock_name=lock_name) from exc
+            raise error from exc
 
     def stop(self) -> None:
         with self._lock:
@@ -231,12 +231,6 @@ class ZkSession:
                     self.client.close()
                 except Exception:  # pragma: no cover - best effort
                     pass
-
-
-def _is_answer(exc: BaseException) -> bool:
-    """Whether a kazoo error is the server's answer about a node (not a failure)."""
-    return isinstance(exc, (NoNodeError, BadVersionError, NodeExistsError,
-                            NotEmptyError))
 
 
 _sessions: dict[tuple[ZkSpec, int], ZkSession] = {}
