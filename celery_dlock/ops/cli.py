@@ -31,6 +31,7 @@ about them is shown.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import click
@@ -82,17 +83,24 @@ def _row(name: str, info: HoldInfo | None, queued: Queued | None) -> dict[str, A
     return row
 
 
+#: The logger kazoo's clients write to (celery_dlock/backends/zookeeper/logs.py).
+KAZOO_LOGGER = "celery_dlock.kazoo"
+
 # -- the group ------------------------------------------------------------------------
 
 @click.group(name="dlock", cls=OneLineGroup)
 @click.option("--url", metavar="URL",
-              help="Redis to read (default: the app's, as the workers find it).")
+              help="The store to read: a Redis, PostgreSQL, MySQL or ZooKeeper URL "
+                   "(default: the app's, as the workers find it).")
 @click.option("--prefix", metavar="PREFIX",
               help="Key prefix (default: app.conf.dlock_key_prefix, else 'dlock').")
 @click.pass_context
 def dlock(ctx: click.Context, /, url: str | None, prefix: str | None,
           **_preload: Any) -> None:
     """Inspect and free the Redis locks of celery-dlock tasks."""
+    # kazoo's own warnings (a connection dropped, tried again) would print beside the
+    # one line a ZooKeeper that cannot be reached is reported in.
+    logging.getLogger(KAZOO_LOGGER).setLevel(logging.CRITICAL)
     app = getattr(ctx.obj, "app", None)
     if app is None:  # invoked outside `celery` (no CLIContext): the current app
         app = current_app

@@ -1,6 +1,6 @@
 """What every ``celery dlock`` sub-command reads: the backend and key prefix
-(:class:`Target`, made on first use), and how an unreachable or unconfigured Redis
-becomes one line and exit code 2."""
+(:class:`Target`, made on first use), and how an unreachable or unconfigured store
+(Redis, PostgreSQL, MySQL, ZooKeeper) becomes one line naming it and exit code 2."""
 
 from __future__ import annotations
 
@@ -24,8 +24,11 @@ from ..task.schemes import check_known, sql_kind
 from ..task.settings import conf_of, conf_value
 from .formatting import printable
 
-__all__ = ["EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "Target", "fail", "reports_redis_errors",
-           "target_of"]
+__all__ = ["EXIT_NOT_FOUND", "EXIT_UNAVAILABLE", "STORE_NAMES", "Target", "fail",
+           "reports_redis_errors", "target_of"]
+
+#: The name of each backend kind in messages (the others are Redis's).
+STORE_NAMES = {"postgres": "PostgreSQL", "mysql": "MySQL", "zookeeper": "ZooKeeper"}
 
 EXIT_NOT_FOUND = 1
 EXIT_UNAVAILABLE = 2
@@ -144,6 +147,20 @@ class Target:
         except InvalidLockConfig:
             return "?"
 
+    def store(self) -> str:
+        """The kind of store being read, for messages: Redis, PostgreSQL, MySQL or
+        ZooKeeper (the backend's kind once made, else the URL's scheme)."""
+        kind = getattr(self._backend, "kind", None)
+        if kind is None:
+            url = self.url
+            if url is None:
+                try:
+                    url = sql_url_of(conf_of(self.app))
+                except Exception:  # a setting it cannot read: said elsewhere
+                    url = None
+            kind = sql_kind(url) if url else None
+        return STORE_NAMES.get(str(kind), "Redis")
+
     def close(self) -> None:
         if self.url and self._client is not None:
             self._client.close()
@@ -173,8 +190,8 @@ def reports_redis_errors(fun: F) -> F:
             fail(ctx, f"celery dlock: {exc}", EXIT_UNAVAILABLE)
         except (BackendUnavailable, RedisConnectionError, RedisTimeoutError) as exc:
             cause = exc.__cause__ if isinstance(exc, BackendUnavailable) else exc
-            fail(ctx, f"cannot reach Redis at {target.where()}: {cause or exc}",
-                  EXIT_UNAVAILABLE)
+            fail(ctx, f"cannot reach {target.store()} at {target.where()}: "
+                      f"{cause or exc}", EXIT_UNAVAILABLE)
         except RedisError as exc:
             fail(ctx, f"Redis at {target.where()} answered with an error: {exc}",
                   EXIT_UNAVAILABLE)
