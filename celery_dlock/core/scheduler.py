@@ -384,11 +384,14 @@ class RenewalScheduler:
                 continue
             try:
                 if lock._mark_lost(reason, entry.hold_id):
-                    told.append((entry, reason))
+                    told.append((lock.name, lock.on_lost is None, reason))
             except Exception:  # a callback must never kill the watchdog
-                logger.exception("on_lost callback for %r failed", entry.key)
-        for entry, reason in told:
-            logger.warning("lock %r lost: %s", entry.key, reason)
+                logger.exception("on_lost callback for %r failed", lock.name)
+        for name, untold, reason in told:
+            # One line per lost hold, naming the lock: an on_lost callback is how its
+            # owner is told (a LockedTask logs it with the task), so this one is DEBUG.
+            logger.log(logging.WARNING if untold else logging.DEBUG, "lock %r lost: %s",
+                       name, reason)
 
     # -- threads ------------------------------------------------------------------
 

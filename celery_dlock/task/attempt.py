@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -93,7 +94,7 @@ def interrupt_thread(thread_id: int) -> bool:
 class Attempt:
     """The lock of one running attempt, as the task body sees it (``self.lock``)."""
 
-    __slots__ = ("fence", "key", "lock", "lost_reason", "running", "started",
+    __slots__ = ("_told", "fence", "key", "lock", "lost_reason", "running", "started",
                  "task_id", "thread_id")
 
     def __init__(self, lock: Lock, thread_id: int, task_id: str | None) -> None:
@@ -106,6 +107,16 @@ class Attempt:
         self.running = True
         #: Set (from the scheduler thread) when the hold is found lost.
         self.lost_reason: str | None = None
+        self._told = threading.Lock()
+
+    def found_lost(self, reason: str) -> bool:
+        """Record that the hold was lost; True for the first finder only (the
+        watchdog's ``on_lost``, or the release that found it first), which tells."""
+        with self._told:
+            if self.lost_reason is not None:
+                return False
+            self.lost_reason = reason
+            return True
 
 
 #: The runs in progress in this context, by task name.

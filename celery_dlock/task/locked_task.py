@@ -411,9 +411,10 @@ class LockedTask(Task):  # type: ignore[misc]
             try:
                 lock.release()
             except LockLost as exc:
-                if lost is None:  # found out only now: tell, as on_lost would have
-                    lost = exc.message
-                    self._report_lost(attempt, lost)
+                # found out only now (unless on_lost is telling right now): tell
+                if attempt.found_lost(lock.lost_reason or exc.message):
+                    self._report_lost(attempt, attempt.lost_reason or exc.message)
+                lost = attempt.lost_reason
             except DLockError as exc:
                 logger.warning("Task %s[%s]: releasing lock %r: %s", self.name,
                                attempt.task_id, attempt.key, exc)
@@ -445,8 +446,8 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def _on_lock_lost(self, attempt: Attempt, settings: Mapping[str, Any],
                       lock: Lock) -> None:
-        attempt.lost_reason = lock.lost_reason or "lost"
-        self._report_lost(attempt, attempt.lost_reason)
+        if attempt.found_lost(lock.lost_reason or "lost"):
+            self._report_lost(attempt, attempt.lost_reason or "lost")
         if attempt.running and settings["lock_lost_action"] == "interrupt":
             interrupt_thread(attempt.thread_id)
 

@@ -151,3 +151,31 @@ def test_reentry_keeps_its_fence(lock_kind, name):
         with lock:
             assert lock.fence == fence
         assert lock.fence == fence
+
+
+@pytest.mark.parametrize("callback", [False, True], ids=["no-on-lost", "on-lost"])
+def test_a_loss_the_renewal_finds_is_one_warning_naming_the_lock(lock_kind, name, callback,
+                                                                 caplog):
+    """Without ``on_lost`` the loss is one WARNING, ``lock 'NAME' lost: ...``, naming
+    the lock as its user named it (not the storage key); with ``on_lost`` the callback
+    is how its owner is told, and the line drops to DEBUG."""
+    import time
+
+    told: list[object] = []
+    ttl = 2.0 if lock_kind.name == "zookeeper" else 1.0
+    lock = lock_kind.make(name, ttl, on_lost=told.append if callback else None)
+    with caplog.at_level("DEBUG", logger="celery_dlock"):
+        lock.acquire()
+        lock_kind.force_release(name)
+        deadline = time.monotonic() + ttl * 3 + 2
+        while not lock.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lock.lost
+        time.sleep(0.2)
+    ours = [r for r in caplog.records if r.name.startswith("celery_dlock")
+            and "lost" in r.getMessage() and r.levelno >= 30]
+    if callback:
+        assert ours == [] and told == [lock]
+        assert [r for r in caplog.records if r.getMessage().startswith(f"lock {name!r} lost")]
+    else:
+        assert [r.getMessage().split(":")[0] for r in ours] == [f"lock {name!r} lost"]

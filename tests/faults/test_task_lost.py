@@ -164,3 +164,24 @@ def test_max_hold_ends_the_hold_and_lock_lost_action_applies(
         assert time.monotonic() - started < 4.0
     else:
         assert [end["lost"] for end in ends] == [True]
+
+
+@pytest.mark.parametrize("after", [1.5, 0.0], ids=["found-by-renewal", "found-at-release"])
+def test_a_lost_hold_is_one_warning_naming_the_lock(env: TaskEnv, after: float,
+                                                    caplog: pytest.LogCaptureFixture
+                                                    ) -> None:
+    """However the loss is found (the renewal, the release, or both at once), its log
+    is one WARNING that names the lock and the task, never the storage key."""
+    x = _x()
+    with caplog.at_level("DEBUG", logger="celery_dlock"):
+        res = env.tasks["default"].delay(x, after)
+        with pytest.raises(LockLost):
+            res.get(timeout=RESULT_TIMEOUT)
+        time.sleep(0.5)  # a second report, if any, would come from the watchdog
+    # (Celery's own ERROR line for the failed task is Celery's, not ours)
+    lost = [r for r in caplog.records if r.name.startswith("celery_dlock")
+            and r.levelno >= 30 and f"l:{x}" in r.getMessage()]
+    assert len(lost) == 1, [r.getMessage() for r in lost]
+    assert f"'l:{x}'" in lost[0].getMessage() and res.id in lost[0].getMessage()
+    storage_key = env.lock_key(f"l:{x}")
+    assert not [r for r in caplog.records if storage_key in r.getMessage()]
