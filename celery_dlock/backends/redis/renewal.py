@@ -30,7 +30,7 @@ from .cluster import ClusterNodeRenewTarget, is_cluster_client, node_name_of
 from .released import read_loss_reasons
 from .scripts import RENEW_MANY
 
-__all__ = ["RENEW_SOCKET_TIMEOUT", "RedisRenewTarget", "renew_target"]
+__all__ = ["RENEW_SOCKET_TIMEOUT", "RedisRenewTarget", "renew_target", "shared_by"]
 
 #: The longest a renewal call waits for its reply (seconds); the client's own
 #: ``socket_timeout`` when shorter.
@@ -115,9 +115,18 @@ _node_targets: weakref.WeakKeyDictionary[Any, dict[str, ClusterNodeRenewTarget]]
 _targets_lock = threading.Lock()
 
 
+def shared_by(client: Any) -> Any:
+    """What a renew target is kept per: the client's plain connection pool (clients
+    sharing one pool share one target, its connections and its thread), else the
+    client object."""
+    pool = getattr(client, "connection_pool", None)
+    return pool if type(pool) in PLAIN_POOLS else client
+
+
 def renew_target(client: Any, key: str | None = None) -> Any:
-    """The renew target of ``client`` (one per client object and process); for a
-    cluster client, the one of the master serving ``key``."""
+    """The renew target of ``client`` (one per connection pool, see
+    :func:`shared_by`, and process); for a cluster client, the one of the master
+    serving ``key``."""
     if key is not None and is_cluster_client(client):
         node = node_name_of(client, key)
         with _targets_lock:
@@ -127,11 +136,12 @@ def renew_target(client: Any, key: str | None = None) -> Any:
                 node_target = per_node[node] = _ClusterNodeTarget(
                     client, node, RENEW_SOCKET_TIMEOUT)
             return node_target
+    owner = shared_by(client)
     with _targets_lock:
         try:
-            return _targets[client]
+            return _targets[owner]
         except KeyError:
-            target = _targets[client] = RedisRenewTarget(client)
+            target = _targets[owner] = RedisRenewTarget(client)
             return target
         except TypeError:  # not weak-referenceable: no cache
             return RedisRenewTarget(client)

@@ -47,7 +47,7 @@ from .keyspace import (
     parse_holder,
 )
 from .released import read_loss_reason
-from .renewal import RedisRenewTarget
+from .renewal import RedisRenewTarget, shared_by
 from .semaphore_scripts import (
     HOLDER_SUFFIX,
     SEM_ACQUIRE,
@@ -251,12 +251,14 @@ _targets_lock = threading.Lock()
 
 
 def semaphore_renew_target(client: Any) -> SemaphoreRenewTarget:
-    """The semaphore renew target of ``client`` (one per client object and process)."""
+    """The semaphore renew target of ``client`` (one per connection pool, see
+    :func:`.renewal.shared_by`, and process)."""
+    owner = shared_by(client)
     with _targets_lock:
         try:
-            return _targets[client]
+            return _targets[owner]
         except KeyError:
-            target = _targets[client] = SemaphoreRenewTarget(client)
+            target = _targets[owner] = SemaphoreRenewTarget(client)
             return target
         except TypeError:
             return SemaphoreRenewTarget(client)
