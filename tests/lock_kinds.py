@@ -176,7 +176,7 @@ class PgKeys:
 
 class PgView(SqlView):
     """:class:`~sql_view.SqlView` on the PostgreSQL tables (a row keyed by prefix and
-    name)."""
+    name, or their digests: celery_dlock/backends/sql/pg_keys.py)."""
 
     def __init__(self, url: str) -> None:
         import psycopg
@@ -186,7 +186,10 @@ class PgView(SqlView):
 
     @staticmethod
     def _row(prefix: str, name: str) -> tuple[str, str]:
-        return prefix, name
+        # a name PostgreSQL cannot index as it is is keyed by its digest
+        from celery_dlock.backends.sql.pg_keys import row_key
+
+        return row_key(prefix, name)
 
     def _line(self, key: str) -> list[tuple[str, int, int]] | None:
         found = self._line_key(key)

@@ -4,7 +4,9 @@ never BackendUnavailable for another application's data."""
 
 from __future__ import annotations
 
+import random
 import re
+import string
 from collections.abc import Callable
 from typing import Any
 
@@ -201,3 +203,34 @@ def test_a_name_with_a_lone_surrogate_is_refused(r, bad):
 def test_a_bad_blocking_timeout_is_refused_naming_it(r, name, bad):
     with pytest.raises(InvalidLockConfig, match="blocking_timeout"):
         RedisLock(r, name, blocking_timeout=bad)
+
+
+#: Names every store must take, each as a lock of its own: 5,000 characters no codec
+#: shrinks, a NUL, Unicode past the BMP (tests/faults/test_sql_faults.py checks how
+#: the SQL stores list them).
+HARD_NAMES = {
+    "long": "".join(random.Random(31).choices(string.ascii_letters + string.digits,
+                                              k=5000)),
+    "nul": "a\x00b",
+    "unicode": "ключ-日本-\U0001f512",
+}
+
+
+@pytest.mark.parametrize("label", sorted(HARD_NAMES))
+def test_every_store_takes_every_name_as_one_lock(lock_kind, label):
+    """One contract: a name one store takes, every store takes (PostgreSQL refused a
+    long name or a NUL as an outage); and ``name + NUL`` is another lock."""
+    name = HARD_NAMES[label]
+    holder = lock_kind.make(name, ttl=10, owner="holder")
+    other = lock_kind.make(name, ttl=10, owner="other")
+    beside = lock_kind.make(name + "\x00", ttl=10, owner="other")
+    assert holder.acquire(blocking=False)
+    try:
+        assert other.acquire(blocking=False) is False
+        assert beside.acquire(blocking=False)  # a name of its own
+        beside.release()
+        assert holder.holder().owner == "holder"
+    finally:
+        holder.release()
+    assert other.acquire(blocking=False)
+    other.release()
