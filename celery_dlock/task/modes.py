@@ -38,6 +38,8 @@ hand-over, after the lock is taken; none in ``throttle``).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -127,7 +129,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         # No reply: the claim may have run, or may run later (a stalled server).
         # Nothing is published, so it is taken back (best effort: its ttl bounds it).
         if not requeue:
-            _take_back(store, prefix, lock_name, task_id, op, ttl)
+            _take_back_later(store, prefix, lock_name, task_id, op, ttl)
         raise
     # (A marker naming this very task id is never judged by the result store: a
     # task id sent again may have a result of an earlier run.)
@@ -148,7 +150,8 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         if code == REPLACED:
             _replaced(app, task, store, prefix, lock_name, other, task_id, mode)
         return result
-    if in_canvas(options):  # its own id must get an outcome: sent as a follower
+    if other != task_id and in_canvas(options):
+        # Its own id (not the existing call's) must get an outcome: a follower.
         _told(task, lock_name, task_id, other, mode, policy)
         headers[FOLLOW_HEADER] = follow_header(
             other, "return_existing" if policy == "replace" else policy, lock_name,
@@ -170,6 +173,32 @@ def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str, op: str
         logger.warning("Could not take back the queue marker of %r after a failed "
                        "publish (a call it replaced starts all the same: the replace "
                        "was not confirmed): %s", name, exc)
+
+
+#: A claim that got no reply is taken back from a thread, every this many seconds,
+#: for at most :data:`TAKE_BACK_FOR` seconds (the server may be stalled: its claim and
+#: the take-back run when it resumes, in either order).
+TAKE_BACK_EVERY = 0.5
+TAKE_BACK_FOR = 30.0
+
+
+def _take_back_later(store: MarkerStore, prefix: str, name: str, task_id: str,
+                     op: str, ttl: float) -> None:
+    def run() -> None:
+        deadline = time.monotonic() + min(TAKE_BACK_FOR, ttl)
+        while True:
+            try:
+                store.undo(prefix, name, task_id, op, ttl)
+                return
+            except DLockError as exc:
+                if time.monotonic() + TAKE_BACK_EVERY > deadline:
+                    logger.warning("Could not take back the queue marker of %r after "
+                                   "its claim got no reply (it expires within its "
+                                   "ttl): %s", name, exc)
+                    return
+            time.sleep(TAKE_BACK_EVERY)
+
+    threading.Thread(target=run, name="dlock-marker-take-back", daemon=True).start()
 
 
 def _replaced(app: Any, task: Any, store: MarkerStore, prefix: str, lock_name: str,

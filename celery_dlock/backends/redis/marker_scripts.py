@@ -16,7 +16,9 @@ __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_
 # reply; ``pend``, ``pold`` and ``pdl``: a replace whose publish is not confirmed yet,
 # the call it replaced and that call's marker's deadline in ms; ``conf``: the last
 # replace confirmed; ``back``: the last replace taken back by the replaced call's
-# start; ``x``: the operation id of a claim taken back before it ran; ``run``: the
+# start; ``x`` and ``xr``: the operation id of the last claim taken back and the
+# take-back's reply (a claim taken back before it ran does nothing when it runs; a
+# re-sent take-back gets the first reply); ``run``: the
 # started call whose retry holds the marker, never replaced).
 REPLACED_SUFFIX = "r"
 RECORD_SUFFIX = "c"
@@ -147,11 +149,12 @@ UNDO = LuaScript("marker_undo", _NOW + """
 -- the time it had left, and no longer replaced); a plain claim removes its marker.  A
 -- claim that has not run yet (a stalled server runs it later) does nothing when it
 -- runs (``x``).  1: taken back; 0: nothing of it was left (not run yet, replaced in
--- turn, or expired).
+-- turn, or expired).  A re-sent take-back gets the first reply (``xr``).
 local marker, replaced, rec, id, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
 local current = redis.call('GET', marker)
-local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl')
+local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl', 'x', 'xr')
 redis.call('ZSCORE', replaced, id)
+if r[5] == op then return tonumber(r[6]) end  -- a re-sent take-back
 local undone = 0
 if r[1] == op then
   if r[2] == id and r[3] then
@@ -171,7 +174,7 @@ elseif r[3] == id then
   -- publish gives the name back to no call.
   redis.call('HDEL', rec, 'pold', 'pdl')
 end
-redis.call('HSET', rec, 'x', op)
+redis.call('HSET', rec, 'x', op, 'xr', undone)
 if redis.call('PTTL', rec) < tonumber(ARGV[3]) then
   redis.call('PEXPIRE', rec, ARGV[3])
 end

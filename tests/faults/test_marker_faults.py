@@ -1,0 +1,292 @@
+"""The queue-marker scripts under faults, on real servers: a reply lost and the call
+re-sent, Redis restarted between the claim and the publish, a stalled server; and
+the interleavings of a replace with the starts of the calls it involves.
+
+redis-py re-sends a command whose reply it did not get: a re-sent claim gets its
+first reply (the send's operation id), so a call is never taken for a duplicate of
+itself; a claim whose reply never came is taken back, also when a stalled server runs
+it after the take-back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.backoff
+import redis.retry
+from celery.signals import before_task_publish
+from celery_helpers import test_app
+from proxy import FaultProxy
+from worker_harness import Harness, open_harness, wait_for
+
+from celery_dlock import BackendUnavailable, LockedTask
+from celery_dlock.backends.redis.marker_scripts import CLAIM, CONFIRM, HAND_OVER, UNDO
+from celery_dlock.backends.redis.markers import RedisMarkers
+from celery_dlock.ops.embedded import EmbeddedRedis
+from celery_dlock.task import signals
+from celery_dlock.task.markers import CLAIMED, QUEUED, REPLACED
+from celery_dlock.task.modes import TAKE_BACK_EVERY
+
+pytestmark = pytest.mark.slow
+
+
+def claim(m: RedisMarkers, prefix: str, name: str, task_id: str, op: str, *,
+          replace: bool = False, ttl: float = 60.0) -> tuple[int, str, float | None]:
+    return m.claim(prefix, name, task_id, ttl, running_counts=True, replace=replace,
+                   requeue=False, op=op)
+
+
+def start(m: RedisMarkers, prefix: str, name: str, task_id: str) -> str | None:
+    return m.hand_over(prefix, name, task_id, remove=True, replaced_check=True)
+
+
+# -- a replace and the starts of the calls it involves (no fault) -----------------------
+
+def test_the_replaced_call_starting_before_the_confirm_takes_the_replace_back(
+        r: redis.Redis, prefix: str) -> None:
+    m = RedisMarkers(r)
+    assert claim(m, prefix, "n", "old", "op1")[0] == CLAIMED
+    assert claim(m, prefix, "n", "new", "op2", replace=True)[:2] == (REPLACED, "old")
+    assert start(m, prefix, "n", "old") is None  # it runs
+    assert m.confirm(prefix, "n", "new") is False  # the caller revokes nothing
+    assert start(m, prefix, "n", "new") is not None  # it never runs
+    assert m.read(prefix, "n") is None
+
+
+def test_the_replacing_call_starting_before_the_confirm_confirms_it(
+        r: redis.Redis, prefix: str) -> None:
+    m = RedisMarkers(r)
+    claim(m, prefix, "n", "old", "op1")
+    claim(m, prefix, "n", "new", "op2", replace=True)
+    assert start(m, prefix, "n", "new") is None
+    assert m.confirm(prefix, "n", "new") is True
+    assert start(m, prefix, "n", "old") is not None
+
+
+def test_a_failed_publish_gives_the_name_back_through_a_chain_of_replaces(
+        r: redis.Redis, prefix: str) -> None:
+    """old queued; mid replaces it and new replaces mid before either confirmed: mid's
+    publish fails, then new's: the name is old's again, with its time, and it runs."""
+    m = RedisMarkers(r)
+    claim(m, prefix, "n", "old", "op1", ttl=30)
+    time.sleep(0.2)
+    claim(m, prefix, "n", "mid", "op2", replace=True, ttl=60)
+    claim(m, prefix, "n", "new", "op3", replace=True, ttl=60)
+    assert m.undo(prefix, "n", "mid", "op2", 60) is False  # replaced in turn
+    assert m.undo(prefix, "n", "new", "op3", 60) is True
+    task_id, left = m.read(prefix, "n") or ("", None)
+    assert task_id == "old" and left is not None and 25 < left <= 29.9
+    assert start(m, prefix, "n", "mid") is not None  # never published: never runs
+    assert start(m, prefix, "n", "old") is None
+
+
+def test_a_claim_taken_back_before_it_ran_does_nothing_when_it_runs(
+        r: redis.Redis, prefix: str) -> None:
+    m = RedisMarkers(r)
+    assert m.undo(prefix, "n", "late", "op1", 60) is False
+    assert claim(m, prefix, "n", "late", "op1")[0] == QUEUED  # it wrote nothing
+    assert m.read(prefix, "n") is None
+    assert claim(m, prefix, "n", "next", "op2")[0] == CLAIMED
+
+
+# -- a lost reply, re-sent -------------------------------------------------------------
+
+def _proxied(proxy: FaultProxy) -> redis.Redis:
+    return redis.Redis.from_url(proxy.url, socket_timeout=1.0, socket_connect_timeout=1.0,
+                                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 2))
+
+
+#: operation -> (what runs before it, directly; the operation; what it must answer;
+#: the marker after it).
+Step = Callable[[RedisMarkers, str], Any]
+RESENT: dict[str, tuple[Any, Step, Step, Any, str | None]] = {
+    "claim": (CLAIM, lambda m, p: None,
+              lambda m, p: claim(m, p, "n", "a", "op1")[:2], (CLAIMED, ""), "a"),
+    "replace": (CLAIM, lambda m, p: claim(m, p, "n", "old", "op1"),
+                lambda m, p: claim(m, p, "n", "new", "op2", replace=True)[:2],
+                (REPLACED, "old"), "new"),
+    "hand over": (HAND_OVER, lambda m, p: claim(m, p, "n", "a", "op1"),
+                  lambda m, p: start(m, p, "n", "a"), None, None),
+    "take back at start": (
+        HAND_OVER, lambda m, p: (claim(m, p, "n", "old", "op1"),
+                                 claim(m, p, "n", "new", "op2", replace=True)),
+        lambda m, p: (start(m, p, "n", "old"), m.confirm(p, "n", "new")),
+        (None, False), None),
+    "confirm": (CONFIRM, lambda m, p: (claim(m, p, "n", "old", "op1"),
+                                       claim(m, p, "n", "new", "op2", replace=True)),
+                lambda m, p: (m.confirm(p, "n", "new"), start(m, p, "n", "old")),
+                (True, "new"), "new"),
+    "undo": (UNDO, lambda m, p: (claim(m, p, "n", "old", "op1"),
+                                 claim(m, p, "n", "new", "op2", replace=True)),
+             lambda m, p: (m.undo(p, "n", "new", "op2", 60), start(m, p, "n", "new")),
+             (True, "old"), "old"),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(RESENT))
+def test_a_resent_marker_script_answers_as_the_first_run(
+        own_server: EmbeddedRedis, proxy: FaultProxy, prefix: str,
+        operation: str) -> None:
+    script, before, step, expected, after = RESENT[operation]
+    direct = redis.Redis.from_url(own_server.url, socket_timeout=10)
+    for each in (CLAIM, CONFIRM, HAND_OVER, UNDO):
+        direct.script_load(each.source)  # EVALSHA: what the proxy matches on
+    before(RedisMarkers(direct), prefix)
+    matched = proxy.drop_reply(script.sha.encode())
+    client = _proxied(proxy)
+    try:
+        assert step(RedisMarkers(client), prefix) == expected
+    finally:
+        client.close()
+    assert matched.is_set(), "the reply was never dropped"
+    read = RedisMarkers(direct).read(prefix, "n")
+    assert (read[0] if read else None) == after
+    direct.close()
+
+
+# -- the send: a lost reply, a stalled server, a restart before the publish --------------
+
+@pytest.fixture
+def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
+            request: pytest.FixtureRequest) -> Iterator[Harness]:
+    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+
+
+def _producer(redis_url: str, prefix: str, queue: str,
+              client: Callable[[], redis.Redis]) -> Any:
+    """An app that sends on the suite's broker and keeps its markers where ``client``
+    says; its task is the workers' ``pf.mode`` (tests/prefork_mode_tasks.py)."""
+    app = test_app("marker-faults", redis_url, queue=queue, prefix=prefix,
+                   dlock_client=client)
+
+    @app.task(shared=False, name="pf.mode", base=LockedTask, lock_key="mode:{key}",
+              lock_ttl=3, lock_mode="until_finished")
+    def mode(key: str, seconds: float, tag: str) -> str:
+        raise AssertionError("runs on the workers")
+
+    return app
+
+
+def _queued(r: redis.Redis, queue: str) -> list[str]:
+    return [json.loads(raw)["headers"]["id"] for raw in r.lrange(queue, 0, -1)]
+
+
+def test_a_send_whose_claim_reply_was_lost_is_sent_once(
+        redis_url: str, r: redis.Redis, own_server: EmbeddedRedis, proxy: FaultProxy,
+        prefix: str) -> None:
+    queue = f"q-{prefix}"
+    direct = redis.Redis.from_url(own_server.url)
+    direct.script_load(CLAIM.source)
+    app = _producer(redis_url, prefix, queue, lambda: _proxied(proxy))
+    matched = proxy.drop_reply(CLAIM.sha.encode())
+    sent = app.tasks["pf.mode"].apply_async(("k", 0.0, "a"), task_id="report-d1")
+    assert matched.is_set()
+    assert sent.id == "report-d1" and _queued(r, queue) == ["report-d1"]
+    again = app.tasks["pf.mode"].apply_async(("k", 0.0, "b"), task_id="report-d1")
+    assert again.id == "report-d1" and _queued(r, queue) == ["report-d1"]
+    app.close()
+    direct.close()
+
+
+def _stall(kind: str, server: EmbeddedRedis) -> Callable[[], None]:
+    """Stall ``server`` now; the function that ends the stall."""
+    assert server.process is not None
+    if kind == "SIGSTOP":
+        os.kill(server.process.pid, signal.SIGSTOP)
+        pid = server.process.pid
+        return lambda: os.kill(pid, signal.SIGCONT)
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command("CLIENT", "PAUSE", 4000, "ALL")  # ends by itself
+    ends = time.monotonic() + 4
+    admin.close()
+    return lambda: time.sleep(max(0.0, ends - time.monotonic()))
+
+
+@pytest.mark.parametrize("kind", ("SIGSTOP", "CLIENT PAUSE"))
+def test_a_send_against_a_stalled_server_leaves_no_marker_behind(
+        redis_url: str, r: redis.Redis, own_server: EmbeddedRedis, prefix: str,
+        kind: str) -> None:
+    """The claim reaches the server and waits there; the send fails (nothing is
+    published); when the server resumes, it runs the claim and the take-back, in
+    either order: the name is free, and the next call is queued."""
+    queue = f"q-{prefix}"
+    app = _producer(redis_url, prefix, queue, lambda: redis.Redis.from_url(
+        own_server.url, socket_timeout=0.5, socket_connect_timeout=0.5,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 1)))
+    markers = RedisMarkers(redis.Redis.from_url(own_server.url, socket_timeout=10))
+    app.tasks["pf.mode"].apply_async(("warm", 0.0, "w"))  # connected, scripts loaded
+    resume = _stall(kind, own_server)
+    try:
+        began = time.monotonic()
+        with pytest.raises(BackendUnavailable):
+            app.tasks["pf.mode"].apply_async(("k", 0.0, "a"), task_id="stalled")
+        assert time.monotonic() - began < 10
+        time.sleep(3 * TAKE_BACK_EVERY)  # take-backs are tried meanwhile
+    finally:
+        resume()
+    assert "stalled" not in _queued(r, queue)
+    wait_for(lambda: markers.read(prefix, "mode:k") is None, 10, 0.05,
+             what="the stalled claim to be taken back")
+    time.sleep(2 * TAKE_BACK_EVERY)
+    assert markers.read(prefix, "mode:k") is None
+    nxt = app.tasks["pf.mode"].apply_async(("k", 0.0, "b"))
+    assert nxt.id != "stalled" and nxt.id in _queued(r, queue)
+    app.close()
+
+
+def test_redis_restarted_between_a_replace_and_its_publish(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock's Redis restarts (its data lost) while the replacing call is
+    published: the record of the replace is gone, yet the replaced call (waiting for
+    its eta on a worker) is revoked, and only the new call runs."""
+    h = harness
+    lock_server = EmbeddedRedis().start()
+    port = lock_server.port
+    try:
+        monkeypatch.setenv("DLOCK_PF_CONF", json.dumps({"dlock_url": lock_server.url}))
+        h.app.conf.dlock_url = lock_server.url
+        h.start_workers(count=1, concurrency=2)
+        opts = {"lock_mode": "until_started", "on_duplicate": "replace"}
+        task = h.app.tasks["pf.mode"]
+        old = task.apply_async(("rs", 0.0, "old"), countdown=6, **opts)
+        due = time.monotonic() + 6
+        restarted = threading.Event()
+
+        def restart(headers: Any = None, **_: Any) -> None:
+            if restarted.is_set() or (headers or {}).get("id") == old.id:
+                return
+            nonlocal lock_server
+            lock_server.stop()
+            lock_server = EmbeddedRedis(port=port).start()
+            restarted.set()
+
+        duplicates: list[dict[str, Any]] = []
+
+        def seen(sender: Any = None, **info: Any) -> None:
+            duplicates.append(info)
+
+        signals.lock_duplicate.connect(seen, weak=False)
+        before_task_publish.connect(restart, weak=False)
+        try:
+            new = task.apply_async(("rs", 0.0, "new"), **opts)
+        finally:
+            before_task_publish.disconnect(restart)
+            signals.lock_duplicate.disconnect(seen)
+        assert restarted.is_set()
+        assert [d["existing"] for d in duplicates] == [old.id]  # the revoke was sent
+        assert new.get(timeout=30) == "new"
+        wait_for(lambda: time.monotonic() > due + 2, 15, 0.1, what="the old eta")
+        assert [run["tag"] for run in h.records("mode", "rs")] == ["new"]
+    finally:
+        with contextlib.suppress(Exception):
+            lock_server.stop()
