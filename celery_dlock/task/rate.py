@@ -24,7 +24,6 @@ Direct calls and eager runs (``apply()``) are not counted: they cannot be parked
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -144,11 +143,23 @@ def within_rate(task: Any, request: Any, lock: Lock, args: tuple[Any, ...],
                 logger.warning("Task %s[%s] starts without asking its lock_rate of %r: "
                                "%s (fail-open)", task.name, request.id, name, exc)
                 return ACQUIRED
-            with contextlib.suppress(DLockError):
-                lock.release()
+            _release_quietly(lock)
             if last:
                 raise
             outcome = contended(exc, args, kwargs, settings, True)
             if outcome is not ACQUIRED:
                 return outcome
+        except BaseException:  # parked, or refused (LockKeyConflict): nothing held
+            _release_quietly(lock)
+            raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _release_quietly(lock: Lock) -> None:
+    """Release what the call still holds of ``lock`` (a parked call released it
+    already); a hold lost meanwhile has nothing left to free."""
+    while lock.depth > 0:
+        try:
+            lock.release()
+        except DLockError:
+            return

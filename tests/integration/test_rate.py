@@ -240,3 +240,23 @@ def test_waiting_for_the_lock_lets_no_more_starts_through(harness: Harness,
     # At most R + B = 1 + 1 starts in any one-second window.
     worst = max(sum(1 for t in starts if s <= t < s + 1.0) for s in starts)
     assert worst <= 2, [round(t - starts[0], 3) for t in starts]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_rate_it_cannot_keep_leaves_no_lock_behind(harness: Harness) -> None:
+    """Another application's data at the rate's key: the call fails with
+    LockKeyConflict (the data untouched), and the lock it took to ask is released,
+    not left to its ttl."""
+    from celery_dlock import LockKeyConflict
+
+    h = harness
+    h.start_workers(count=1, concurrency=1)
+    key = uuid.uuid4().hex[:8]
+    name = f"rated:{key}"
+    h.r.set(rate_key(h.prefix, name), "someone else's")
+    with pytest.raises(LockKeyConflict):
+        h.app.tasks["pf.rated"].delay(key, 1).get(timeout=30)
+    assert h.owner(name) is None, "the lock is not left behind"
+    assert h.r.get(rate_key(h.prefix, name)) == b"someone else's"
+    assert h.records("rated", key) == [], "the body never ran"
