@@ -96,6 +96,8 @@ class Holder:
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:
+        """The holder as plain data: its fields, then its metadata (``pid`` a
+        number)."""
         return {
             "owner": self.owner,
             "count": self.count,
@@ -103,6 +105,7 @@ class Holder:
             "age": self.age,
             "ttl": self.ttl,
             **self.info,
+            **({"pid": self.pid} if self.pid is not None else {}),
         }
 
 

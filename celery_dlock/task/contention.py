@@ -170,8 +170,10 @@ class Contention:
                                           countdown=countdown, retries=request.retries,
                                           headers=headers)
         sig.apply_async()
-        logger.info("Task %s[%s] re-queued in %.2fs: %s", task.name, request.id,
-                    countdown, self.error)
+        # Celery logs the retry ("retry: Retry in 1.23s: LockNotAcquired(...)"): one
+        # line per contention retry is enough at INFO.
+        logger.debug("Task %s[%s] re-queued in %.2fs: %s", task.name, request.id,
+                     countdown, self.error)
         raise Retry(exc=self.error, when=countdown, sig=sig)
 
     def skip(self) -> Any:
@@ -184,11 +186,15 @@ class Contention:
         """
         task = self.task
         request = task.request
-        reason = ("Redis unavailable" if self.backend_down else "lock held elsewhere")
+        reason = ("lock store unavailable" if self.backend_down else "lock held elsewhere")
         result = skipped_result(self.key, self.holder, reason)
-        who = self.holder.describe() if self.holder is not None else "unknown"
-        logger.info("Task %s[%s] skipped: lock %r %s (holder: %s)", task.name,
-                    request.id, self.key, reason, who)
+        if self.backend_down:
+            logger.info("Task %s[%s] skipped: the store of lock %r is unavailable: %s",
+                        task.name, request.id, self.key, self.error)
+        else:
+            who = self.holder.describe() if self.holder is not None else "unknown holder"
+            logger.info("Task %s[%s] skipped: lock %r is held by %s", task.name,
+                        request.id, self.key, who)
         if not self.can_requeue:
             return result
         # Its name is free before its result shows: a caller that sees the result

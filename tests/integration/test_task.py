@@ -274,8 +274,27 @@ def test_skip_returns_a_result_that_names_the_holder(env):
     assert result["lock"] == f"k:{x}"
     assert result["holder"]["owner"] == "test-holder"
     assert result["holder"]["task_id"] == "holder-task"
+    assert result["reason"] == "lock held elsewhere"
+    # what a person reads, not the scripts' bookkeeping; numbers as numbers
+    assert not {"ops", "prev"} & set(result["holder"])
+    assert isinstance(result["holder"]["pid"], int)
+    assert isinstance(result["holder"]["fence"], int)
     assert not [e for e in _events(env.r, env.ev) if e["kind"] == "skipper-ran"
                 and e["x"] == x]
+
+
+def test_a_skip_is_one_log_line_that_names_the_lock_and_its_holder(env, caplog):
+    x = _x()
+    holder = _hold(env, x)
+    try:
+        with caplog.at_level("INFO", logger="celery_dlock"):
+            result = env.tasks.skipper.apply_async((x,))
+            result.get(timeout=RESULT_TIMEOUT)
+    finally:
+        holder.release()
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.name.startswith("celery_dlock") and result.id in r.getMessage()]
+    assert f"skipped: lock 'k:{x}' is held by task ?[holder-task]" in line, line
 
 
 def test_skip_on_a_free_lock_runs_the_body(env):
@@ -328,6 +347,25 @@ def test_retry_gives_up_after_its_bound(env):
             env.tasks.bounded.delay(x).get(timeout=RESULT_TIMEOUT)
     finally:
         holder.release()
+
+
+@needs_inprocess_eta
+def test_each_contention_retry_is_one_log_line(env, caplog):
+    """Celery logs each retry ("retry: Retry in ...s: LockNotAcquired(...)"); the lock
+    adds no second INFO line of its own."""
+    x = _x()
+    holder = _hold(env, x)
+    try:
+        with caplog.at_level("DEBUG"):
+            result = env.tasks.bounded.delay(x)
+            with pytest.raises(LockNotAcquired):
+                result.get(timeout=RESULT_TIMEOUT)
+    finally:
+        holder.release()
+    lines = [r.getMessage() for r in caplog.records
+             if r.levelno >= 20 and result.id in r.getMessage()
+             and ("retry" in r.getMessage().lower() or "re-queued" in r.getMessage())]
+    assert len(lines) == 2, lines  # lock_retry_max=2: two retries, a line each
 
 
 # -- however the attempt ends, the lock is released -----------------------------------
@@ -484,7 +522,7 @@ def test_redis_down_with_skip_policy_skips(down_app):
         return "ran"
 
     result = guarded(1)
-    assert is_skipped(result) and result["reason"] == "Redis unavailable"
+    assert is_skipped(result) and result["reason"] == "lock store unavailable"
 
 
 def test_redis_down_fail_open_runs_unlocked(down_app):

@@ -27,6 +27,9 @@ _KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zse
 #: as a whole): a hash at a lock's key without one of them is another application's.
 #: A hold's other fields are metadata, free-form (``info=``): they tell nothing.
 HOLD_FIELDS = ("owner", "count", "fence", "acquired_at", "ttl", "ops")
+#: The scripts' own bookkeeping in a hold's hash (the last operation ids and their
+#: results, the fence of the hold before): never shown as a holder's metadata.
+BOOKKEEPING = ("ops", "prev")
 #: What a conflict's message says of the foreign data, after naming it.
 UNTOUCHED = ("another application's data is under this lock's keys and was left "
              "untouched (use another prefix or lock name)")
@@ -82,6 +85,8 @@ def parse_holder(flat: Sequence[Any], pttl_ms: int | None, now_ms: int | None) -
     fence_text = fields.pop("fence", None)
     acquired_at = fields.pop("acquired_at", None)
     fields.pop("ttl", None)
+    for internal in BOOKKEEPING:
+        fields.pop(internal, None)
     age = None
     if acquired_at is not None and now_ms is not None:
         age = max(0.0, (now_ms - int(acquired_at)) / 1000.0)
