@@ -186,7 +186,8 @@ class Contention:
         """
         task = self.task
         request = task.request
-        reason = ("lock store unavailable" if self.backend_down else "lock held elsewhere")
+        reason = ("lock store unavailable" if self.backend_down
+                  else "lock held elsewhere")
         result = skipped_result(self.key, self.holder, reason)
         if self.backend_down:
             logger.info("Task %s[%s] skipped: the store of lock %r is unavailable: %s",
