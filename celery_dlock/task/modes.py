@@ -25,14 +25,22 @@ mode                   a second call is a duplicate while ...      the name free
 * ``replace``: the queued call is revoked and this one queued instead (latest
   arguments win, one run).  A call that has started is never stopped: against a
   running call (``until_finished``) ``replace`` acts as ``return_existing``.  With
-  ``throttle`` it is refused (the window's call may have run already).
+  ``throttle`` it is refused (the window's call may have run already).  A replace
+  stands once its publish went through (the claim, the publish, then a confirm); a
+  failed publish takes it back: the queued call keeps its marker and runs.
+
+A send of a task id already queued or running is a duplicate of that call (in every
+mode; ``replace`` acts as ``return_existing`` then): only the call's own re-queue
+takes the marker again.  Each send's claim carries an operation id, so a claim
+re-sent after a lost reply gets its first answer; a claim that got no reply is taken
+back (nothing was published).
 
 A duplicate inside a canvas (a group or chord member, a chain's link, a call with
 callbacks) is sent as a follower instead, so that its own task id gets an outcome
 (:mod:`celery_dlock.task.follow`).
 
-Cost: one script call per send (the claim); at start one script call (the
-hand-over, after the lock is taken; none in ``throttle``).
+Cost: one script call per send (the claim; a replace adds the confirm); at start one
+script call (the hand-over, after the lock is taken; none in ``throttle``).
 """
 
 from __future__ import annotations
