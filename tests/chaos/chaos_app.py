@@ -1,11 +1,11 @@
 """The Celery app the chaos run's ``celery worker`` subprocesses run (prefork pool).
 
-Built from the environment the driver sets (see :data:`ENV`).  One task,
-``chaos.bump``: a :class:`~celery_dlock.LockedTask` on the lock ``chaos:{key}`` that
-makes a few fenced increments (:mod:`chaos_db`) with a pause between them.  The lock's
-traffic (Redis, PostgreSQL or ZooKeeper: ``dlock_url``) goes through the driver's fault
-proxy; the broker (Redis, the lock's own server or another; or RabbitMQ) is reached
-directly.
+Built from the environment the driver sets (see :data:`ENV`).  The lock scenario's
+task is ``chaos.bump`` (the modes scenario's are in :mod:`chaos_modes`): a
+:class:`~celery_dlock.LockedTask` on the lock ``chaos:{key}`` that makes a few fenced
+increments (:mod:`chaos_db`) with a pause between them.  The lock's traffic (Redis,
+PostgreSQL or ZooKeeper: ``dlock_url``) goes through the driver's fault proxy; the
+broker (Redis, the lock's own server or another; or RabbitMQ) is reached directly.
 
 Every process records, in its own file (:mod:`chaos_records`): each task it starts and
 ends (for the broker-level accounting), each hold (``acquired`` with the fence and the
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import chaos_db
+import chaos_modes
 from celery import Celery, signals
 from chaos_records import Recorder
 
@@ -31,7 +32,8 @@ from celery_dlock import LockedTask
 from celery_dlock import signals as dlock_signals
 
 ENV = ("CHAOS_BROKER_URL", "CHAOS_BROKER", "CHAOS_LOCK_URL", "CHAOS_PREFIX",
-       "CHAOS_QUEUE", "CHAOS_DB", "CHAOS_DSN", "CHAOS_RECORDS", "CHAOS_TTL")
+       "CHAOS_QUEUE", "CHAOS_DB", "CHAOS_DSN", "CHAOS_RECORDS", "CHAOS_TTL",
+       "CHAOS_VISIBILITY")
 
 _per_pid: dict[int, tuple[Recorder, Any]] = {}
 
@@ -71,7 +73,8 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     broker_transport_options=(
         {"confirm_publish": True} if os.environ.get("CHAOS_BROKER") == "amqp"
-        else {"polling_interval": 0.1, "visibility_timeout": 30}),
+        else {"polling_interval": 0.1,
+              "visibility_timeout": float(os.environ.get("CHAOS_VISIBILITY", "30"))}),
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     broker_connection_max_retries=None,
@@ -111,8 +114,11 @@ def _started(task_id: str = "", **_: Any) -> None:
 
 
 @signals.task_postrun.connect(weak=False)
-def _ended(task_id: str = "", state: str | None = None, **_: Any) -> None:
-    here()[0]("task_end", task_id=task_id, state=state)
+def _ended(task_id: str = "", state: str | None = None, retval: Any = None,
+           **_: Any) -> None:
+    # An ignored run says why (a marked call superseded at its start says by whom).
+    why = {"reason": str(retval)[:200]} if state == "IGNORED" else {}
+    here()[0]("task_end", task_id=task_id, state=state, **why)
 
 
 @dlock_signals.lock_lost.connect(weak=False)
@@ -132,3 +138,7 @@ def _released(sender: Any = None, fence: int | None = None, task_id: str | None 
 @signals.worker_process_init.connect(weak=False)
 def _child_up(**_: Any) -> None:
     here()[0]("child_up")
+
+
+chaos_modes.register(app, lambda: here()[0], ttl=TTL,
+                     rates=app.conf.dlock_url.startswith("redis"))

@@ -23,7 +23,7 @@ from typing import Any
 
 import chaos_db
 import chaos_servers
-from chaos_faults import BROKER_KINDS, KINDS, Fault, schedule
+from chaos_faults import BROKER_KINDS, KINDS, WORKER_KINDS, Fault, schedule
 from chaos_records import Recorder, Tail, read_all, read_lines
 
 HERE = Path(__file__).resolve().parent
@@ -52,6 +52,7 @@ class Config:
     gap: float = 0.1  # seconds between them
     settle: float = 10.0  # fault-free seconds at the end, before draining
     drain: float = 60.0  # at most this long waiting for sent tasks to end
+    scenario: str = "lock"  # or "modes" (chaos_modes: lock_mode, on_duplicate, rates)
 
     @property
     def shared_broker(self) -> bool:
@@ -60,8 +61,17 @@ class Config:
 
     def kinds(self) -> list[str]:
         """The faults of this run: the lock's, and the broker's restarts when the
-        broker is a server of its own (docs/chaos.md)."""
-        return [*KINDS, *([] if self.shared_broker else BROKER_KINDS)]
+        broker is a server of its own (docs/chaos.md).  The modes scenario has no
+        standalone client and pauses no holder; it kills whole workers too."""
+        broker = [] if self.shared_broker else [*BROKER_KINDS]
+        if self.scenario == "modes":
+            return [*(k for k in KINDS if k not in ("kill_client", "stop_holder")),
+                    *broker, *WORKER_KINDS]
+        return [*KINDS, *broker]
+
+    @property
+    def modes(self) -> bool:
+        return self.scenario == "modes"
 
 
 class Run:
@@ -134,21 +144,16 @@ class Run:
             "CHAOS_PREFIX": self.prefix, "CHAOS_QUEUE": self.queue,
             "CHAOS_DB": self.cfg.db, "CHAOS_DSN": self.dsn,
             "CHAOS_RECORDS": str(self.records), "CHAOS_TTL": str(self.cfg.ttl),
+            # modes: a killed worker's messages come back sooner (countdowns < 3 s)
+            "CHAOS_VISIBILITY": "8" if self.cfg.modes else "30",
             "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)]),
             "PYTHONUNBUFFERED": "1",
         })
         return env
 
     def start_worker(self, n: int) -> subprocess.Popen[bytes]:
-        log = open(self.out / f"worker{n}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "chaos_app", "worker",
-             "--pool=prefork", "-c", str(self.cfg.concurrency), "-Q", self.queue,
-             "-n", f"chaos{n}-{self.prefix}@%h", "--without-gossip",
-             "--without-mingle", "--without-heartbeat", "-l", "warning"],
-            cwd=HERE, env=self.env(), stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        proc = start_worker(self.out / f"worker{n}.log", self.env(), self.queue,
+                            f"chaos{n}-{self.prefix}", self.cfg.concurrency)
         self.log("worker_start", n=n, worker_pid=proc.pid)
         return proc
 
@@ -223,6 +228,13 @@ class Run:
                 return {"target": None}
             pid = kids[int(f.pick * len(kids))]
             os.kill(pid, signal.SIGKILL)
+            return {"target": pid}
+        if kind == "kill_worker":
+            if not self.workers:
+                return {"target": None}
+            pid = self.workers[int(f.pick * len(self.workers))].pid
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # its children too (its session)
             return {"target": pid}
         if kind == "kill_client":
             if self.client is None:
@@ -306,10 +318,18 @@ class Run:
         threads: list[threading.Thread] = []
         try:
             self.workers = [self.start_worker(i) for i in range(cfg.workers)]
-            self.client = self.start_client()
+            if cfg.modes:  # the modes scenario's producer (modes_producer.py)
+                import modes_producer
+
+                meta.update(modes_producer.meta(cfg.lock))
+                produce = threading.Thread(target=modes_producer.produce,
+                                           args=(self,), daemon=True)
+            else:
+                self.client = self.start_client()
+                produce = threading.Thread(target=self.produce, args=(app,),
+                                           daemon=True)
             threads.append(threading.Thread(target=self.supervise, daemon=True))
-            threads.append(threading.Thread(target=self.produce, args=(app,),
-                                            daemon=True))
+            threads.append(produce)
             by_channel: dict[str, list[Fault]] = {}
             for f in faults:
                 by_channel.setdefault(f.channel, []).append(f)
@@ -355,6 +375,10 @@ class Run:
                 if rec["ev"] == "task_end" and rec.get("state") == "SUCCESS":
                     ended.add(rec["task_id"])
             pending = len(sent - ended)
+            if self.cfg.modes:
+                import modes_check
+
+                pending = modes_check.pending(self.out)
             if pending == 0:
                 break
             if pending != last:
@@ -380,6 +404,21 @@ class Run:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
         return {"forced": forced, "stopped_at": time.time()}
+
+
+def start_worker(log_path: Path, env: dict[str, str], queue: str, name: str,
+                 concurrency: int) -> subprocess.Popen[bytes]:
+    """A ``celery -A chaos_app worker`` (prefork) in a session of its own."""
+    log = open(log_path, "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "chaos_app", "worker",
+         "--pool=prefork", "-c", str(concurrency), "-Q", queue,
+         "-n", f"{name}@%h", "--without-gossip",
+         "--without-mingle", "--without-heartbeat", "-l", "warning"],
+        cwd=HERE, env=env, stdin=subprocess.DEVNULL, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
 
 
 def run(cfg: Config, out: Path) -> Path:

@@ -37,6 +37,10 @@ KINDS: dict[str, tuple[float, str]] = {
 BROKER_KINDS: dict[str, tuple[float, str]] = {"broker_restart": (1.0, "broker")}
 #: Mean seconds between broker restarts (before the channel's quiet time).
 BROKER_MEAN_GAP = 12.0
+#: The modes scenario's kill of a whole ``celery worker`` (its main process and its
+#: children, SIGKILL; the driver starts it again), its own stream and channel.
+WORKER_KINDS: dict[str, tuple[float, str]] = {"kill_worker": (1.0, "worker")}
+WORKER_MEAN_GAP = 10.0
 
 #: ttls a channel stays quiet after one of its faults ends.
 COOLDOWN = 0.75
@@ -53,7 +57,7 @@ class Fault:
 
     @property
     def channel(self) -> str:
-        return {**KINDS, **BROKER_KINDS}[self.kind][1]
+        return {**KINDS, **BROKER_KINDS, **WORKER_KINDS}[self.kind][1]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,6 +69,8 @@ def _durations(rng: random.Random, kind: str, ttl: float) -> tuple[float, float]
     its schedule."""
     if kind in BROKER_KINDS:
         return rng.uniform(0.1, 1.5), float(rng.random() < 0.5)
+    if kind in WORKER_KINDS:
+        return 0.0, 0.0
     duration = {
         "kill_child": 0.0,
         "kill_client": 0.0,
@@ -109,13 +115,16 @@ def schedule(seed: int, seconds: float, mean_gap: float, ttl: float,
     """The faults of a run, in start order; only those of ``kinds`` (default: every
     kind of :data:`KINDS`, no broker restart)."""
     wanted = set(KINDS) if kinds is None else set(kinds)
-    unknown = wanted - set(KINDS) - set(BROKER_KINDS)
+    unknown = wanted - set(KINDS) - set(BROKER_KINDS) - set(WORKER_KINDS)
     if unknown:
         raise ValueError(f"unknown fault kinds {sorted(unknown)}")
     faults = _draw(random.Random(seed), KINDS, seconds, mean_gap, ttl, wanted)
     if wanted & set(BROKER_KINDS):
         faults += _draw(random.Random(f"{seed}/broker"), BROKER_KINDS, seconds,
                         BROKER_MEAN_GAP, ttl, wanted)
+    if wanted & set(WORKER_KINDS):
+        faults += _draw(random.Random(f"{seed}/worker"), WORKER_KINDS, seconds,
+                        WORKER_MEAN_GAP, ttl, wanted)
     faults.sort(key=lambda f: f.at)
     return [Fault(n, f.at, f.kind, f.duration, f.pick, f.amount)
             for n, f in enumerate(faults)]

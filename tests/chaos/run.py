@@ -1,5 +1,6 @@
 """Run a chaos run and print its report: ``python tests/chaos/run.py --seed 1
---minutes 10 [--lock postgresql|zookeeper] [--broker amqp]`` (see docs/chaos.md)."""
+--minutes 10 [--lock postgresql|zookeeper] [--broker amqp] [--scenario modes]`` (see
+docs/chaos.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ if str(HERE) not in sys.path:
 import chaos_check  # noqa: E402
 import chaos_driver  # noqa: E402
 import chaos_servers  # noqa: E402
+import modes_check  # noqa: E402
 
 
 def main() -> int:
@@ -34,6 +36,9 @@ def main() -> int:
     p.add_argument("--ttl", type=float, default=2.0)
     p.add_argument("--mean-gap", type=float, default=0.5,
                    help="mean seconds between fault starts")
+    p.add_argument("--scenario", choices=("lock", "modes"), default="lock",
+                   help="modes: lock_mode, on_duplicate and lock_rate calls "
+                        "(tests/chaos/chaos_modes.py) instead of the fenced counter")
     p.add_argument("--out", type=Path, default=None, help="run directory (kept)")
     args = p.parse_args()
     why = chaos_servers.unavailable(args.lock, args.broker)
@@ -45,9 +50,15 @@ def main() -> int:
                               lock=args.lock, broker=args.broker,
                               workers=args.workers, concurrency=args.concurrency,
                               ttl=args.ttl, mean_gap=args.mean_gap,
-                              drain=max(60.0, args.minutes * 6))
+                              drain=max(60.0, args.minutes * 6), scenario=args.scenario)
     started = time.time()
     chaos_driver.run(cfg, out)
+    if args.scenario == "modes":
+        rep = modes_check.check(out)
+        (out / "report.json").write_text(json.dumps(rep, indent=1, default=str))
+        print(modes_check.markdown(rep))
+        print(f"\nrun directory: {out} ({time.time() - started:.0f} s)")
+        return 1 if rep["violations"] else 0
     report = chaos_check.check(out)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     print(chaos_check.markdown(report))

@@ -1,0 +1,347 @@
+"""The checker of the modes scenario (:mod:`chaos_modes`, :mod:`modes_producer`):
+reads a run directory and reports.
+
+A call is *accepted* when a message was published for it by the producer; it is *live*
+(queued or running) from its claim until it ends.  Its end, as a lower bound (so that a
+correct system is never flagged): the end of its first body that did not retry (or
+when it was told its lock is lost); or, if it was replaced, the start of the send
+that replaced it (or of a replace that superseded it at its start, whose signal did
+not come: its confirmation failed); or the moment the producer revoked it; or the
+start of a body whose process died (a killed body frees the name within
+``lock_ttl``); or its end without a body (ignored, failed).  The producer sends from
+one thread, so sends (and their claims) are in the order of their records.
+
+Violations (``{"kind": ..., ...}``; a run is safe when there is none):
+
+* ``overlap``: two bodies of one lock name overlap (a body lasts from ``body_start``
+  until ``body_end``, or its process's last record when it was killed);
+* ``two_live``: in ``until_finished``, a call accepted (published) while another
+  accepted call of its name was live (a replace of a call that had not started is
+  no violation, unless both then ran);
+* ``same_id_twice``: a second message published for a task id while that call was
+  live (any mode with markers);
+* ``replaced_ran``: a body of a call started after it was replaced;
+* ``lost``: an accepted call delivered to a worker that neither ran its body to its
+  end nor failed, and whose caller was not told otherwise (it was not replaced nor
+  revoked, no body of it was killed, and it was not superseded by a replace before
+  any body of it started): dropped as "superseded" without cause (a started call's
+  retry included), rejected, or ended without running;
+* ``existing_never_sent``: a caller told to wait for a call (``return_existing``,
+  ``raise``, ``drop``) that the producer never got published;
+* ``rate``: more than R + B body starts of a ``lock_rate`` name in a window of one
+  period.
+
+Figures (not violations): calls per outcome, bodies, retries, accepted calls the
+broker never delivered or still kept at the end (broker-level, as the lock scenario
+counts them), calls ended FAILURE, the largest number of rated starts in a window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from chaos_records import read_all, read_lines
+
+_SUPERSEDED = re.compile(r"superseded by (\S+)")
+#: task_end states that end a delivery for good.
+_DONE = ("SUCCESS", "FAILURE", "IGNORED", "REVOKED", "REJECTED")
+INF = math.inf
+
+
+def _bodies(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each body: task id, key, name, pid, start, end, outcome (None: killed).  A body
+    ends at its ``body_end``, at the latest when its process is told its lock is lost,
+    or (killed) at its process's last record."""
+    last_seen: dict[int, float] = defaultdict(float)
+    for r in records:
+        last_seen[r["pid"]] = max(last_seen[r["pid"]], r["t"])
+    open_: dict[int, dict[str, Any]] = {}
+    bodies: list[dict[str, Any]] = []
+    for r in sorted(records, key=lambda r: r["t"]):
+        if r["ev"] == "body_start":
+            body = {"task_id": r["task_id"], "key": r["key"], "name": r.get("name"),
+                    "pid": r["pid"], "start": r["t"], "end": None, "outcome": None}
+            open_[r["pid"]] = body
+            bodies.append(body)
+        elif r["ev"] == "body_end" and r["pid"] in open_:
+            body = open_.pop(r["pid"])
+            body["end"], body["outcome"] = r["t"], r["outcome"]
+            body["end"] = min(body["end"], body.get("told", body["end"]))
+        elif r["ev"] == "lost" and r["pid"] in open_:
+            # Told its lock is lost: the body stops believing it holds it (it is
+            # interrupted at its next instruction).
+            open_[r["pid"]].setdefault("told", r["t"])
+    for body in bodies:
+        if body["end"] is None:  # killed in its body
+            body["end"] = min(last_seen[body["pid"]], body.get("told", INF))
+    return bodies
+
+
+def check(out: Path) -> dict[str, Any]:
+    meta = json.loads((out / "meta.json").read_text())
+    cfg = meta["config"]
+    records = list(read_all(out / "records"))
+    driver = read_lines(out / "driver.jsonl")
+    calls = [r for r in driver if r["ev"] == "call"]
+    # old id -> each replace of it: (the replacing send's start, the new id).  The
+    # signal comes after the new call's publish, so the new call's record (logged after
+    # its send) is the next ``call`` record.
+    replaced_by: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    pending_replace: list[dict[str, Any]] = []
+    for r in driver:
+        if r["ev"] == "replaced" and r.get("old"):
+            pending_replace.append(r)
+        elif r["ev"] == "call":
+            for rp in pending_replace:
+                replaced_by[rp["old"]].append((r["t0"], rp["new"]))
+            pending_replace = []
+    revoked_at: dict[str, list[float]] = defaultdict(list)
+    for r in driver:
+        if r["ev"] == "revoke":
+            revoked_at[r["task_id"]].append(r["t0"])
+    bodies = _bodies(records)
+    bodies_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for b in bodies:
+        bodies_of[b["task_id"]].append(b)
+    starts: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r["ev"] == "task_start":
+            starts[r["task_id"]].append(r["t"])
+    ends: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    # Ignored at its start, superseded: (when, by which call: None when not named).
+    superseded: dict[str, list[tuple[float, str | None]]] = defaultdict(list)
+    for r in records:
+        if r["ev"] == "task_end":
+            ends[r["task_id"]].append((r["t"], str(r.get("state"))))
+            found = _SUPERSEDED.search(str(r.get("reason") or ""))
+            if r.get("state") == "IGNORED" and found:
+                superseded[r["task_id"]].append((r["t"], found.group(1)))
+    published = [c for c in calls if c["outcome"] == "accepted"]
+    first_pub: dict[str, dict[str, Any]] = {}
+    for c in published:
+        first_pub.setdefault(c["task_id"], c)
+    kept = set(meta.get("broker_left", {}).get("ids") or [])
+    discarded: dict[str, list[float]] = defaultdict(list)  # revoked, by a worker
+    for r in records:
+        if r["ev"] == "revoked":
+            discarded[r["task_id"]].append(r["t"])
+
+    def end_of(task_id: str, since: float) -> float:
+        """When the call sent at ``since`` stopped being live, at the earliest (see
+        the module's docstring)."""
+        mine = [b for b in bodies_of[task_id] if b["start"] >= since]
+        # A body that ended (well or not; told its lock is lost at the latest), or
+        # one killed: not one that ended in self.retry() (its retry is queued).
+        found = [b["end"] for b in mine if b["outcome"] not in ("retry", None)]
+        found += [b["start"] for b in mine if b["outcome"] is None]
+        found += [t for t, _ in replaced_by[task_id] if t >= since]
+        found += [t for t in revoked_at[task_id] if t >= since]
+        found += [t for t, state in ends[task_id]
+                  if t >= since and state in _DONE and state != "SUCCESS"]
+        found += [t for t in discarded[task_id] if t >= since]
+        # Superseded by a replace sent later: from that call's claim on (a replace
+        # the signal did not report, as its confirmation failed).
+        found += [first_pub[by]["t0"] for t, by in superseded[task_id]
+                  if t >= since and by in first_pub and first_pub[by]["t0"] >= since
+                  and first_pub[by]["policy"] == "replace"]
+        return min(found, default=INF)
+
+    violations: list[dict[str, Any]] = []
+
+    # -- bodies of one name never overlap --------------------------------------------
+    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for b in bodies:
+        by_name[b["name"] or b["key"]].append(b)
+    for name, group in sorted(by_name.items()):
+        group.sort(key=lambda b: b["start"])
+        for i, a in enumerate(group):
+            for b in group[i + 1:]:
+                if b["start"] >= a["end"]:
+                    break
+                violations.append({"kind": "overlap", "name": name,
+                                   "calls": [a["task_id"], b["task_id"]],
+                                   "from": b["start"], "to": a["end"]})
+
+    # -- what was accepted, while what was live --------------------------------------
+    def ran_after(task_id: str, since: float) -> bool:
+        return any(b["start"] >= since and b["outcome"] == "ok"
+                   for b in bodies_of[task_id])
+
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for c in published:
+        by_key[c["key"]].append(c)
+    for key, sends in sorted(by_key.items()):
+        for i, later in enumerate(sends):
+            for earlier in sends[:i]:
+                if later["t"] >= end_of(earlier["task_id"], earlier["t0"]):
+                    continue
+                if earlier["task_id"] == later["task_id"]:
+                    if later["mode"] != "while_running":
+                        violations.append({"kind": "same_id_twice", "key": key,
+                                           "task_id": later["task_id"],
+                                           "first": earlier["n"], "again": later["n"]})
+                elif later["mode"] == "until_finished" and \
+                        earlier["mode"] == "until_finished":
+                    if later["policy"] == "replace" and not any(
+                            earlier["t0"] <= b["start"] < later["t0"]
+                            for b in bodies_of[earlier["task_id"]]) and not (
+                            ran_after(earlier["task_id"], later["t0"])
+                            and ran_after(later["task_id"], later["t0"])):
+                        # A replace of a call not started yet; one of the two ran
+                        # (the earlier one when it started before the replace was
+                        # confirmed: the later one is superseded).
+                        continue
+                    violations.append({"kind": "two_live", "key": key,
+                                       "live": earlier["task_id"],
+                                       "accepted": later["task_id"],
+                                       "at": later["t"]})
+
+    # -- a replaced call never runs -----------------------------------------------------
+    for old, by in sorted(replaced_by.items()):
+        if not by:
+            continue
+        t, new = by[0]
+        for b in bodies_of[old]:
+            if b["start"] > t:
+                violations.append({"kind": "replaced_ran", "task_id": old,
+                                   "replaced_by": new, "body_start": b["start"]})
+
+    # -- no accepted call is lost --------------------------------------------------------
+    # Judged per message published (a task id may be sent again once its call ended):
+    # what happened to that id after that send.
+    never_delivered = still_queued = failed = retry_undelivered = 0
+    superseded_at_start = 0
+    for c in published:
+        task_id, since = c["task_id"], c["t0"]
+        mine = [b for b in bodies_of[task_id] if b["start"] >= since]
+        if any(b["outcome"] in ("ok", None) for b in mine) or \
+                any(t >= since for t, _ in replaced_by[task_id]) or \
+                any(t >= since for t in revoked_at[task_id]):
+            continue
+        # Superseded when it started, before any body of it ran, by a replace: of
+        # it (whose signal did not come, as its confirmation failed), or its own,
+        # lost to the start of the call it replaced; its result says so.  Never
+        # after a body of it started (its retry keeps the name), never by a call
+        # that is no replace.
+        if any(t >= since and not any(b["start"] < t for b in mine)
+               and "replace" in (c["policy"], first_pub.get(by, {}).get("policy"))
+               for t, by in superseded[task_id]):
+            superseded_at_start += 1
+            continue
+        states = [s for t, s in sorted(ends[task_id]) if t >= since]
+        if "FAILURE" in states:
+            failed += 1
+            continue
+        if task_id in kept:
+            still_queued += 1
+            continue
+        if not starts[task_id] or max(starts[task_id]) < since:
+            never_delivered += 1
+            continue
+        if states and states[-1] == "RETRY":
+            retry_undelivered += 1
+            continue
+        violations.append({"kind": "lost", "task_id": task_id, "key": c["key"],
+                           "mode": c["mode"], "policy": c["policy"],
+                           "retry": c.get("retry"), "call": c["n"],
+                           "deliveries": sum(1 for t in starts[task_id] if t >= since),
+                           "states": states, "bodies": len(mine)})
+
+    # -- a caller told "wait for that call" is told of a call that exists ---------------
+    for c in calls:
+        other = c.get("other")
+        if c["outcome"] in ("existing", "raised", "dropped") and other and \
+                other not in first_pub:
+            violations.append({"kind": "existing_never_sent", "call": c["n"],
+                               "key": c["key"], "other": other})
+
+    # -- the rate bound -----------------------------------------------------------------
+    rate = meta.get("rate") or cfg.get("rate") or {}
+    most_in_window = 0
+    if rate:
+        bound, period = int(rate["n"]) + int(rate["burst"]), float(rate["period"])
+        for name, group in sorted(by_name.items()):
+            if not name.startswith("rated:"):
+                continue
+            starts = sorted(b["start"] for b in group)
+            j = 0
+            for i, s in enumerate(starts):
+                while s - starts[j] >= period:
+                    j += 1
+                most_in_window = max(most_in_window, i - j + 1)
+                if i - j + 1 > bound:
+                    violations.append({"kind": "rate", "name": name,
+                                       "starts": starts[j:i + 1], "bound": bound})
+
+    faults = [r for r in driver if r["ev"] == "fault"]
+    return {
+        "seed": cfg.get("seed"), "config": cfg,
+        "duration_s": round(meta["end"] - meta["t0"], 1),
+        "faults_injected": len(faults),
+        "faults_by_kind": dict(sorted(Counter(f["kind"] for f in faults).items())),
+        "fault_errors": dict(Counter(f["kind"] for f in faults if f.get("error"))),
+        "calls": len(calls),
+        "outcomes": dict(sorted(Counter(c["outcome"] for c in calls).items())),
+        "publish_errors": dict(Counter(c.get("error") for c in calls
+                                       if c["outcome"] == "publish_failed")),
+        "accepted": len(first_pub),
+        "replaced": sum(1 for by in replaced_by.values() if by),
+        "revoked": sum(1 for ts in revoked_at.values() if ts),
+        "same_id_sends": len(calls) - len({c["task_id"] for c in calls}),
+        "bodies": len(bodies), "bodies_killed": sum(1 for b in bodies
+                                                    if b["outcome"] is None),
+        "bodies_retried": sum(1 for b in bodies if b["outcome"] == "retry"),
+        "keys": sorted({c["key"] for c in calls}),
+        "modes": sorted({c["mode"] for c in calls}),
+        "policies": sorted({c["policy"] for c in calls if c["task"] == "chaos.mode"}),
+        "rated_most_starts_in_a_period": most_in_window,
+        "violations": violations,
+        "broker": {"never_delivered": never_delivered, "still_queued_at_end":
+                   still_queued, "retry_never_delivered": retry_undelivered,
+                   "ended_failure": failed, "superseded_at_start": superseded_at_start,
+                   "worker_main_exits": sum(1 for r in driver
+                                            if r["ev"] == "worker_exit")},
+        "drain_s": meta.get("drain", {}).get("seconds"),
+    }
+
+
+def pending(out: Path) -> int:
+    """Accepted calls not ended yet (the driver's drain waits for none)."""
+    driver = read_lines(out / "driver.jsonl")
+    accepted = {r["task_id"] for r in driver
+                if r["ev"] == "call" and r["outcome"] == "accepted"}
+    done = {r["old"] for r in driver if r["ev"] == "replaced"}
+    done |= {r["task_id"] for r in driver if r["ev"] == "revoke"}
+    for r in read_all(out / "records"):
+        if (r["ev"] == "body_end" and r.get("outcome") == "ok") or (
+                r["ev"] == "task_end" and r.get("state") in _DONE
+                and r.get("state") != "SUCCESS"):
+            done.add(r["task_id"])
+    return len(accepted - done)
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    kinds = Counter(v["kind"] for v in rep["violations"])
+    return "\n".join([
+        f"- modes scenario, seed {rep['seed']}, {rep['duration_s']} s, lock "
+        f"{rep['config'].get('lock', 'redis')}, modes {', '.join(rep['modes'])}, "
+        f"policies {', '.join(rep['policies'])}",
+        "- faults injected: " + ", ".join(
+            f"{k} {v}" for k, v in rep["faults_by_kind"].items()),
+        f"- calls: {rep['calls']} (" + ", ".join(
+            f"{k} {v}" for k, v in rep["outcomes"].items())
+        + f"); replaced {rep['replaced']}, revoked {rep['revoked']}, same-id sends "
+        f"{rep['same_id_sends']}; publish errors {rep['publish_errors']}",
+        f"- bodies: {rep['bodies']} (killed {rep['bodies_killed']}, ended in "
+        f"self.retry() {rep['bodies_retried']}); most rated starts in one period: "
+        f"{rep['rated_most_starts_in_a_period']}",
+        f"- **violations: {len(rep['violations'])}**"
+        + "".join(f"; {k} {n}" for k, n in sorted(kinds.items())),
+        "- broker level: " + ", ".join(f"{k.replace('_', ' ')} {v}"
+                                       for k, v in rep["broker"].items()),
+    ])

@@ -1,0 +1,221 @@
+"""The modes checker can fail: fed the records of a run with a second call accepted
+while the first was queued, a task id published twice, a replaced call that ran, an
+accepted call dropped without cause, two bodies of one name at once, or a rate
+exceeded, it reports each, and the same runs done right are clean; and it flags the
+recorded runs of broken marker stores (a claim that always answers "ours", a replace
+that records nothing) on a real Redis and a real ``celery worker``, and passes the
+shipped store's run of the same calls."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import broken_markers
+import modes_check
+import modes_mini
+import pytest
+
+
+class Run:
+    """A run directory written by hand: ``call``/``replaced``/``revoke`` records of the
+    producer, worker records, meta."""
+
+    def __init__(self, out: Path, rate: dict[str, Any] | None = None) -> None:
+        self.out = out
+        self.driver: list[dict[str, Any]] = []
+        self.worker: list[dict[str, Any]] = []
+        self.n = 0
+        self.rate = rate
+
+    def call(self, t: float, task_id: str, key: str = "k", mode: str = "until_finished",
+             policy: str = "raise", outcome: str = "accepted",
+             other: str | None = None) -> None:
+        self.n += 1
+        self.driver.append({"ev": "call", "n": self.n, "task": "chaos.mode",
+                            "task_id": task_id, "key": key, "mode": mode,
+                            "policy": policy, "t0": t, "t": t + 0.01,
+                            "outcome": outcome, "other": other, "pid": 1})
+
+    def body(self, task_id: str, start: float, end: float | None, pid: int = 10,
+             key: str = "k", outcome: str = "ok", state: str = "SUCCESS",
+             name: str | None = None) -> None:
+        name = name or f"mode:{key}"
+        self.worker.append({"ev": "task_start", "task_id": task_id, "t": start - 0.01,
+                            "pid": pid})
+        self.worker.append({"ev": "body_start", "task_id": task_id, "key": key,
+                            "name": name, "t": start, "pid": pid})
+        if end is not None:
+            self.worker.append({"ev": "body_end", "task_id": task_id, "key": key,
+                                "outcome": outcome, "t": end, "pid": pid})
+            self.worker.append({"ev": "task_end", "task_id": task_id, "state": state,
+                                "t": end + 0.01, "pid": pid})
+
+    def ignored(self, task_id: str, t: float, pid: int = 10,
+                by: str | None = None) -> None:
+        self.worker.append({"ev": "task_start", "task_id": task_id, "t": t, "pid": pid})
+        self.worker.append({"ev": "task_end", "task_id": task_id, "state": "IGNORED",
+                            "t": t + 0.01, "pid": pid,
+                            "reason": f"{task_id} was superseded by {by}" if by else ""})
+
+    def check(self) -> dict[str, Any]:
+        (self.out / "records").mkdir(parents=True, exist_ok=True)
+        by_pid: dict[int, list[dict[str, Any]]] = {}
+        for r in self.worker:
+            by_pid.setdefault(r["pid"], []).append(r)
+        for pid, recs in by_pid.items():
+            (self.out / "records" / f"worker-{pid}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in recs))
+        (self.out / "driver.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in self.driver))
+        cfg: dict[str, Any] = {"seed": 3, "lock": "redis"}
+        if self.rate:
+            cfg["rate"] = self.rate
+        (self.out / "meta.json").write_text(json.dumps(
+            {"config": cfg, "t0": 0.0, "end": 30.0, "broker_left": {"ids": []}}))
+        return modes_check.check(self.out)
+
+
+def kinds(rep: dict[str, Any]) -> list[str]:
+    return sorted(v["kind"] for v in rep["violations"])
+
+
+@pytest.mark.parametrize("second_at", [1.0, 3.0])
+def test_a_call_accepted_while_another_is_queued_is_two_live(tmp_path: Path,
+                                                            second_at: float) -> None:
+    # until_finished: A accepted at 0, runs 2.0-2.5; B accepted at 1.0 (A queued) is a
+    # violation, at 3.0 (A ended) is not.
+    run = Run(tmp_path)
+    run.call(0.0, "A")
+    run.call(second_at, "B")
+    run.body("A", 2.0, 2.5)
+    run.body("B", 4.0, 4.5)
+    rep = run.check()
+    assert kinds(rep) == (["two_live"] if second_at < 2.5 else []), rep["violations"]
+
+
+def test_the_same_id_published_twice_while_queued_is_flagged(tmp_path: Path) -> None:
+    run = Run(tmp_path)
+    run.call(0.0, "A", mode="until_started")
+    run.call(0.5, "A", mode="until_started")  # published again while queued
+    run.body("A", 1.0, 1.5)
+    run.call(2.0, "A", mode="until_started")  # again once it ended: a new call
+    run.body("A", 2.5, 3.0)
+    rep = run.check()
+    assert kinds(rep) == ["same_id_twice"], rep["violations"]
+    assert rep["violations"][0]["again"] == 2
+    # A duplicate told "existing" (nothing published) is no violation.
+    run.driver[1]["outcome"] = "existing"
+    run.driver[1]["other"] = "A"
+    assert run.check()["violations"] == []
+
+
+def test_a_replace_accepts_the_new_call_and_the_replaced_never_runs(
+        tmp_path: Path) -> None:
+    run = Run(tmp_path)
+    run.call(0.0, "A", policy="replace", mode="until_started")
+    run.driver.append({"ev": "replaced", "old": "A", "new": "B", "t": 1.02, "pid": 1})
+    run.call(1.0, "B", policy="replace", mode="until_started")
+    run.body("B", 1.5, 2.0)
+    run.ignored("A", 3.0, pid=11)  # A's start finds it replaced: no body
+    assert run.check()["violations"] == []
+    run.worker = [r for r in run.worker if r["task_id"] != "A"]
+    run.body("A", 3.0, 3.5, pid=11)  # ... or it runs
+    rep = run.check()
+    assert kinds(rep) == ["replaced_ran"], rep["violations"]
+
+
+@pytest.mark.parametrize("by", [None, "B"])
+def test_an_accepted_call_dropped_without_cause_is_lost(tmp_path: Path,
+                                                        by: str | None) -> None:
+    # A ran its body once and retried; its retry was dropped (as superseded by B, a
+    # call queued meanwhile: a started call's retry keeps its name).
+    run = Run(tmp_path)
+    run.call(0.0, "A", mode="queued_and_running")
+    run.body("A", 0.5, 1.0, outcome="retry", state="RETRY")
+    run.call(1.1, "B", mode="queued_and_running")
+    run.ignored("A", 1.5, by=by)
+    run.body("B", 2.0, 2.5, pid=11)
+    rep = run.check()
+    assert kinds(rep) == ["lost"], rep["violations"]
+    # Revoked by its caller, it is not lost; nor when the broker never delivered it
+    # (counted apart, as the lock scenario does).
+    run.driver.append({"ev": "revoke", "task_id": "A", "t0": 1.2, "t": 1.2, "pid": 1})
+    assert run.check()["violations"] == []
+    run2 = Run(tmp_path / "2")
+    run2.call(0.0, "A")
+    rep = run2.check()
+    assert rep["violations"] == [] and rep["broker"]["never_delivered"] == 1
+
+
+def test_a_call_superseded_before_it_started_is_not_lost(tmp_path: Path) -> None:
+    # B replaced A, but the replace was not confirmed (no signal): A's start finds it
+    # superseded by B; and no second call of the name was live meanwhile.
+    run = Run(tmp_path)
+    run.call(0.0, "A", policy="replace")
+    run.call(1.0, "B", policy="replace")
+    run.ignored("A", 1.5, by="B")
+    run.body("B", 2.0, 2.5, pid=11)
+    rep = run.check()
+    assert rep["violations"] == [] and rep["broker"]["superseded_at_start"] == 1
+    # The same without a replace (B sent with "raise") is a second call accepted
+    # while A was queued, and A is lost.
+    for r in run.driver:
+        r["policy"] = "raise"
+    assert sorted(kinds(run.check())) == ["lost", "two_live"]
+
+
+def test_a_caller_told_of_a_call_never_sent_is_flagged(tmp_path: Path) -> None:
+    run = Run(tmp_path)
+    run.call(0.0, "B", outcome="existing", other="X")
+    assert kinds(run.check()) == ["existing_never_sent"]
+
+
+def test_two_bodies_of_one_name_at_once_overlap(tmp_path: Path) -> None:
+    run = Run(tmp_path)
+    run.call(0.0, "A", mode="queued_and_running")
+    run.call(0.1, "B", mode="queued_and_running")
+    run.body("A", 1.0, 2.0, pid=10)
+    run.body("B", 1.5, 2.5, pid=11)
+    assert kinds(run.check()) == ["overlap"]
+    # Told its lock is lost at 1.4, A's body stops believing it holds it there.
+    run.worker.append({"ev": "lost", "task_id": "A", "t": 1.4, "pid": 10})
+    run.worker.sort(key=lambda r: r["t"])
+    assert run.check()["violations"] == []
+
+
+def test_more_starts_than_the_rate_allows_are_flagged(tmp_path: Path) -> None:
+    rate = {"n": 2, "period": 1.0, "burst": 1}  # at most 3 starts in any second
+    run = Run(tmp_path, rate)
+    for i, start in enumerate((0.0, 0.5, 0.99, 1.6)):
+        run.call(start - 0.1, f"R{i}", mode="while_running")
+        run.body(f"R{i}", start, start + 0.001, pid=10 + i, name="rated:r")
+    rep = run.check()
+    assert rep["violations"] == [] and rep["rated_most_starts_in_a_period"] == 3
+    run.call(0.6, "R9", mode="while_running")
+    run.body("R9", 0.7, 0.701, pid=20, name="rated:r")
+    rep = run.check()
+    assert kinds(rep) == ["rate"] and rep["rated_most_starts_in_a_period"] == 4
+
+
+#: What each broken marker store's run must show (the shipped store's: nothing).
+EXPECTED = {"real": set(), "always_ours": {"two_live"},
+            "replace_records_nothing": {"replaced_ran"}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_recorded_runs_of_broken_marker_stores_are_flagged(
+        tmp_path: Path, redis_url: str, prefix: str, kind: str) -> None:
+    out = modes_mini.run(tmp_path / kind, broken_markers.KINDS[kind], redis_url,
+                         prefix)
+    rep = modes_check.check(out)
+    assert rep["accepted"] >= 3 and rep["bodies"] >= 2, rep
+    found = {v["kind"] for v in rep["violations"]}
+    if not EXPECTED[kind]:
+        assert rep["violations"] == [], rep["violations"]
+        assert rep["replaced"] == 1 and rep["outcomes"]["raised"] == 1, rep
+    else:
+        assert EXPECTED[kind] <= found, (kind, rep["violations"])
