@@ -46,8 +46,6 @@ script call (the hand-over, after the lock is taken; none in ``throttle``).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,6 +70,7 @@ from .markers import (
     record_of,
 )
 from .settings import check_combination, check_limit_mode
+from .takeback import take_back_later
 
 __all__ = ["send"]
 
@@ -137,7 +136,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         # No reply: the claim may have run, or may run later (a stalled server).
         # Nothing is published, so it is taken back (best effort: its ttl bounds it).
         if not requeue:
-            _take_back_later(store, prefix, lock_name, task_id, op, ttl)
+            take_back_later(store, prefix, lock_name, task_id, op, ttl)
         raise
     # (A marker naming this very task id is never judged by the result store: a
     # task id sent again may have a result of an earlier run.)
@@ -167,7 +166,8 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         options["headers"] = headers
         return original(name, args, kwargs, **options)
     return _duplicate(app, task, lock_name, task_id, other, left, mode, policy,
-                      running=code == RUNNING)
+                      running=code == RUNNING,
+                      arguments=task.lock_arguments(tuple(args or ()), kwargs or {}))
 
 
 def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str, op: str,
@@ -181,32 +181,6 @@ def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str, op: str
         logger.warning("Could not take back the queue marker of %r after a failed "
                        "publish (a call it replaced starts all the same: the replace "
                        "was not confirmed): %s", name, exc)
-
-
-#: A claim that got no reply is taken back from a thread, every this many seconds,
-#: for at most :data:`TAKE_BACK_FOR` seconds (the server may be stalled: its claim and
-#: the take-back run when it resumes, in either order).
-TAKE_BACK_EVERY = 0.5
-TAKE_BACK_FOR = 30.0
-
-
-def _take_back_later(store: MarkerStore, prefix: str, name: str, task_id: str,
-                     op: str, ttl: float) -> None:
-    def run() -> None:
-        deadline = time.monotonic() + min(TAKE_BACK_FOR, ttl)
-        while True:
-            try:
-                store.undo(prefix, name, task_id, op, ttl)
-                return
-            except DLockError as exc:
-                if time.monotonic() + TAKE_BACK_EVERY > deadline:
-                    logger.warning("Could not take back the queue marker of %r after "
-                                   "its claim got no reply (it expires within its "
-                                   "ttl): %s", name, exc)
-                    return
-            time.sleep(TAKE_BACK_EVERY)
-
-    threading.Thread(target=run, name="dlock-marker-take-back", daemon=True).start()
 
 
 def _replaced(app: Any, task: Any, store: MarkerStore, prefix: str, lock_name: str,
@@ -242,14 +216,16 @@ def _told(task: Any, lock_name: str, task_id: str, other: str, mode: str,
 
 
 def _duplicate(app: Any, task: Any, lock_name: str, task_id: str, other: str,
-               left: float | None, mode: str, policy: str, running: bool) -> Any:
+               left: float | None, mode: str, policy: str, running: bool,
+               arguments: str | None = None) -> Any:
     _told(task, lock_name, task_id, other, mode, policy)
     if policy == "raise":
         what = "running" if running else "queued"
         raise AlreadyQueued(
             f"a call of {lock_name!r} is already {what}"
             + (f" (task {other})" if other else "") + f" (lock_mode={mode!r})",
-            lock_name=lock_name, task_id=other or None, countdown=left)
+            lock_name=lock_name, task_id=other or None, countdown=left,
+            arguments=arguments)
     if policy == "drop" or not other:
         return DroppedResult(task_id, other or None, app=app, lock_name=lock_name)
     return task.AsyncResult(other)

@@ -35,7 +35,7 @@ from celery_dlock.backends.redis.markers import RedisMarkers
 from celery_dlock.ops.embedded import EmbeddedRedis
 from celery_dlock.task import signals
 from celery_dlock.task.markers import CLAIMED, QUEUED, REPLACED
-from celery_dlock.task.modes import TAKE_BACK_EVERY
+from celery_dlock.task.takeback import EVERY as TAKE_BACK_EVERY
 
 pytestmark = pytest.mark.slow
 
