@@ -72,6 +72,14 @@ def hold(self: Any, x: str) -> dict[str, Any]:
     return {"fence": self.lock.fence, "held": time.monotonic() - started}
 
 
+@app.task(base=LockedTask, bind=True, name="cli_app.hold_hashed", lock_args=("x",),
+          lock_ttl=10)
+def hold_hashed(self: Any, x: str, note: str = "") -> str:
+    """``hold`` with a hashed lock name (``lock_key=None``, keyed on ``x`` alone)."""
+    _client().blpop([gate_key(self.app.conf.dlock_key_prefix, x)], timeout=GATE_TIMEOUT)
+    return self.lock.name
+
+
 @app.task(base=LockedTask, bind=True, name="cli_app.probe", lock_key="cli:{x}",
           on_contention="skip")
 def probe(self: Any, x: str) -> str:

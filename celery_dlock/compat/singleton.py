@@ -53,8 +53,10 @@ class DuplicateTaskError(AlreadyQueued):
     :class:`~celery_dlock.AlreadyQueued` whose ``task_id`` is the existing call's."""
 
     def __init__(self, message: str = "", task_id: str | None = None, *,
-                 lock_name: str | None = None, countdown: float | None = None) -> None:
+                 lock_name: str | None = None, countdown: float | None = None,
+                 arguments: str | None = None) -> None:
         super().__init__(message, lock_name=lock_name, task_id=task_id,
+                         arguments=arguments,
                          countdown=countdown)
 
 
@@ -137,4 +139,4 @@ class Singleton(LockedTask):
             raise DuplicateTaskError(
                 f"Attempted to queue a duplicate of task ID {exc.task_id}",
                 task_id=exc.task_id, lock_name=exc.lock_name,
-                countdown=exc.countdown) from None
+                countdown=exc.countdown, arguments=exc.arguments) from None

@@ -99,6 +99,8 @@ class HoldInfo:
         out = {name: full[name] for name in SUMMARY_FIELDS}
         if self.limit is not None:
             out["slots"] = self.slots
+        if self.extra.get("args"):  # the arguments that made a hashed name
+            out["args"] = self.extra["args"]
         return out
 
     def describe(self) -> str:

@@ -123,7 +123,8 @@ def ls(ctx: click.Context, as_json: bool) -> None:
     marker's time left; a name queued and not held has a row of its own.  RATE is
     the state of a lock_rate (shown when any name has one): calls that may start
     now of its burst, and when the next slot is free; a rated name not held has a
-    row of its own too.
+    row of its own too.  ARGS (shown when any is) are the arguments that made a
+    hashed name (a task with lock_key=None, a compat shim's keys or unique_on).
     """
     target = target_of(ctx)
     backend = target.backend()
@@ -143,6 +144,9 @@ def ls(ctx: click.Context, as_json: bool) -> None:
         return
     columns = with_slots((*SUMMARY_FIELDS, *(QUEUED_FIELDS if queued else ()),
                           *(("rate",) if rates else ())), infos.values())
+    if any(row.get("args") for row in rows):  # hashed names: what made them, after them
+        columns = (*columns[:columns.index("key") + 1], "args",
+                   *columns[columns.index("key") + 1:])
     cells = ({**row, "rate": rate_cell(rates.get(row["key"]))} for row in rows)
     for line in table_lines(columns, (value_cells(row, columns) for row in cells)):
         click.echo(printable(line))

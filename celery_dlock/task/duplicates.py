@@ -21,17 +21,22 @@ class AlreadyQueued(DLockError):
 
     ``task_id`` is the existing call's task id (None when the holder is not a task);
     ``countdown`` the seconds until its marker (or hold) expires at the latest, as
-    celery-once's ``AlreadyQueued`` has it.
+    celery-once's ``AlreadyQueued`` has it; ``arguments`` the arguments that made a
+    hashed lock name (``user_id=29``; None for a readable name), also in the message.
     """
 
     def __init__(self, message: str = "", *, lock_name: str | None = None,
-                 task_id: str | None = None, countdown: float | None = None) -> None:
+                 task_id: str | None = None, countdown: float | None = None,
+                 arguments: str | None = None) -> None:
         self.task_id = task_id
         self.countdown = countdown
+        self.arguments = arguments
         if not message:
             message = "a call of this lock name is already queued"
             if task_id:
                 message += f" (task {task_id})"
+        if arguments and arguments not in message:
+            message += f" (arguments: {arguments})"
         super().__init__(message, lock_name=lock_name)
 
 

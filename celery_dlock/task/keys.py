@@ -44,11 +44,48 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..core.errors import InvalidLockConfig, UnkeyableArgument
+from ..core.text import clean_text
 
-__all__ = ["KeyFunction", "canonical", "json_scalar", "make_key_function",
-           "task_key_function"]
+__all__ = ["HashedKey", "KeyFunction", "arguments_text", "canonical", "json_scalar",
+           "make_key_function", "task_key_function"]
 
 KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
+
+#: The longest text :func:`arguments_text` gives (characters).
+ARGUMENTS_TEXT_MAX = 200
+
+
+class HashedKey:
+    """The key function of a task whose lock names are hashed (``lock_key=None``):
+    ``key(args, kwargs)`` is the name, :meth:`describe` the arguments that made it, as
+    a person reads them (``user_id=29``), for the hold's info and duplicate errors."""
+
+    __slots__ = ("_arguments", "_key")
+
+    def __init__(self, key: KeyFunction,
+                 arguments: Callable[[tuple[Any, ...], Mapping[str, Any]],
+                                     dict[str, Any]]) -> None:
+        self._key = key
+        self._arguments = arguments
+
+    def __call__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        return self._key(args, kwargs)
+
+    def describe(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        text = ", ".join(f"{k}={v!r}" for k, v in self._arguments(args, kwargs).items())
+        return clean_text(text, limit=ARGUMENTS_TEXT_MAX)
+
+
+def arguments_text(key_fn: KeyFunction, args: tuple[Any, ...],
+                   kwargs: Mapping[str, Any]) -> str | None:
+    """The arguments that made a hashed lock name, for people; None when the name is
+    readable itself (a template or a callable's)."""
+    if not isinstance(key_fn, HashedKey):
+        return None
+    try:
+        return key_fn.describe(args, kwargs)
+    except Exception:  # a call that cannot be keyed says so where it is keyed
+        return None
 
 _ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}>")
 
@@ -377,15 +414,18 @@ def make_key_function(
 
     selected = lock_args
 
-    def hashed_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    def keyed(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         arguments = arguments_of(args, kwargs)
         if selected is not None:
             arguments = {k: arguments[k] for k in selected}
-        text = canonical(dict(arguments), where=f"{task_name} argument")
+        return arguments
+
+    def hashed_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        text = canonical(dict(keyed(args, kwargs)), where=f"{task_name} argument")
         digest = hashlib.sha256(f"{task_name}\n{text}".encode()).hexdigest()
         return f"{task_name}:{digest}"
 
-    return hashed_key
+    return HashedKey(hashed_key, keyed)
 
 
 def task_key_function(task_cls: type, task_name: str) -> KeyFunction | None:

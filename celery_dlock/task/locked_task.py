@@ -81,7 +81,7 @@ from .contention import (
 from .follow import follow, follows
 from .handover import free_marker, hand_over
 from .hooks import install
-from .keys import KeyFunction, task_key_function
+from .keys import KeyFunction, arguments_text, task_key_function
 from .rate import SLOT_HEADER, within_rate
 from .request import LockedRequest
 from .settings import check_combination, check_limit_mode, conf_value, enabled
@@ -236,11 +236,23 @@ class LockedTask(Task):  # type: ignore[misc]
         attempt = attempts.get().get(self.name)
         return attempt.lock if attempt is not None else None
 
+    def lock_arguments(self, args: tuple[Any, ...] = (),
+                       kwargs: Mapping[str, Any] | None = None) -> str | None:
+        """The arguments that made a call's hashed lock name, as a person reads them
+        (``user_id=29``); None when the name is readable itself (a template)."""
+        self.lock_name(args, kwargs)  # makes the key function
+        return arguments_text(self.__dict__["_dlock_key_fn"], tuple(args), kwargs or {})
+
     def _new_lock(self, key: str, settings: Mapping[str, Any],
-                  request: Any) -> Lock:
+                  request: Any, args: tuple[Any, ...],
+                  kwargs: Mapping[str, Any]) -> Lock:
+        info = hold_info(self.name, request)
+        readable = self.lock_arguments(args, kwargs)
+        if readable is not None:
+            info["args"] = readable
         return backend_for(self.app).lock(key, settings["lock_ttl"],
                                           prefix=settings["lock_prefix"],
-                                          info=hold_info(self.name, request),
+                                          info=info,
                                           pause_budget=settings["lock_pause_budget"],
                                           max_hold=settings["lock_max_hold"],
                                           limit=settings["lock_limit"])
@@ -280,7 +292,7 @@ class LockedTask(Task):  # type: ignore[misc]
         error: DLockError | None = None
         lock: Lock | None = None
         try:
-            lock = self._new_lock(key, settings, request)
+            lock = self._new_lock(key, settings, request, args, kwargs)
             acquired = lock.acquire(blocking=False)
             if not acquired and requeue:
                 acquired = self._same_task_holder(lock, request, args, kwargs,

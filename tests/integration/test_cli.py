@@ -123,6 +123,31 @@ def test_ls_table_has_a_row_per_lock(env):
         finish(env, x, result)
 
 
+def test_ls_and_show_give_the_arguments_of_a_hashed_name(env):
+    """A hashed name (``cli_app.hold_hashed:<sha256>``) says nothing to a person: the
+    hold carries the arguments that made it, and ls and show print them."""
+    x = uuid.uuid4().hex[:8]
+    env.started.append(x)
+    result = cli_app.hold_hashed.delay(x, note="not keyed")
+    name = cli_app.hold_hashed.lock_name((x,), {"note": "not keyed"})
+    assert wait_until(lambda: get_lock(env.r, env.prefix, name) is not None, timeout=10)
+    try:
+        table = run_cli("ls")
+        assert table.exit_code == 0, table.output
+        header, *rows = table.stdout.splitlines()
+        assert header.split()[:2] == ["KEY", "ARGS"]
+        (row,) = [line for line in rows if line.startswith(name)]
+        assert f"x='{x}'" in row and "not keyed" not in row
+        (listed,) = [r for r in json.loads(run_cli("ls", "--json").stdout)
+                     if r["key"] == name]
+        assert listed["args"] == f"x='{x}'"
+        shown = run_cli("show", name)
+        assert f"x='{x}'" in shown.stdout, shown.output
+    finally:
+        cli_app.open_gate(env.r, env.prefix, x)
+    assert result.get(timeout=RESULT_TIMEOUT) == name
+
+
 def test_ls_with_no_locks_under_a_prefix(env):
     out = run_cli("--prefix", f"empty{uuid.uuid4().hex[:6]}", "ls")
     assert out.exit_code == 0

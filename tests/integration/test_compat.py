@@ -123,6 +123,8 @@ def test_once_keys_choose_the_arguments_of_the_lock(harness: Harness) -> None:
     with pytest.raises(AlreadyQueued) as raised:  # a=1 is queued
         slow_add.delay(1, 2)
     assert raised.value.task_id == a.id
+    # the hashed name's arguments, for a person: which a is blocked
+    assert raised.value.arguments == "a=1" and "(arguments: a=1)" in str(raised.value)
     b = slow_add.delay(2, 2)
     assert queued(h, "pf.slow_add") == [a.id, b.id]
 
@@ -227,6 +229,7 @@ def test_singleton_unique_on_and_raise_on_duplicate(harness: Harness) -> None:
     assert raised.value.task_id == first.id
     assert isinstance(raised.value, AlreadyQueued)
     assert f"task ID {first.id}" in str(raised.value)
+    assert "(arguments: username='bob')" in str(raised.value)
     assert queued(h, "pf.do_something_raising") == [first.id]
 
     h.start_workers(count=1, concurrency=2)
