@@ -374,6 +374,24 @@ def test_a_follower_of_a_lost_call_runs_itself(harness: Harness) -> None:
     assert marker(h, "lost") is None and h.owner("mode:lost") is None
 
 
+def test_a_canvas_sent_again_with_its_ids_runs_once(harness: Harness) -> None:
+    """A frozen group applied twice: each member is sent again with its own task id,
+    a duplicate of itself, so no follower is sent for it; each runs once."""
+    h = harness
+    m = h.app.tasks["pf.mode"]
+    canvas = group(m.si("again-a", 0.5, "a"), m.si("again-b", 0.5, "b"))
+    result = canvas.freeze()
+    canvas.apply_async()
+    canvas.apply_async()
+    assert sorted(msg["id"] for msg in queued(h)) == \
+        sorted(r.id for r in result.results)
+    h.start_workers(count=1, concurrency=2)
+    assert result.get(timeout=30) == ["a", "b"]
+    time.sleep(1.0)  # a second message would have run by now
+    assert [run["tag"] for run in runs(h, "again-a") + runs(h, "again-b")] == \
+        ["a", "b"]
+
+
 def test_a_revoked_queued_call_frees_its_marker(harness: Harness) -> None:
     """A call queued behind a busy worker is revoked: its name frees (at the latest
     when the worker discards the message; at once where the worker records the revoke
