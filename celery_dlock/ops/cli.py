@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 from typing import Any
+from urllib.parse import unquote
 
 import click
 from celery import current_app
@@ -73,6 +74,23 @@ __all__ = ["dlock"]
 
 #: The fields of a row of ``ls --json``.
 LS_FIELDS = (*SUMMARY_FIELDS, *QUEUED_FIELDS, "rate")
+
+
+def _lock_name(backend: Any, prefix: str, text: str) -> str:
+    """The lock name ``text`` stands for: itself, or the name whose storage key it is
+    (``dlock:{report:2026-11-02}``, as ``show`` prints it, as a log may name it), when
+    it is one and that name is held."""
+    if backend.read(prefix, text) is not None:
+        return text
+    head, _, tail = backend.storage_key(prefix, "probe").rpartition("probe")
+    if len(text) > len(head) + len(tail) and text.startswith(head) and \
+            text.endswith(tail):
+        inner = text[len(head):len(text) - len(tail)]
+        # as written, or percent-encoded (a ZooKeeper node's segment)
+        for name in dict.fromkeys((inner, unquote(inner))):
+            if backend.read(prefix, name) is not None:
+                return name
+    return text
 
 
 def _row(name: str, info: HoldInfo | None, queued: Queued | None) -> dict[str, Any]:
@@ -158,11 +176,13 @@ def ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 @reports_redis_errors
 def show(ctx: click.Context, key: str, as_json: bool) -> None:
-    """Show one lock (KEY is the lock name, as ls shows it) with every field, the
+    """Show one lock (KEY is the lock name, as ls shows it, or where the store keeps
+    it, as show prints it: redis_key or stored_at) with every field, the
     call queued for it (an enqueue-time lock_mode's marker) and its lock_rate's
     state."""
     target = target_of(ctx)
     backend = target.backend()
+    key = _lock_name(backend, target.prefix, key)
     info = backend.read(target.prefix, key)
     queued = target.queued_one(key)
     rate = rate_state(backend, target.prefix, key)
@@ -225,6 +245,7 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
     """
     target = target_of(ctx)
     backend = target.backend()
+    key = _lock_name(backend, target.prefix, key)
     expected: int | None = None
     if not force:
         info = backend.read(target.prefix, key)

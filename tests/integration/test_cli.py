@@ -178,8 +178,24 @@ def test_show_prints_every_field(env):
         assert set(as_json) == {*SUMMARY_FIELDS, "host", "extra", *QUEUED, "rate"}
         assert as_json["rate"] is None  # no lock_rate
         assert as_json["task_id"] == result.id
+        # the redis_key it printed names the same lock
+        by_key = run_cli("show", fields["redis_key"])
+        assert by_key.exit_code == 0 and f"key: cli:{x}" in " ".join(by_key.stdout.split())
     finally:
         finish(env, x, result)
+
+
+def test_release_takes_the_storage_key_show_prints(env):
+    x, result = start_hold(env)
+    try:
+        freed = run_cli("release", f"{env.prefix}:{{cli:{x}}}", "--force")
+        assert freed.exit_code == 0, freed.output
+        assert f"Released lock 'cli:{x}'" in freed.stdout
+        assert get_lock(env.r, env.prefix, f"cli:{x}") is None
+    finally:
+        cli_app.open_gate(env.r, env.prefix, x)
+    with pytest.raises(LockLost):  # the holder is told
+        result.get(timeout=RESULT_TIMEOUT)
 
 
 def test_show_unknown_key_exits_1(env):

@@ -76,6 +76,9 @@ def test_ls_show_release_and_top_on_sql(sql_url):
         assert "shop.buy" in shown.stdout
         assert f"waiting: {1 if kind in LINED else 0}" in " ".join(shown.stdout.split())
         assert f"stored_at: dlock_locks[{prefix}, stock:42]" in shown.stdout
+        # where the store keeps it, as show prints it, names the lock too
+        by_key = _dlock(url, "--prefix", prefix, "show", f"dlock_locks[{prefix}, stock:42]")
+        assert by_key.returncode == 0 and "shop.buy" in by_key.stdout, by_key.stderr
 
         by_url = _dlock(url, "--url", url, "--prefix", prefix, "ls")
         assert by_url.returncode == 0 and "stock:42" in by_url.stdout, by_url.stderr
@@ -136,6 +139,11 @@ def test_ls_show_release_and_top_on_zookeeper(zk_server):
         shown = _dlock(url, "--prefix", prefix, "show", "stock:42")
         assert shown.returncode == 0, shown.stderr
         assert "shop.buy" in shown.stdout
+        stored_at = next(line.split(":", 1)[1].strip()
+                         for line in shown.stdout.splitlines()
+                         if line.strip().startswith("stored_at:"))
+        by_key = _dlock(url, "--prefix", prefix, "show", stored_at)
+        assert by_key.returncode == 0 and "shop.buy" in by_key.stdout, by_key.stderr
 
         top = _dlock(url, "--prefix", prefix, "top", "--iterations", "1")
         assert top.returncode == 0, top.stderr
