@@ -392,6 +392,11 @@ def test_a_value_the_server_refuses_is_invalid_config_not_an_outage(db):
         assert "not celery-dlock's" not in str(info.value)
         with pytest.raises(InvalidLockConfig, match="65,535"):
             lock_from_url(db.url, "n" * 70_000, ttl=5)
+        # an owner, known only when it acquires: the server's refusal, named
+        lock = lock_from_url(db.url, _name(), ttl=5, owner="o" * 70_000)
+        with pytest.raises(InvalidLockConfig, match="65,535") as info:
+            lock.acquire(blocking=False)
+        assert "not celery-dlock's" not in str(info.value)
         # the largest info the column holds is taken
         fits = {"payload": "y" * 65_000}
         with lock_from_url(db.url, _name(), ttl=5, info=fits) as lock:

@@ -76,8 +76,10 @@ _SSL = {"ssl_ca": "ca", "ssl_cert": "cert", "ssl_key": "key"}
 _UNAVAILABLE = {1040, 1053, 1077, 1205, 1213, 1927, 3024, 4031}
 #: Privileges refused.
 _DENIED = {1044, 1045, 1142, 1143, 1227, 1370}
-#: A table of another shape: unknown column, no default, NULL, bad value, too long.
-_FOREIGN = {1048, 1054, 1292, 1364, 1366, 1406}
+#: A table of another shape: unknown column, no default, NULL, bad value.
+_FOREIGN = {1048, 1054, 1292, 1364, 1366}
+#: A value longer than its column holds (the table's shape was checked: ours).
+_TOO_LONG = 1406
 _NO_TABLE = 1146
 #: A transaction the server rolled back that may simply be run again: a deadlock,
 #: and a first acquire of a name whose row another inserted at the same moment.
@@ -216,6 +218,11 @@ class MyServer:
                 lock_name=lock_name)
         if is_unavailable(exc):
             return self.unavailable(exc, what, lock_name)
+        if code == _TOO_LONG:
+            return InvalidLockConfig(
+                f"MySQL at {self.shown} refused {what}: {_message(exc)} (a BLOB or "
+                f"TEXT column holds at most 65,535 bytes: a shorter owner, name, "
+                f"prefix or info)", lock_name=lock_name)
         if code in _FOREIGN:
             return LockKeyConflict(
                 f"the table {self.table_name} (or {self.line_table_name}) at "
