@@ -21,7 +21,9 @@ marker record) takes the marker again.  A replace is done in three steps: the cl
 (the marker names the new call at once, the old one is recorded replaced), the
 publish, then :data:`CONFIRM`; a failed publish runs :data:`UNDO` instead, which
 gives the name back to the old call.  The old call starting in between takes the
-replace back itself (:data:`HAND_OVER`): it runs, and the new one never does.
+replace back itself (:data:`HAND_OVER`): it runs, and the new one never does.  The
+re-queue of a call that has started (its retry; ``started``) is never replaced: a
+replace finds it queued (reply 2), as a replace finds a running call.
 
 Replies of :data:`CLAIM` (first element):
 
