@@ -154,8 +154,8 @@ def test_reentry_keeps_its_fence(lock_kind, name):
 
 
 @pytest.mark.parametrize("callback", [False, True], ids=["no-on-lost", "on-lost"])
-def test_a_loss_the_renewal_finds_is_one_warning_naming_the_lock(lock_kind, name, callback,
-                                                                 caplog):
+def test_a_loss_the_renewal_finds_is_one_warning_naming_the_lock(lock_kind, name,
+                                                                 callback, caplog):
     """Without ``on_lost`` the loss is one WARNING, ``lock 'NAME' lost: ...``, naming
     the lock as its user named it (not the storage key); with ``on_lost`` the callback
     is how its owner is told, and the line drops to DEBUG."""
@@ -176,6 +176,7 @@ def test_a_loss_the_renewal_finds_is_one_warning_naming_the_lock(lock_kind, name
             and "lost" in r.getMessage() and r.levelno >= 30]
     if callback:
         assert ours == [] and told == [lock]
-        assert [r for r in caplog.records if r.getMessage().startswith(f"lock {name!r} lost")]
+        assert [r for r in caplog.records
+                if r.getMessage().startswith(f"lock {name!r} lost")]
     else:
         assert [r.getMessage().split(":")[0] for r in ours] == [f"lock {name!r} lost"]

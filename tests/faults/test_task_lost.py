@@ -166,7 +166,8 @@ def test_max_hold_ends_the_hold_and_lock_lost_action_applies(
         assert [end["lost"] for end in ends] == [True]
 
 
-@pytest.mark.parametrize("after", [1.5, 0.0], ids=["found-by-renewal", "found-at-release"])
+@pytest.mark.parametrize("after", [1.5, 0.0],
+                         ids=["found-by-renewal", "found-at-release"])
 def test_a_lost_hold_is_one_warning_naming_the_lock(env: TaskEnv, after: float,
                                                     caplog: pytest.LogCaptureFixture
                                                     ) -> None:

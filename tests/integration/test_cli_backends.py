@@ -77,7 +77,8 @@ def test_ls_show_release_and_top_on_sql(sql_url):
         assert f"waiting: {1 if kind in LINED else 0}" in " ".join(shown.stdout.split())
         assert f"stored_at: dlock_locks[{prefix}, stock:42]" in shown.stdout
         # where the store keeps it, as show prints it, names the lock too
-        by_key = _dlock(url, "--prefix", prefix, "show", f"dlock_locks[{prefix}, stock:42]")
+        by_key = _dlock(url, "--prefix", prefix, "show",
+                        f"dlock_locks[{prefix}, stock:42]")
         assert by_key.returncode == 0 and "shop.buy" in by_key.stdout, by_key.stderr
 
         by_url = _dlock(url, "--url", url, "--prefix", prefix, "ls")
@@ -156,6 +157,35 @@ def test_ls_show_release_and_top_on_zookeeper(zk_server):
         assert not lock.owned()
         after = _dlock(url, "--prefix", prefix, "ls", "--json")
         assert json.loads(after.stdout) == []
+    finally:
+        if lock.depth:
+            try:
+                lock.release()
+            except Exception:
+                pass
+
+
+def test_a_long_name_is_listed_shown_and_released_by_itself(sql_url):
+    """PostgreSQL keys a name it cannot index as it is by its digest: the commands
+    still list it, and take it, by the name itself."""
+    import secrets
+
+    name = secrets.token_urlsafe(2250)  # 3,000 characters no codec shrinks
+    prefix = f"cli{uuid.uuid4().hex[:8]}"
+    lock = lock_from_url(sql_url, name, ttl=60, prefix=prefix,
+                         info={"task_name": "shop.long"})
+    lock.acquire()
+    try:
+        listed = _dlock(sql_url, "--prefix", prefix, "ls", "--json")
+        assert listed.returncode == 0, listed.stderr
+        [row] = json.loads(listed.stdout)
+        assert row["key"] == name and row["task_name"] == "shop.long"
+        assert "dlock_name" not in json.dumps(row)
+        shown = _dlock(sql_url, "--prefix", prefix, "show", name)
+        assert shown.returncode == 0 and "shop.long" in shown.stdout, shown.stderr
+        freed = _dlock(sql_url, "--prefix", prefix, "release", name, "--force")
+        assert freed.returncode == 0, freed.stderr
+        assert not lock.owned()
     finally:
         if lock.depth:
             try:

@@ -89,7 +89,8 @@ def test_wheel_carries_the_license_and_metadata_only_the_package(built: Built) -
     assert "Project-URL: Homepage, https://github.com/celery-dlock/celery-dlock\n" in meta
     # the summary names every store, not Redis alone
     summary = meta.split("Summary: ", 1)[1].split("\n", 1)[0]
-    assert all(store in summary for store in ("Redis", "PostgreSQL", "MySQL", "ZooKeeper"))
+    assert all(store in summary
+               for store in ("Redis", "PostgreSQL", "MySQL", "ZooKeeper"))
     assert "Project-URL: Source, https://github.com/celery-dlock/celery-dlock" in meta
     assert ("Project-URL: Issues, https://github.com/celery-dlock/celery-dlock/issues"
             in meta)
