@@ -115,7 +115,8 @@ KAZOO_LOGGER = "celery_dlock.kazoo"
 @click.pass_context
 def dlock(ctx: click.Context, /, url: str | None, prefix: str | None,
           **_preload: Any) -> None:
-    """Inspect and free the Redis locks of celery-dlock tasks."""
+    """Inspect and free the locks of celery-dlock tasks, in the app's lock store
+    (Redis, PostgreSQL, MySQL or ZooKeeper)."""
     # kazoo's own warnings (a connection dropped, tried again) would print beside the
     # one line a ZooKeeper that cannot be reached is reported in.
     logging.getLogger(KAZOO_LOGGER).setLevel(logging.CRITICAL)

@@ -177,6 +177,15 @@ def fail(ctx: click.Context, message: str, code: int) -> None:
     ctx.exit(code)
 
 
+def _no_app_hint(ctx: click.Context, target: Target) -> str:
+    """What to do when neither an app (``-A``) nor ``--url`` was given: the command
+    then reads Celery's default app, which has no lock store."""
+    if target.url is not None or ctx.find_root().params.get("app"):
+        return ""
+    return " (no app was given: pass -A / --app, as in celery -A proj dlock ls, or " \
+           "--url)"
+
+
 def reports_redis_errors(fun: F) -> F:
     """Turn an unreachable or unconfigured Redis into one line and exit code 2."""
 
@@ -187,7 +196,8 @@ def reports_redis_errors(fun: F) -> F:
         try:
             return fun(*args, **kwargs)
         except InvalidLockConfig as exc:
-            fail(ctx, f"celery dlock: {exc}", EXIT_UNAVAILABLE)
+            fail(ctx, f"celery dlock: {exc}{_no_app_hint(ctx, target)}",
+                 EXIT_UNAVAILABLE)
         except (BackendUnavailable, RedisConnectionError, RedisTimeoutError) as exc:
             cause = exc.__cause__ if isinstance(exc, BackendUnavailable) else exc
             fail(ctx, f"cannot reach {target.store()} at {target.where()}: "

@@ -203,10 +203,11 @@ def resolve_url(conf: Any) -> str:
     if found is not None:
         return _each_unambiguous(found, "the result backend URL (result_backend)")
     raise InvalidLockConfig(
-        "celery-dlock needs a Redis: set app.conf.dlock_url (for example "
-        "'redis://localhost:6379/0'), or dlock_client to a function returning a client; "
-        f"neither the broker URL {mask_url(broker)!r} nor the result backend "
-        f"{mask_url(backend)!r} is one Redis URL it can use")
+        "celery-dlock needs a lock store: set app.conf.dlock_url to a Redis, "
+        "PostgreSQL, MySQL or ZooKeeper URL (for example 'redis://localhost:6379/0' or "
+        "'postgresql://user@db/app'), or dlock_client to a function returning a Redis "
+        f"client; neither the broker URL {mask_url(broker)!r} nor the result backend "
+        f"{mask_url(backend)!r} is a Redis URL it can use")
 
 
 def sql_url_of(conf: Any) -> str | None:

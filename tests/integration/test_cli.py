@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -180,7 +182,8 @@ def test_show_prints_every_field(env):
         assert as_json["task_id"] == result.id
         # the redis_key it printed names the same lock
         by_key = run_cli("show", fields["redis_key"])
-        assert by_key.exit_code == 0 and f"key: cli:{x}" in " ".join(by_key.stdout.split())
+        assert by_key.exit_code == 0
+        assert f"key: cli:{x}" in " ".join(by_key.stdout.split())
     finally:
         finish(env, x, result)
 
@@ -355,4 +358,25 @@ def test_help_lists_the_subcommands():
     assert out.exit_code == 0
     for name in ("ls", "show", "release", "top"):
         assert name in out.stdout
+    # every store, not "the Redis locks"
+    assert "Redis locks" not in out.stdout
+    assert all(store in " ".join(out.stdout.split())
+               for store in ("Redis", "PostgreSQL", "MySQL", "ZooKeeper"))
+
+
+def test_no_app_given_says_to_pass_it(tmp_path):
+    """``celery dlock ls`` without -A reads Celery's default app, which has no lock
+    store: the one line says so, and what to pass."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CELERY_", "DLOCK_"))}
+    out = subprocess.run([sys.executable, "-m", "celery", "dlock", "ls"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "needs a lock store" in line and "pass -A / --app" in line, line
+    with_url = subprocess.run([sys.executable, "-m", "celery", "dlock", "--url",
+                               "redis://127.0.0.1:1/0", "ls"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+    assert "--app" not in with_url.stderr  # a store was given: no app is needed
 

@@ -73,7 +73,7 @@ def test_the_check_still_refuses_a_bad_value() -> None:
 
 
 def test_enabled_is_still_the_default() -> None:
-    with pytest.raises(InvalidLockConfig, match="needs a Redis"):
+    with pytest.raises(InvalidLockConfig, match="needs a lock store"):
         check_conf({"broker_url": "memory://"})
 
 

@@ -118,7 +118,8 @@ def test_no_redis_anywhere_stops_the_worker(redis_url, tmp_path):
                                          "control_folder": str(tmp_path / "control")}}
     proc = _refused(conf)
     last = proc.stderr.strip().splitlines()[-1]
-    assert "celery-dlock needs a Redis: set app.conf.dlock_url" in last, last
+    assert "celery-dlock needs a lock store: set app.conf.dlock_url" in last, last
+    assert "PostgreSQL" in last  # every store, not Redis alone
 
 
 def test_broker_from_the_environment_in_a_worker(redis_url, r, prefix):
