@@ -124,8 +124,8 @@ def _alive(app: Any, info: Mapping[str, Any], other: str) -> bool:
         if marker is not None and marker[0] == other:
             return True
         hold = backend_for(app).read(prefix, name)
-        if hold is not None and hold.task_id == other:
-            return True
+        if hold is not None and other in {h.task_id for h in (hold, *hold.holders)}:
+            return True  # (a semaphore's holders: every slot's)
     except DLockError:
         return True
     try:
