@@ -85,7 +85,10 @@ class PostgresLock(LeaseLock[PgServer]):
 
     def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:
-        info = json.dumps({**self._info, "pid": str(os.getpid())})
+        # jsonb holds no NUL: one in a field (an argument shown in the metadata) is
+        # kept as \0 rather than refused.
+        info = json.dumps({shown_name(k): shown_name(v)
+                           for k, v in {**self._info, "pid": str(os.getpid())}.items()})
         rows = self._run(ACQUIRE, self._params(
             owner, op=op, ttl=ttl_ms, info=info, lease=QUEUE_LEASE_MS if queue else 0),
             "acquire")
