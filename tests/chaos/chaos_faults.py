@@ -8,10 +8,11 @@ that each one's recovery can be seen); the channels run side by side, and the ki
 (instant) come at any time.  Which process a kill or a SIGSTOP hits depends on who
 holds the lock at that moment, so the targets are not reproducible; the schedule is.
 
-The lock's faults are drawn from one stream and the broker's restarts from another,
-so that a variant without broker restarts (the Redis one: its broker is the lock's
-server) or without some kind still gets, for the same seed, the same faults of every
-other kind at the same times.
+The lock's faults are drawn from one stream and the broker's restarts from another
+(and the modes scenario's kills of whole workers from a third), so that a variant
+without broker restarts (the Redis one: its broker is the lock's server) or without
+some kind still gets, for the same seed, the same faults of every other kind at the
+same times.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ BROKER_MEAN_GAP = 12.0
 #: The modes scenario's kill of a whole ``celery worker`` (its main process and its
 #: children, SIGKILL; the driver starts it again), its own stream and channel.
 WORKER_KINDS: dict[str, tuple[float, str]] = {"kill_worker": (1.0, "worker")}
-WORKER_MEAN_GAP = 10.0
+WORKER_MEAN_GAP = 6.0
 
 #: ttls a channel stays quiet after one of its faults ends.
 COOLDOWN = 0.75

@@ -46,7 +46,7 @@ PLAIN_KEYS: tuple[tuple[str, str, str], ...] = tuple(
     (f"wr-{c}", "while_running", "return_existing") for c in "abcdef")
 #: ``chaos.rated``'s rate and burst: at most RATE_N + RATE_BURST body starts in any
 #: window of RATE_PERIOD seconds.
-RATE, RATE_N, RATE_PERIOD, RATE_BURST = "2/s", 2, 1.0, 2
+RATE, RATE_N, RATE_PERIOD, RATE_BURST = "2/s", 2, 1.0, 1
 
 Recorder = Callable[..., None]
 

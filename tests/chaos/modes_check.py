@@ -19,7 +19,7 @@ Violations (``{"kind": ..., ...}``; a run is safe when there is none):
   accepted call of its name was live (a replace of a call that had not started is
   no violation, unless both then ran);
 * ``same_id_twice``: a second message published for a task id while that call was
-  live (any mode with markers);
+  live (any mode with markers; in ``throttle``, within its window);
 * ``replaced_ran``: a body of a call started after it was replaced;
 * ``lost``: an accepted call delivered to a worker that neither ran its body to its
   end nor failed, and whose caller was not told otherwise (it was not replaced nor
@@ -152,6 +152,7 @@ def check(out: Path) -> dict[str, Any]:
         return min(found, default=INF)
 
     violations: list[dict[str, Any]] = []
+    window = float(cfg.get("ttl", 2.0))  # throttle's window: the task's lock_ttl
 
     # -- bodies of one name never overlap --------------------------------------------
     by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -181,7 +182,11 @@ def check(out: Path) -> dict[str, Any]:
                 if later["t"] >= end_of(earlier["task_id"], earlier["t0"]):
                     continue
                 if earlier["task_id"] == later["task_id"]:
-                    if later["mode"] != "while_running":
+                    # throttle: a call of its name is a duplicate within the window
+                    # (lock_ttl from the accepted enqueue), queued or not.
+                    if later["mode"] != "while_running" and not (
+                            later["mode"] == "throttle"
+                            and later["t0"] >= earlier["t"] + window):
                         violations.append({"kind": "same_id_twice", "key": key,
                                            "task_id": later["task_id"],
                                            "first": earlier["n"], "again": later["n"]})

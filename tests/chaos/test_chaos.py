@@ -23,7 +23,7 @@ import chaos_check
 import chaos_driver
 import chaos_servers
 import pytest
-from chaos_faults import BROKER_KINDS, KINDS, schedule
+from chaos_faults import BROKER_KINDS, KINDS, WORKER_KINDS, schedule
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -62,6 +62,11 @@ def test_schedule_is_a_function_of_the_seed() -> None:
         f for f in schedule(SEED, 60, 0.4, 2.0) if f.kind in KINDS]
     lock_faults = [(f.at, f.kind) for f in a if f.kind in KINDS]
     assert lock_faults == [(f.at, f.kind) for f in schedule(SEED, 60, 0.4, 2.0)]
+    # The modes scenario's kills of whole workers leave every other fault as it was.
+    with_kills = schedule(SEED, 60, 0.4, 2.0, [*every, *WORKER_KINDS])
+    assert [(f.at, f.kind) for f in with_kills if f.kind not in WORKER_KINDS] == [
+        (f.at, f.kind) for f in a]
+    assert any(f.kind in WORKER_KINDS for f in with_kills)
 
 
 @pytest.mark.xdist_group("chaos")  # one run at a time: they share the machine

@@ -37,8 +37,9 @@ _asked = os.environ.get("DLOCK_CHAOS_VARIANTS", "redis,postgresql")
 WANTED = {"redis", "postgresql"} if _asked == "all" else {
     v.strip() for v in _asked.split(",")}
 
-#: variant -> (the lock's server, the broker).
+#: variant -> (the lock's server, the broker), and its seconds of faults.
 VARIANTS = {"redis": ("redis", "redis"), "postgresql": ("postgresql", "redis")}
+SECONDS = {"redis": 30.0, "postgresql": 20.0}
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -51,7 +52,8 @@ def report(request: pytest.FixtureRequest,
     why = chaos_servers.unavailable(lock, broker)
     if why is not None:
         pytest.skip(why)
-    cfg = chaos_driver.Config(seed=SEED, seconds=30, mean_gap=0.5, settle=4, drain=40,
+    cfg = chaos_driver.Config(seed=SEED, seconds=SECONDS[variant], mean_gap=0.5,
+                              settle=3, drain=40,
                               lock=lock, broker=broker, workers=2, concurrency=2,
                               scenario="modes")
     keep = os.environ.get("DLOCK_CHAOS_OUT")  # a directory to keep the run in
@@ -69,13 +71,13 @@ def test_the_run_did_what_it_says(report: dict[str, Any],
     with capsys.disabled():
         print("\n" + modes_check.markdown(report))
     scheduled = report["scheduled"]
-    assert report["faults_injected"] == len(scheduled) > 15
+    assert report["faults_injected"] == len(scheduled) > 10
     assert set(report["faults_by_kind"]) == {f.kind for f in scheduled}
     assert {"kill_child", "kill_worker", "server_restart"} <= set(
         report["faults_by_kind"])
     assert not report["fault_errors"], report["fault_errors"]
     out = report["outcomes"]
-    assert report["accepted"] > 30 and report["bodies"] > 30, report
+    assert report["accepted"] > 20 and report["bodies"] > 20, report
     assert out.get("publish_failed", 0) > 0 and report["same_id_sends"] > 0, out
     assert report["bodies_retried"] > 0, report
     if report["variant"] == "redis":
@@ -92,14 +94,7 @@ def test_the_run_did_what_it_says(report: dict[str, Any],
 
 
 #: (variant, invariant) -> why the short run (seed 1) finds it broken today.
-KNOWN: dict[tuple[str, str], str] = {
-    ("redis", "lost"): (
-        "self.retry() of an until_finished call while the lock's Redis does not answer "
-        "(a black hole on its link): the retry's marker claim raises "
-        "BackendUnavailable inside Celery's Task.retry, which turns any publish error "
-        "into Reject(requeue=False): the call is dropped (REJECTED, no result), its "
-        "caller never told (seed 1, call 65 of uf-existing)"),
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("kind", ["overlap", "two_live", "same_id_twice", "replaced_ran",

@@ -111,6 +111,18 @@ def test_the_same_id_published_twice_while_queued_is_flagged(tmp_path: Path) -> 
     assert run.check()["violations"] == []
 
 
+@pytest.mark.parametrize(("again_at", "flagged"), [(1.0, True), (2.5, False)])
+def test_in_throttle_the_same_id_is_a_duplicate_within_the_window(
+        tmp_path: Path, again_at: float, flagged: bool) -> None:
+    # The window is lock_ttl (2 s) from the accepted enqueue: past it, a call of the
+    # name is a new one, also while the first is still queued (it starts at 3.0).
+    run = Run(tmp_path)
+    run.call(0.0, "A", mode="throttle", policy="drop")
+    run.call(again_at, "A", mode="throttle", policy="drop")
+    run.body("A", 3.0, 3.5)
+    assert kinds(run.check()) == (["same_id_twice"] if flagged else [])
+
+
 def test_a_replace_accepts_the_new_call_and_the_replaced_never_runs(
         tmp_path: Path) -> None:
     run = Run(tmp_path)
