@@ -24,7 +24,7 @@ from proxy import FaultProxy
 
 from celery_dlock import RedisLock, RedlockLock
 from celery_dlock.backends.redis.redlock.workers import IDLE_EXIT, NODE_WORKERS
-from celery_dlock.backends.redis.scripts import RELEASE
+from celery_dlock.backends.redis.scripts import ACQUIRE, RELEASE
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 
@@ -311,6 +311,51 @@ def test_a_late_give_back_never_removes_the_owners_next_hold(nodes):
         assert wait_until(lambda: _evalsha_calls(nodes.admin(2)) > before, timeout=5)
         assert nodes.owners(a.keys.lock) == ["owner-a"] * 3
         assert not a.lost
+        a.ensure_held()
+        a.release()
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == [None] * 3)
+    finally:
+        through_proxy.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("grant", ["answered-after-the-quorum", "never-answered"])
+def test_a_late_release_never_removes_the_owners_next_hold(nodes, grant):
+    """A release held up on its way to node 2 (the caller is back once nodes 0 and 1
+    confirmed) reaches it only after that hold expired there and the same owner took a
+    new one: it names the hold it is for (by node 2's fence, learned from the grant's
+    late answer, or, with no answer, by the acquire that took it) and leaves the new
+    hold alone.  Before, it released whatever the owner held there."""
+    proxy = FaultProxy(nodes.servers[2].port)
+    through_proxy = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=5)
+    try:
+        clients = [*nodes.clients()[:2], through_proxy]
+        a = _lock(clients, "late-release", "owner-a", ttl=1.0, node_timeout=0.2,
+                  auto_renew=False)
+        for script in (ACQUIRE, RELEASE):  # a late EVALSHA finds it there
+            nodes.admin(2).script_load(script.source)
+        if grant == "never-answered":
+            held_grant = proxy.hold_request(ACQUIRE.sha.encode())
+            assert a.acquire(blocking=False)  # by nodes 0 and 1
+            assert held_grant.arrived.wait(5)
+            time.sleep(0.3)  # node 2's call timed out: its answer is never read
+            held_grant.let_go()
+        else:
+            assert a.acquire(blocking=False)
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == ["owner-a"] * 3)
+        held = proxy.hold_request(RELEASE.sha.encode())
+        a.release()  # nodes 0 and 1 confirm
+        assert held.arrived.wait(5)
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == [None] * 3, timeout=5)
+        assert a.acquire(blocking=False)  # the same owner's next hold
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == ["owner-a"] * 3)
+        a.extend(30.0)
+        assert wait_until(lambda: nodes.admin(2).pttl(a.keys.lock) > 5000)
+        before = _evalsha_calls(nodes.admin(2))
+        held.let_go()  # the first hold's release reaches node 2 now
+        assert held.forwarded.wait(5)
+        assert wait_until(lambda: _evalsha_calls(nodes.admin(2)) > before, timeout=5)
+        assert nodes.owners(a.keys.lock) == ["owner-a"] * 3
         a.ensure_held()
         a.release()
         assert wait_until(lambda: nodes.owners(a.keys.lock) == [None] * 3)

@@ -191,8 +191,8 @@ return reply
 
 # KEYS[1] lock hash
 # ARGV[1] owner, ARGV[2] operation id, ARGV[3] the fence of the owner's hold ('' when
-# unknown: a give-back), ARGV[4] for a give-back, the operation id of the acquire it
-# undoes ('' or absent: a release of the owner's own)
+# unknown), ARGV[4] the operation id of an acquire that counted in that hold (a
+# give-back names the acquire it undoes; '' or absent: none)
 # Returns {1} released (the key is gone; the first waiter was woken),
 #         {2, count} still held by this owner (count > 0 acquisitions left),
 #         {0} already expired (nothing to release), {-1} held by another owner
@@ -200,10 +200,11 @@ return reply
 #         a non-final one from the hold's ``ops``; a final one from the fence counter,
 #         which the final release leaves at the hold's fence + 1 (see ``freed``: the
 #         answer holds until the next hold of the name ends).
-# A give-back takes back only the count its acquire added to the hold there now: when
-# that hold never counted it (the acquire never ran there, or its hold ended and the
-# owner took a new one since), it returns {0} and leaves the hold alone, so a give-back
-# that arrives late never removes the owner's later hold.
+# A release takes back a count only from the hold it names: when the owner's hold there
+# has another fence, or never counted the named acquire (it never ran there, or its
+# hold ended and the owner took a new one since), it returns as for a hold that ended
+# ({1} when the counter shows that hold freed, else {0}) and leaves the hold alone, so
+# a release or give-back that arrives late never removes the owner's later hold.
 # The final release leaves no key behind but the fence counter.
 RELEASE = LuaScript(
     "release",
@@ -223,8 +224,16 @@ end
 local ops = call('HGET', lock, 'ops')
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local undoes = ARGV[4]
-if undoes and undoes ~= '' and not seen(ops, undoes) then return {0} end
+-- A release that names its hold (by fence, or by the acquire that counted in it) and
+-- finds another hold of the owner there is for a hold that ended: it leaves this one.
+local fence, undoes = ARGV[3], ARGV[4]
+local hold_fence
+if fence and fence ~= '' then hold_fence = call('HGET', lock, 'fence') end
+if (hold_fence and hold_fence ~= fence)
+    or (undoes and undoes ~= '' and not seen(ops, undoes)) then
+  if freed(lock, holder, fence, FREED_BY_OWNER) then return {1} end
+  return {0}
+end
 local count = tonumber(call('HGET', lock, 'count')) - 1
 if count > 0 then
   call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
@@ -234,7 +243,7 @@ end
 -- stops the script before any other write.  The first in line is woken before the
 -- hold goes, so that a command refused on the way leaves the hold held (a bumped
 -- counter and a doorbell rung early change nothing a holder relies on).
-mark_freed(lock, tonumber(call('HGET', lock, 'fence')), FREED_BY_OWNER)
+mark_freed(lock, tonumber(hold_fence or call('HGET', lock, 'fence')), FREED_BY_OWNER)
 if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end

@@ -147,6 +147,9 @@ class RedlockLock(Hold):
         self._node_fences: tuple[int | None, ...] = ()
         # The operation id of the last acquire sent: a give-back names it.
         self._last_acquire_op = ""
+        # The operation id of the acquire that took this object's fresh hold: a release
+        # names it on a node whose fence is unknown.
+        self._grant_op = ""
 
     # -- helpers ------------------------------------------------------------------
 
@@ -229,6 +232,7 @@ class RedlockLock(Hold):
                 self._in_flight.setdefault(i, []).append(future)
             reentered = reentry or sum(1 for i in yes if int(out[i][2]) > 1) >= quorum
             if not reentered:
+                self._grant_op = op
                 self._node_fences = tuple(int(out[i][1]) if i in yes else None
                                           for i in range(n))
             return Grant(None, reentered)
@@ -283,15 +287,26 @@ class RedlockLock(Hold):
 
         # Back once the answers decide; a node that hangs gets the release later.
         # (None of this object's: a release of a hold it does not have, by its owner.)
-        fences = self._node_fences if self._depth > 0 else ()
+        mine = self._depth > 0
+        fences = list(self._node_fences) if mine else []
+        grant_op = self._grant_op if mine else ""
 
-        def args(i: int) -> tuple[str, str, str]:
-            # Each node's fence of this hold: a re-send of the final release there
-            # learns from that node's counter that it freed the lock.
+        def args(i: int) -> tuple[str, ...]:
+            # Each node's fence of this hold (a grant's late answer there included:
+            # the call waited for it): a release that reaches the node late finds any
+            # later hold of the owner there by another fence and leaves it, and a
+            # re-send of the final release learns from the counter that it freed the
+            # lock.  Where no fence is known, it names the acquire that took the hold.
+            if mine and i < len(fences) and fences[i] is None:
+                fences[i] = _granted_fence(late.get(i, ()))
             fence = fences[i] if i < len(fences) else None
-            return owner, op, "" if fence is None else str(fence)
+            if fence is not None:
+                return owner, op, str(fence)
+            return owner, op, "", grant_op
 
         out = self._call_all(RELEASE, args, decided, late)
+        if mine and len(fences) == len(self._node_fences):
+            self._node_fences = tuple(fences)  # what the late answers taught
         report_refusals(self.name, "release", self.clients, failures(out))
         ours, others = tally(out)
         if ours >= quorum:
@@ -362,3 +377,14 @@ class RedlockLock(Hold):
     def __repr__(self) -> str:
         return (f"<RedlockLock {self.name!r} nodes={len(self.clients)} "
                 f"quorum={self.quorum} ttl={self.ttl:g}s depth={self._depth}>")
+
+
+def _granted_fence(futures: Sequence[cf.Future[Any]]) -> int | None:
+    """The fence the first of a node's late acquire calls that granted was answered
+    with (None: none granted, or none answered yet)."""
+    for future in futures:
+        if future.done() and not future.cancelled() and future.exception() is None:
+            reply = future.result()
+            if answered(reply) and int(reply[0]) == 1:
+                return int(reply[1])
+    return None
