@@ -90,6 +90,21 @@ def test_a_failed_publish_gives_the_name_back_through_a_chain_of_replaces(
     assert start(m, prefix, "n", "old") is None
 
 
+def test_a_replace_replaced_in_turn_revokes_nothing_when_the_later_one_fails(
+        r: redis.Redis, prefix: str) -> None:
+    """mid replaces old, new replaces mid; mid's publish goes through, new's fails:
+    old gets the name back and must not be revoked by mid's confirm (else nothing
+    runs: mid is replaced, new never sent, old revoked)."""
+    m = RedisMarkers(r)
+    claim(m, prefix, "n", "old", "op1")
+    claim(m, prefix, "n", "mid", "op2", replace=True)
+    claim(m, prefix, "n", "new", "op3", replace=True)
+    assert m.undo(prefix, "n", "new", "op3", 60) is True
+    assert m.confirm(prefix, "n", "mid") is False
+    assert start(m, prefix, "n", "mid") is not None
+    assert start(m, prefix, "n", "old") is None
+
+
 def test_a_claim_taken_back_before_it_ran_does_nothing_when_it_runs(
         r: redis.Redis, prefix: str) -> None:
     m = RedisMarkers(r)

@@ -126,16 +126,22 @@ started()
 return {0, '', 0}
 """)
 
-CONFIRM = LuaScript("marker_confirm", """
--- KEYS[1] the claim record.  ARGV[1] the task id of a replace whose publish went
--- through.  1: the replace stands (the replaced call is to be revoked); 0: it was
--- taken back (the replaced call started first: it runs, this one never does);
--- -1: nothing is known of it (the record expired or was lost, or the replace was
--- replaced in turn): the replaced call is to be revoked all the same.
+CONFIRM = LuaScript("marker_confirm", _NOW + """
+-- KEYS[1] the claim record, KEYS[2] the replaced calls.  ARGV[1] the task id of a
+-- replace whose publish went through.  1: the replace stands (the replaced call is to
+-- be revoked); 0: this call is replaced itself (the replaced call started first and
+-- took the replace back, or a later replace replaced this one, whose confirm or take-
+-- back decides for the call queued before): revoke nothing; -1: nothing is known of
+-- it (the record expired or was lost with a restart): the replaced call is to be
+-- revoked all the same.
 local r = redis.call('HMGET', KEYS[1], 'pend', 'conf', 'back')
 if r[2] == ARGV[1] then return 1 end  -- a re-sent confirm, or it started first
 if r[3] == ARGV[1] then return 0 end
-if r[1] ~= ARGV[1] then return -1 end
+if r[1] ~= ARGV[1] then
+  local until_ms = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]))
+  if until_ms and until_ms > now_ms() then return 0 end
+  return -1
+end
 redis.call('HDEL', KEYS[1], 'pend', 'pold', 'pdl')
 redis.call('HSET', KEYS[1], 'conf', ARGV[1])
 return 1

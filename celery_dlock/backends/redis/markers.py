@@ -109,10 +109,12 @@ class RedisMarkers:
 
     def confirm(self, prefix: str, name: str, task_id: str) -> bool:
         """The publish of ``task_id``, which replaced a queued call, went through:
-        False when the replaced call started first and took the replace back, else
-        True (the replaced call is to be revoked)."""
+        False when this call is replaced itself (the replaced call started first and
+        took the replace back, or a later replace replaced this one), else True (the
+        replaced call is to be revoked)."""
         marker = self.key(prefix, name)
-        return int(self._run(CONFIRM, (marker + RECORD_SUFFIX,), (task_id,), name)) != 0
+        return int(self._run(CONFIRM, (marker + RECORD_SUFFIX, marker + REPLACED_SUFFIX),
+                             (task_id,), name)) != 0
 
     def undo(self, prefix: str, name: str, task_id: str, op: str, ttl: float) -> bool:
         """The publish of ``task_id`` failed, or its claim (operation ``op``) got no
