@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -29,3 +32,18 @@ app.conf.update(json.loads(os.environ.get(ENV_CONF) or "{}"))
 def locked(self: Any, k: str) -> dict[str, Any]:
     lock = self.lock
     return {"key": lock.name, "held": lock.owned(), "fence": lock.fence}
+
+
+def run(conf: dict[str, Any], *args: str, timeout: float = 60
+        ) -> subprocess.CompletedProcess[str]:
+    """``celery -A config_app ARGS`` in a subprocess, its app configured with
+    ``conf`` (``dlock check``, a ``worker`` that refuses to start, ...)."""
+    tests = str(Path(__file__).resolve().parent)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")}
+    env.update({ENV_CONF: json.dumps(conf), "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    p for p in (tests, os.environ.get("PYTHONPATH")) if p)})
+    return subprocess.run([sys.executable, "-m", "celery", "-A", "config_app", *args],
+                          env=env, cwd=tests, capture_output=True, text=True,
+                          timeout=timeout, check=False)

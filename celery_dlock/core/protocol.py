@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from .errors import Holder
 from .holds import HoldInfo
 from .rates import Rate, RateDecision, RateState
+from .store_check import Problem
 
 __all__ = [
     "GONE",
@@ -174,6 +175,12 @@ class Backend(Protocol):
 
     def storage_key(self, prefix: str, name: str) -> str:
         """Where the server keeps the hold of ``name`` (shown to operators)."""
+        ...
+
+    def check(self, prefix: str) -> list[Problem]:
+        """Whether the store can keep locks under ``prefix``: one problem each (none:
+        usable); :class:`BackendUnavailable` when it does not answer
+        (:mod:`celery_dlock.core.store_check`)."""
         ...
 
     def force_release(self, prefix: str, name: str, *, fence: int | None = None,

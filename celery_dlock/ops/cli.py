@@ -41,6 +41,7 @@ from celery import current_app
 from ..core.errors import LockKeyConflict
 from ..core.holds import HoldInfo
 from .audit import record_release, released_by
+from .check import check
 from .formatting import (
     QUEUED_FIELDS,
     cell_text,
@@ -293,3 +294,4 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
 
 
 dlock.add_command(top)
+dlock.add_command(check)

@@ -224,8 +224,9 @@ def check_conf(conf: Any) -> None:
     record = conf_value(conf, "dlock_record_events")
     if record is not None:
         check_bool("app.conf.dlock_record_events", record)
-    if conf_value(conf, "dlock_enabled") is not None:
-        check_bool("app.conf.dlock_enabled", conf_value(conf, "dlock_enabled"))
+    for flag in ("dlock_enabled", "dlock_check_at_start"):
+        if conf_value(conf, flag) is not None:
+            check_bool(f"app.conf.{flag}", conf_value(conf, flag))
     factory = conf_value(conf, "dlock_client")
     if conf_value(conf, "dlock_enabled") is False and factory is None and \
             conf_value(conf, "dlock_url") is None:

@@ -230,6 +230,8 @@ OTHER_CONF = {
     "dlock_record_events": "keep a history of contention for celery dlock top",
     "dlock_enabled": "False makes every lock and queue marker a no-op (tests, local "
                      "runs)",
+    "dlock_check_at_start": "False: a worker does not check the lock store when it "
+                            "starts (celery dlock check still does)",
 }
 #: Every ``app.conf.dlock_*`` key celery-dlock reads.
 CONF_KEYS: frozenset[str] = frozenset(s.conf for s in SETTINGS.values()) | \

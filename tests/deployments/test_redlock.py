@@ -400,3 +400,20 @@ def test_a_contended_redlock_names_its_holder_without_a_fence(trio):
         assert b.last_holder.fence is None  # one node's counter is no fencing token
     finally:
         a.release()
+
+
+def test_check_reports_a_node_down_as_passing_and_no_quorum_as_unavailable(trio):
+    """``celery dlock check`` and a worker's start on a Redlock: one node down is a
+    problem that may pass (the quorum works: a worker starts), two of three down is a
+    store that does not answer."""
+    from celery_dlock.backends.redis.redlock.backend import RedlockBackend
+
+    backend = RedlockBackend(trio.clients(socket_timeout=1, socket_connect_timeout=1))
+    assert backend.check("chk") == []
+    trio.servers[2].kill(signal.SIGKILL)
+    (problem,) = backend.check("chk")
+    assert problem.text.startswith("Redlock node 3 of 3 does not answer")
+    assert problem.lasting is False
+    trio.servers[1].kill(signal.SIGKILL)
+    with pytest.raises(BackendUnavailable, match="no quorum"):
+        backend.check("chk")

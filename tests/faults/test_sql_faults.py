@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import config_app
 import pytest
 from dlock_helpers import wait_until
 from proxy import FaultProxy
@@ -231,6 +232,30 @@ def test_a_user_without_create_is_told_the_grants_it_needs(db):
         other = lock_from_url(limited, name, ttl=5, owner="other")
         assert other.acquire(timeout=0.5) is False
         assert other.waiting_count() == 0
+
+
+def test_a_user_without_its_grants_is_found_by_the_check_and_at_worker_start(own):
+    """``celery dlock check`` and a worker's start take the probe lock as a task
+    would: a user without the grants is told which, before any task runs."""
+    limited = own.limited() + "?dlock_table=made_for_you"
+    conf = {"dlock_url": limited, "broker_url": "memory://"}
+    checked = config_app.run(conf, "dlock", "check")
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    assert "GRANT SELECT, INSERT, UPDATE ON made_for_you" in checked.stderr
+    assert "pw-limited" not in checked.stdout + checked.stderr
+    store = "PostgreSQL" if own.kind == "postgres" else "MySQL"
+    assert all(line.startswith(f"{store} at ")
+               for line in checked.stderr.strip().splitlines()), checked.stderr
+    refused = config_app.run(conf, "worker", "--pool=solo", "--without-gossip",
+                             "--without-mingle", "--without-heartbeat")
+    assert refused.returncode != 0 and "ready." not in refused.stdout + refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"celery-dlock: the {own.kind} lock store: "), last
+    assert "GRANT SELECT, INSERT, UPDATE ON made_for_you" in last
+    # The same store, its administrator's URL: usable.
+    fine = config_app.run({**conf, "dlock_url": own.url}, "dlock", "check")
+    assert fine.returncode == 0, fine.stderr
+    assert fine.stdout.startswith(f"ok: the {store} at ")
 
 
 def test_many_holds_are_renewed_in_one_statement_per_interval(own):

@@ -192,3 +192,44 @@ def test_a_long_name_is_listed_shown_and_released_by_itself(sql_url):
                 lock.release()
             except Exception:
                 pass
+
+
+# -- celery dlock check ----------------------------------------------------------------
+
+@pytest.fixture(params=["redis", "zookeeper"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """A Redis or ZooKeeper URL of the suite's (the SQL stores' check is in
+    tests/faults/test_sql_faults.py, with a user lacking its grants)."""
+    if request.param == "zookeeper":
+        pytest.importorskip("kazoo", reason="kazoo is not installed")
+        return str(request.getfixturevalue("zk_server").url)
+    return str(request.getfixturevalue("redis_url"))
+
+
+def test_check_says_a_usable_store_is_usable(store_url):
+    out = _dlock(store_url, "check")
+    assert out.returncode == 0, out.stderr
+    store = "ZooKeeper" if store_url.startswith("zookeeper") else "Redis"
+    assert out.stdout.startswith(f"ok: the {store} at "), out.stdout
+
+
+def test_check_names_what_keeps_a_redis_from_keeping_locks(own_server):
+    import redis
+
+    server = redis.Redis.from_url(own_server.url)
+    server.config_set("maxmemory", 100 * 1024 * 1024)
+    server.config_set("maxmemory-policy", "volatile-lru")
+    out = _dlock(own_server.url, "check")
+    assert out.returncode == 1, out.stdout + out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("Redis at ") and "maxmemory-policy volatile-lru" in line
+    server.config_set("maxmemory-policy", "noeviction")
+    assert _dlock(own_server.url, "check").returncode == 0
+    server.close()
+
+
+def test_check_of_a_store_that_does_not_answer_is_one_line():
+    out = _dlock("redis://:secret@127.0.0.1:1/0", "check")
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("cannot reach Redis at redis://:**@127.0.0.1:1/0"), line

@@ -12,11 +12,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery_helpers import QUICK_POLLING, close_app, test_app, test_conf
 from config_app import ENV_CONF, ENV_OPTIONS
 from dlock_helpers import wait_until
@@ -149,3 +151,55 @@ def test_broker_from_the_environment_in_a_worker(redis_url, r, prefix):
         close_app(client)
     assert wait_until(lambda: worker.returncode is not None, timeout=5)
 
+
+
+# -- the lock store itself, checked at start (celery dlock check's checks) -------------
+
+def _started(conf: dict[str, Any], timeout: float = 60) -> str:
+    """Start a worker with ``conf``, wait until it is ready, stop it: its output."""
+    worker = subprocess.Popen(_worker_args(f"q-{uuid.uuid4().hex[:8]}"),
+                              env=_env(conf), cwd=TESTS_DIR, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    assert worker.stdout is not None
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + timeout
+        for line in worker.stdout:
+            seen.append(line)
+            if "ready." in line or time.monotonic() > deadline:
+                break
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, 9)
+            worker.wait(timeout=30)
+        worker.stdout.close()
+    output = "".join(seen)
+    assert "ready." in output, output
+    return output
+
+
+def test_a_store_that_may_evict_locks_stops_the_worker(own_server, redis_url):
+    own = redis.Redis.from_url(own_server.url)
+    own.config_set("maxmemory", 100 * 1024 * 1024)
+    own.config_set("maxmemory-policy", "allkeys-lru")
+    conf = {**_base_conf(redis_url), "dlock_url": own_server.url}
+    proc = _refused(conf)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("celery-dlock: the redis lock store: "), last
+    assert "maxmemory-policy allkeys-lru" in last and "noeviction" in last
+    # the check can be left to celery dlock check
+    assert "ready." in _started({**conf, "dlock_check_at_start": False})
+    own.config_set("maxmemory-policy", "noeviction")
+    assert "ready." in _started(conf)
+
+
+def test_a_store_that_does_not_answer_at_start_lets_the_worker_start(redis_url):
+    """Down for a moment is not a configuration error: the worker starts, says so,
+    and its locked tasks fail closed until the store answers."""
+    conf = {**_base_conf(redis_url), "dlock_url": "redis://127.0.0.1:1/0"}
+    output = _started(conf)
+    assert "the lock store does not answer" in output, output

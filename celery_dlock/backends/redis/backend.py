@@ -6,13 +6,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ...core.errors import BackendUnavailable
 from ...core.holds import HoldInfo
+from ...core.store_check import Problem, probe
 from .inspect import force_release, get_lock, iter_locks, release_matching, waiting_counts
 from .keyspace import LockKeys
 from .lock import RedisLock
 from .markers import RedisMarkers
 from .rate import RedisRates
 from .semaphore import RedisSemaphore
+from .server_checks import server_problems
 
 __all__ = ["RedisBackend"]
 
@@ -62,6 +68,15 @@ class RedisBackend:
             return HoldInfo.matched(name, conditions) if freed else None
         return force_release(self.client, prefix, name, fence=fence, by=by,
                              reason=reason)
+
+    def check(self, prefix: str) -> list[Problem]:
+        """The server's version and eviction policy (every master of a cluster),
+        then the probe lock (:mod:`celery_dlock.core.store_check`)."""
+        try:
+            problems = server_problems(self.client)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise BackendUnavailable(f"Redis unavailable: {exc}") from exc
+        return problems + probe(self, prefix)
 
     def markers(self) -> RedisMarkers:
         """The queue markers of enqueue-time uniqueness, on the same Redis."""

@@ -15,11 +15,15 @@ import threading
 import weakref
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
+from ...core.store_check import Problem
 from .cluster import node_clients
 
-__all__ = ["check_server"]
+__all__ = ["OLDEST", "check_server", "server_problems"]
+
+#: The oldest Redis (or Valkey) the scripts run on.
+OLDEST = (6, 2)
 
 logger = logging.getLogger("celery_dlock.server")
 
@@ -49,25 +53,77 @@ def check_server(client: Any) -> None:
         _check_one(server)
 
 
-def _check_one(client: Any) -> None:
-    try:
-        info = client.info("memory")
-    except (RedisError, AttributeError, TypeError) as exc:
-        logger.debug("could not read the server's memory settings: %s", exc)
-        return
+def _eviction(info: Any) -> str | None:
+    """The eviction problem ``INFO memory`` shows, as a sentence (None: none)."""
     if not isinstance(info, dict):
-        return
+        return None
     policy = str(info.get("maxmemory_policy", "noeviction"))
     try:
         maxmemory = int(info.get("maxmemory", 0) or 0)
     except (TypeError, ValueError):
         maxmemory = 0
     if maxmemory > 0 and policy != "noeviction":
-        logger.warning(
-            "Redis may evict lock keys: maxmemory is %d bytes with maxmemory-policy %s. "
-            "An evicted lock can have two holders and an evicted fence counter goes "
-            "backwards: set maxmemory-policy noeviction on the server that holds locks",
-            maxmemory, policy)
+        return (f"Redis may evict lock keys: maxmemory is {maxmemory} bytes with "
+                f"maxmemory-policy {policy}. An evicted lock can have two holders and an "
+                f"evicted fence counter goes backwards: set maxmemory-policy noeviction "
+                f"on the server that holds locks")
+    return None
+
+
+def _check_one(client: Any) -> None:
+    try:
+        info = client.info("memory")
+    except (RedisError, AttributeError, TypeError) as exc:
+        logger.debug("could not read the server's memory settings: %s", exc)
+        return
+    problem = _eviction(info)
+    if problem is not None:
+        logger.warning("%s", problem)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+
+def server_problems(client: Any) -> list[Problem]:
+    """What keeps each master of ``client`` from keeping locks as documented: a
+    version older than :data:`OLDEST`, an evicting memory policy (one line each).
+    Raises redis-py's connection errors when a server does not answer."""
+    _first_time(client)  # said here: the probe's first lock need not warn again
+    problems: list[str] = []
+    servers = list(node_clients(client))
+    for server in servers:
+        # each master of a cluster by its address; one server needs no name
+        where = _where(server) + ": " if len(servers) > 1 else ""
+        try:
+            info = server.info("server")
+        except ResponseError as exc:  # refused (an ACL without INFO), not unreachable
+            problems.append(f"{where}the server's version and eviction policy cannot "
+                            f"be read ({exc})")
+            continue
+        version = str(info.get("redis_version", "")) if isinstance(info, dict) else ""
+        if version and _version(version) < OLDEST:
+            problems.append(f"{where}Redis {version} is older than "
+                            f"{'.'.join(map(str, OLDEST))}, the oldest server the "
+                            f"lock's scripts run on")
+        try:
+            memory = server.info("memory")
+        except ResponseError as exc:  # refused: say what was not checked
+            problems.append(f"{where}the eviction policy cannot be read ({exc})")
+            continue
+        eviction = _eviction(memory)
+        if eviction is not None:
+            problems.append(f"{where}{eviction}")
+    return [Problem(text) for text in problems]
+
+
+def _where(client: Any) -> str:
+    """A server's address for a problem line (never its password)."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    if "path" in kwargs:
+        return f"Redis at {kwargs['path']}"
+    host, port = kwargs.get("host"), kwargs.get("port")
+    return f"Redis at {host}:{port}" if host else "Redis"
 
 
 def _after_fork_in_child() -> None:

@@ -13,6 +13,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
+from ...core.store_check import Problem, probe
 from .lease import LeaseLock
 
 __all__ = ["LeaseBackend"]
@@ -66,6 +67,11 @@ class LeaseBackend(Generic[S, L]):
 
     def storage_key(self, prefix: str, name: str) -> str:
         return f"{self.server.table_name}[{prefix}, {name}]"
+
+    def check(self, prefix: str) -> list[Problem]:
+        """The probe lock: a table it cannot create or use, a missing grant, a server
+        that refuses show there, in the dialect's words."""
+        return probe(self, prefix)
 
     @staticmethod
     def _not_freed(name: str, found: HoldInfo, fence: int | None) -> None:

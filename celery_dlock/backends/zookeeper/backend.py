@@ -10,6 +10,7 @@ from kazoo.exceptions import NoNodeError
 
 from ...core.errors import DLockError, InvalidLockConfig, LockKeyConflict
 from ...core.holds import HoldChanged, HoldInfo
+from ...core.store_check import Problem, probe
 from .lock import ZooKeeperLock
 from .nodes import (
     DIR_MARK,
@@ -126,6 +127,11 @@ class ZooKeeperBackend:
     def storage_key(self, prefix: str, name: str) -> str:
         """The lock node of ``name`` (under the URL's chroot, if any)."""
         return self.spec.chroot + lock_path(prefix, name)
+
+    def check(self, prefix: str) -> list[Problem]:
+        """The probe lock: a prefix node another application owns, an ACL that
+        refuses this user, show there."""
+        return probe(self, prefix)
 
     def force_release(self, prefix: str, name: str, *, fence: int | None = None,
                       by: str | None = None, reason: str | None = None,

@@ -7,10 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ....core.errors import InvalidLockConfig, NotSupported
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ....core.errors import BackendUnavailable, InvalidLockConfig, NotSupported
 from ....core.holds import HoldInfo
+from ....core.store_check import Problem, probe
 from ..inspect import release_matching
 from ..keyspace import LockKeys
+from ..server_checks import server_problems
 from .lock import RedlockLock
 from .nodes import check_nodes
 
@@ -59,6 +64,25 @@ class RedlockBackend:
                         worker=holder.worker, pid=holder.pid, owner=holder.owner,
                         count=holder.count, fence=None, ttl=holder.ttl,
                         held_for=holder.age, host=holder.info.get("host"))
+
+    def check(self, prefix: str) -> list[Problem]:
+        """Each node's version and eviction policy, then the probe lock on the quorum.
+        A node that does not answer is a problem that may pass (the quorum works
+        without it); fewer answering nodes than a quorum is an unavailable store."""
+        problems: list[Problem] = []
+        down = 0
+        for i, client in enumerate(self.clients, 1):
+            try:
+                problems += [Problem(f"Redlock node {i} of {len(self.clients)}: {p}",
+                                     p.lasting) for p in server_problems(client)]
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                down += 1
+                problems.append(Problem(f"Redlock node {i} of {len(self.clients)} does "
+                                        f"not answer: {exc}", lasting=False))
+        if len(self.clients) - down < len(self.clients) // 2 + 1:
+            raise BackendUnavailable(f"{down} of {len(self.clients)} Redlock nodes do "
+                                     f"not answer: no quorum")
+        return problems + probe(self, prefix)
 
     def _unsupported(self, what: str) -> NotSupported:
         return NotSupported(
