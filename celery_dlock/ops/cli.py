@@ -37,8 +37,9 @@ from urllib.parse import unquote
 
 import click
 from celery import current_app
+from redis.exceptions import RedisError
 
-from ..core.errors import LockKeyConflict
+from ..core.errors import DLockError, LockKeyConflict
 from ..core.holds import HoldInfo
 from .audit import record_release, released_by
 from .check import check
@@ -80,17 +81,21 @@ LS_FIELDS = (*SUMMARY_FIELDS, *QUEUED_FIELDS, "rate")
 def _lock_name(backend: Any, prefix: str, text: str) -> str:
     """The lock name ``text`` stands for: itself, or the name whose storage key it is
     (``dlock:{report:2026-11-02}``, as ``show`` prints it, as a log may name it), when
-    it is one and that name is held."""
-    if backend.read(prefix, text) is not None:
-        return text
-    head, _, tail = backend.storage_key(prefix, "probe").rpartition("probe")
-    if len(text) > len(head) + len(tail) and text.startswith(head) and \
-            text.endswith(tail):
-        inner = text[len(head):len(text) - len(tail)]
-        # as written, or percent-encoded (a ZooKeeper node's segment)
-        for name in dict.fromkeys((inner, unquote(inner))):
-            if backend.read(prefix, name) is not None:
-                return name
+    it is one and that name is held.  Whatever a read runs into (another
+    application's data at the name, a store down) is left to the command to say."""
+    try:
+        if backend.read(prefix, text) is not None:
+            return text
+        head, _, tail = backend.storage_key(prefix, "probe").rpartition("probe")
+        if len(text) > len(head) + len(tail) and text.startswith(head) and \
+                text.endswith(tail):
+            inner = text[len(head):len(text) - len(tail)]
+            # as written, or percent-encoded (a ZooKeeper node's segment)
+            for name in dict.fromkeys((inner, unquote(inner))):
+                if backend.read(prefix, name) is not None:
+                    return name
+    except (DLockError, RedisError):
+        pass
     return text
 
 
