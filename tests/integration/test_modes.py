@@ -335,11 +335,14 @@ def _canvas(h: Harness, kind: str, key: str, policy: str) -> tuple[Any, Any]:
                      ).apply_async(), "body"
     if kind == "chord_body":  # the body, sent by the result store, is the duplicate
         return chord([m.si(f"{key}-head", 0.0, "head")], dup("b")).apply_async(), got
+    if kind == "chain_link":  # a later link, sent by the worker: the duplicate
+        return chain(m.si(f"{key}-head", 0.0, "head"), dup("b")).apply_async(), got
     return chain(dup("b"), m.si(f"{key}-tail", 0.0, "tail")).apply_async(), "tail"
 
 
 @pytest.mark.parametrize("policy", ("return_existing", "drop", "raise"))
-@pytest.mark.parametrize("kind", ("group", "chord", "chord_body", "chain"))
+@pytest.mark.parametrize("kind", ("group", "chord", "chord_body", "chain",
+                                  "chain_link"))
 def test_a_canvas_with_a_duplicate_member_completes(harness: Harness, kind: str,
                                                     policy: str) -> None:
     """x of a name is running; a group, a chord or a chain with members of that name
