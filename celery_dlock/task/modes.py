@@ -192,9 +192,11 @@ def _replaced(app: Any, task: Any, store: MarkerStore, prefix: str, lock_name: s
                        "confirmed (if %s starts first, it runs and %s does not): %s",
                        task.name, new, old, old, new, exc)
         return
-    if not stands:  # ``old`` started first and took the replace back
-        logger.info("Task %s[%s] does not replace %s, which started first: %s never "
-                    "runs (superseded)", task.name, new, old, new)
+    if not stands:  # ``old`` started first and took it back, or a later call
+        # replaced this one (whose confirm or take-back decides for ``old``)
+        logger.info("Task %s[%s] does not replace %s (it started first, or a later "
+                    "call replaced %s): %s never runs (superseded)", task.name, new,
+                    old, new, new)
         return
     signals.send(signals.lock_duplicate, task, lock_name, task_id=new, existing=old,
                  mode=mode, policy="replace")
