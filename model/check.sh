@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Check the lock protocol model (dlock.pml) with spin: the model as implemented must
-# hold every property, assertions and invalid end states (deadlocks) both: pan runs
-# without -E; each mutant must break one (so the properties are not vacuous).
+# Check the lock protocol model (dlock.pml) and the marker protocol model (markers.pml,
+# enqueue-time uniqueness) with spin: each model as implemented must hold every
+# property, assertions and invalid end states (deadlocks) both: pan runs without -E;
+# each mutant must break one (so the properties are not vacuous).
 #
 # Search: bitstate (supertrace), 2^BITS bits, a search for counterexamples rather than
 # a proof: the exhaustive state space of the model does not fit this machine (see
@@ -13,15 +14,16 @@ BITS=${1:-26}
 MUTANT_BITS=24
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cp dlock.pml "$work/"
+cp dlock.pml markers.pml "$work/"
 cd "$work"
 status=0
+MODEL=dlock.pml
 
 run() {  # run NAME BITS FLAGS... ; prints the verdict line, sets $errors
   local name=$1 bits=$2
   shift 2
   rm -f pan pan.* ./*.trail
-  spin "$@" -a dlock.pml >/dev/null
+  spin "$@" -a "$MODEL" >/dev/null
   gcc -O2 -DSAFETY -DBITSTATE -w -o pan pan.c
   ./pan -m2000 -w"$bits" -h"${PAN_SEED:-0}" > out.txt 2>&1 || true
   errors=$(sed -n 's/.*errors: \([0-9]*\).*/\1/p' out.txt | tail -1)
@@ -76,4 +78,37 @@ expect_fail "renewal without a timeout (deadlock)" "$MUTANT_BITS" -DNO_RENEW_TIM
 expect_fail "re-entry takes a new hold after force release" "$MUTANT_BITS" -DOLD_REENTRY -DFORCE
 expect_fail "re-entry takes a new hold after data loss" "$MUTANT_BITS" -DOLD_REENTRY -DDATA_LOSS
 expect_fail "fence = counter + 1 (repeats after data loss)" "$MUTANT_BITS" -DOLD_FENCE -DDATA_LOSS
+
+MODEL=markers.pml
+echo "-- the marker protocol as implemented (must hold)"
+expect_pass "until_finished: an id sent again, retries" "$BITS" -DMODE=UF -DSAME_ID
+expect_pass "until_finished, replace: worker restart" "$BITS" -DMODE=UF -DREPLACE -DRESTART
+expect_pass "until_finished, replace: rate parks" "$BITS" -DMODE=UF -DREPLACE -DPARK
+expect_pass "until_started, replace: worker restart" "$BITS" -DMODE=US -DREPLACE -DRESTART
+expect_pass "until_started, replace: rate parks" "$BITS" -DMODE=US -DREPLACE -DPARK
+expect_pass "throttle: rate parks, retries" "$BITS" -DMODE=TH -DPARK
+echo "-- marker mutants (each must produce a counterexample)"
+expect_fail "a second send of an id is 'ours' (1)" "$MUTANT_BITS" -DMODE=UF -DSAME_ID \
+  -DSAME_ID_OURS
+expect_fail "the claim always answers 'ours' (1)" "$MUTANT_BITS" -DMODE=UF -DALWAYS_OURS
+expect_fail "replaced ids kept as long as the new marker (2)" "$MUTANT_BITS" -DMODE=UF \
+  -DREPLACE -DRESTART -DSHORT_RECORD
+expect_fail "a failed replace still revokes (3)" "$MUTANT_BITS" -DMODE=UF -DREPLACE \
+  -DFAIL_REVOKES
+expect_fail "a started call's retry superseded (4)" "$MUTANT_BITS" -DMODE=US \
+  -DRETRY_SUPERSEDED
+expect_fail "a re-queue restarts the throttle window (5)" "$MUTANT_BITS" -DMODE=TH -DPARK \
+  -DWINDOW_RESTART
+expect_fail "a canvas duplicate's id gets no outcome (6)" "$MUTANT_BITS" -DMODE=UF -DSAME_ID \
+  -DNO_FORWARD
+expect_fail "a replace replaces a started call's retry" "$MUTANT_BITS" -DMODE=UF -DREPLACE \
+  -DREPLACE_STARTED
+expect_fail "a confirm with no record revokes anyway" "$MUTANT_BITS" -DMODE=US -DREPLACE \
+  -DPARK -DCONFIRM_BLIND
+echo "-- the code as it stands where the model differs (counterexamples; docs/protocol.md)"
+expect_fail "a replaced call's re-queue outlives its record" "$MUTANT_BITS" -DMODE=UF \
+  -DREPLACE -DPARK -DREQUEUE_REPLACED
+expect_fail "a replace of a pending replace" "$MUTANT_BITS" -DMODE=UF -DREPLACE -DCHAIN
+expect_fail "until_started: an id sent again during its retry" "$MUTANT_BITS" -DMODE=US \
+  -DSAME_ID
 exit $status

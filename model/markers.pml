@@ -1,0 +1,691 @@
+/*
+ * celery-dlock's marker protocol (enqueue-time uniqueness: lock_mode, on_duplicate),
+ * checked with spin.  The code: celery_dlock/task/modes.py (the send),
+ * task/markers.py (the record a message carries), task/handover.py (start and end on
+ * the worker), task/locked_task.py and task/rate.py (contention, parks, retries),
+ * backends/redis/marker_scripts.py (CLAIM, CONFIRM, UNDO, HAND_OVER, CLEAR).  See
+ * docs/protocol.md, "The marker protocol", for the prose and what is left out.
+ *
+ * NS sends of one lock name, each a process (its caller), each with a task id (two
+ * sends may share one: -DSAME_ID), a countdown (0 or CD ticks), and maybe a member of
+ * a group, chord or chain.  A send claims the marker (one atomic CLAIM), publishes its
+ * message (one publish in a run may fail: a serializer's refusal, the broker down),
+ * then confirms its replace (CONFIRM, then the revoke of the call it replaced) or
+ * takes its claim back (UNDO).  No time passes from a send's claim to its end (a
+ * publish takes milliseconds), but every other process may step in between.  Two
+ * workers take messages whose eta has come, in any order: a revoked id is discarded
+ * (revokes live in worker memory, which a worker restart loses: -DRESTART); the
+ * runtime lock (an ideal mutex here: dlock.pml checks it) is taken, or the call is
+ * re-queued (a contention retry) or gives up; with the lock held the rate may park it
+ * (-DPARK: the lock released, the call re-queued); the hand-over (one atomic
+ * HAND_OVER) removes the marker, confirms or takes back a pending replace, or finds
+ * the call superseded; the body runs and may retry (self.retry).  Every re-queue is a
+ * message that carries its own marker record (CLAIM with requeue) and is published
+ * before the attempt releases its lock.  Time is a tick counter; markers and replaced
+ * ids expire; a queued call starts before its marker expires (the assumption of every
+ * mode but throttle: a call starts within lock_queue_ttl after its eta).
+ *
+ * Modes (-DMODE=...): UF until_finished, US until_started (queued_and_running is the
+ * same protocol at the marker: the claim does not count a running holder), TH
+ * throttle.  -DREPLACE: on_duplicate="replace" (else return_existing: raise and drop
+ * differ from it only in what the caller is handed).
+ *
+ * Properties (assertions):
+ *   P1 (UF) at most one call per name is queued or running: a body starts only when
+ *      every other call whose body ran had ended before this call was accepted;
+ *   P2 a replaced call never runs;
+ *   P3 no accepted call is lost: at the end every send ran to its end, or its caller
+ *      was told (a duplicate, the publish error, its contention retries ran out), or
+ *      it was superseded by a call that was published (so a failed replace replaces
+ *      nothing);
+ *   P4 a task id is never published twice while a call of it is queued or running
+ *      (only the call's own re-queue publishes it again);
+ *   P5 (TH) the window counts from the accepted enqueue: a send is a duplicate only
+ *      within TTL of the last claim, and claims only after that;
+ *   P6 a call that started is never superseded nor replaced (its retry runs).
+ *
+ * Mutants (each must produce a counterexample): the defects of issue 31, items 1-6,
+ * and of the code on its way to the fix:
+ *   SAME_ID_OURS      the claim answers "ours" to a second send of the same task id (1)
+ *   ALWAYS_OURS       the claim answers "ours" to every send (1)
+ *   SHORT_RECORD      a replaced id is kept only as long as the new marker (2)
+ *   FAIL_REVOKES      a replace whose publish failed still revokes the queued call (3)
+ *   RETRY_SUPERSEDED  the retry of a started call claims, and is superseded when
+ *                     another call holds the marker (4)
+ *   WINDOW_RESTART    a throttle call's re-queue restarts its window (5)
+ *   NO_FORWARD        a duplicate member of a group, chord or chain: its own id never
+ *                     gets an outcome (6)
+ *   REPLACE_STARTED   a replace may replace a started call's re-queued retry
+ *   CONFIRM_BLIND     a confirm that finds no record of its replace revokes anyway
+ *                     (also a call that took the replace back and runs)
+ * Behaviour of the code as it stands that the model shows wrong (each must produce a
+ * counterexample until the code and the model change together; docs/protocol.md):
+ *   REQUEUE_REPLACED  a replaced call's re-queue (a contention retry, a park) outlives
+ *                     the record of it (the model's CLAIM extends the record)
+ *   CHAIN             a replace may replace a replace whose publish is pending; when
+ *                     the later publish fails, the earlier replace, published, never
+ *                     runs (the model answers "queued" to such a replace)
+ *   (-DMODE=US -DSAME_ID) a started call's retry in until_started claims nothing, so a
+ *                     second send of its task id is published while the retry is queued
+ */
+
+#define UF 1
+#define US 2
+#define TH 3
+#ifndef MODE
+#define MODE UF
+#endif
+#ifndef NS
+#define NS 3              /* sends */
+#endif
+#ifndef QTTL
+#define QTTL 2            /* lock_queue_ttl, in ticks */
+#endif
+#ifndef TTL
+#define TTL 3             /* throttle's window (lock_ttl) */
+#endif
+#ifndef CD
+#define CD 2              /* a countdown: a send's is 0 or CD */
+#endif
+#define RCD 1             /* a re-queue's countdown */
+#ifndef SEND_BY
+#define SEND_BY 4         /* sends happen at ticks 0 .. SEND_BY */
+#endif
+#ifndef REQUEUES
+#define REQUEUES 2        /* re-queues in a run (parks, contention retries, retries) */
+#endif
+#define NM 4              /* message slots in the broker */
+#define NW 2              /* workers */
+#define FAR 255           /* no bound */
+
+/* claim replies, as the script's */
+#define CLAIMED 0
+#define OURS 1
+#define QUEUED 2
+#define RUNNING 3
+#define REPLACED 4
+
+/* a send's outcome (ghost) */
+#define NONE 0
+#define RAN 1             /* its body ran to its end */
+#define DUP 2             /* its caller was told: a duplicate */
+#define ERR 3             /* its caller got the publish error */
+#define SUP 4             /* superseded (revoked or found replaced at its start) */
+#define GAVE_UP 5         /* its contention retries ran out: LockNotAcquired */
+
+#define BIT(i) (1 << (i))
+#define ID(k) id_of[k]
+
+byte now = 0;
+byte id_of[NS + 1];
+byte cd_of[NS + 1];
+bool member[NS + 1];     /* a member of a group, chord or chain */
+
+/* -- the server ---------------------------------------------------------------- */
+byte m_k = 0;            /* P:{N}:m: the send whose task id it holds (0: none) */
+byte m_exp = 0;          /* its expiry */
+bool m_st = false;       /* it is the retry of a started call (until_finished) */
+byte r_until[NS + 1];    /* P:{N}:mr: per task id, replaced until then (0: not) */
+byte rec_pend = 0;       /* P:{N}:mc: a replace whose publish is not confirmed yet, */
+byte rec_pold = 0;       /*   the call it replaced (the first of a chain of them), */
+byte rec_pdl = 0;        /*   that call's marker's expiry, */
+byte rec_conf = 0;       /*   the last replace confirmed, */
+byte rec_back = 0;       /*   the last replace taken back by the replaced call's start, */
+byte rec_op = 0;         /*   and the send whose claim wrote it last (its op) */
+byte l_k = 0;            /* the runtime lock's holder (a send), 0 free */
+
+/* -- the broker, and the workers' revoke memory -------------------------------- */
+byte q_k[NM];            /* the send a message is a call of (0: empty slot) */
+byte q_eta[NM];
+byte q_dl[NM];           /* by then the call starts: its marker's expiry (FAR: none) */
+bool q_st[NM];           /* the message is the retry of a started call */
+byte w_rev = 0;          /* revoked task ids, in worker memory */
+byte w_dl[NW];           /* a worker between taking a message and its hand-over */
+bool w_busy[NW];
+byte requeues = 0;
+byte sent = 0;           /* sends that have finished */
+byte publishing = 0;     /* sends between their claim and their end */
+bool fail_budget = true; /* one publish may fail */
+
+/* -- ghosts, for the properties only --------------------------------------------- */
+byte out[NS + 1];
+byte sup_by[NS + 1];     /* the send that superseded it */
+byte rep_by[NS + 1];     /* the send that replaced it (0: none, or taken back) */
+bool pub[NS + 1];        /* accepted: its message was published */
+bool replaced[NS + 1];   /* replaced for good: it must never run */
+bool started[NS + 1];    /* its body started (at least once) */
+byte acc_ev[NS + 1];
+byte end_ev[NS + 1];
+byte ev = 0;
+byte win_t = FAR;        /* (TH) when the window of the last claimed call began */
+
+#define MARKER_LIVE (m_k != 0 && now < m_exp)
+#ifdef RETRY_SUPERSEDED
+#define BARE(st) false    /* the old code: every re-queue claims, every start is checked */
+#define CHECKED(st) true
+#else
+#define BARE(st) (st && MODE != UF)  /* a started call's retry claims nothing here */
+#define CHECKED(st) (!st)            /* a started call's retry is never superseded */
+#endif
+#define IS_REPLACED(k) (r_until[ID(k)] > now)
+
+/* a message into a free slot (there always is one: NS sends, REQUEUES re-queues,
+ * a message leaves its slot when a worker takes it) */
+inline put(k, eta, dl, st) {
+  if
+  :: q_k[0] == 0 -> q_k[0] = k; q_eta[0] = eta; q_dl[0] = dl; q_st[0] = st
+  :: else -> if
+     :: q_k[1] == 0 -> q_k[1] = k; q_eta[1] = eta; q_dl[1] = dl; q_st[1] = st
+     :: else -> if
+        :: q_k[2] == 0 -> q_k[2] = k; q_eta[2] = eta; q_dl[2] = dl; q_st[2] = st
+        :: else -> assert(q_k[3] == 0);
+                   q_k[3] = k; q_eta[3] = eta; q_dl[3] = dl; q_st[3] = st
+        fi
+     fi
+  fi
+}
+
+inline expire() {
+  if
+  :: !MARKER_LIVE -> m_k = 0; m_st = false
+  :: else -> skip
+  fi
+}
+
+inline del_rec() {
+  rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0; rec_op = 0
+}
+
+/* a claim that writes the record: no replace pending, none confirmed or taken back */
+inline new_rec(k) { rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0;
+                    rec_op = k }
+
+/* the replaced set keeps a task id until then at least */
+inline remember(k, upto) {
+  if
+  :: r_until[ID(k)] < upto -> r_until[ID(k)] = upto
+  :: else -> skip
+  fi
+}
+
+/* CLEAR: remove the marker if it holds this task id */
+inline clear(k) {
+  expire();
+  if
+  :: m_k != 0 && ID(m_k) == ID(k) -> m_k = 0; m_st = false
+  :: else -> skip
+  fi
+}
+
+/* P4: no other call of this task id is queued or running */
+inline check_id_free(k) {
+  i = 1;
+  do
+  :: i > NS -> break
+  :: i <= NS ->
+     assert(i == k || ID(i) != ID(k) || !pub[i] || out[i] != NONE);
+     i++
+  od
+}
+
+/* CLAIM of a caller's send (not a re-queue): code, and the other send (0: none) */
+inline claim(k, code, other, ttl) {
+  expire();
+  other = 0;
+#ifdef ALWAYS_OURS
+  /* never a duplicate: "ours" over a marker, a claim without one */
+  if
+  :: m_k != 0 -> code = OURS; m_exp = now + ttl
+  :: m_k == 0 -> code = CLAIMED; m_k = k; m_exp = now + ttl; m_st = false; new_rec(k)
+  fi
+#else
+  if
+  :: m_k != 0 && ID(m_k) == ID(k) ->
+#ifdef SAME_ID_OURS
+     code = OURS; m_exp = now + ttl          /* "ours": the old script's answer */
+#else
+     code = QUEUED; other = m_k              /* a second send of a queued call */
+#endif
+  :: m_k == 0 && l_k != 0 && (MODE == UF || ID(l_k) == ID(k)) ->
+     code = RUNNING; other = l_k             /* running: its holder (or itself) */
+  :: m_k == 0 && (l_k == 0 || (MODE != UF && ID(l_k) != ID(k))) ->
+     code = CLAIMED; m_k = k; m_exp = now + ttl; m_st = false; new_rec(k)
+  :: m_k != 0 && ID(m_k) != ID(k) ->
+#ifdef REPLACE
+     if
+#ifndef REPLACE_STARTED
+     :: m_st -> code = QUEUED; other = m_k   /* a started call's retry: not replaced */
+#endif
+#ifndef CHAIN
+     :: rec_pend == m_k -> code = QUEUED; other = m_k  /* a replace not confirmed yet */
+#endif
+     :: else ->
+     /* pending until its publish is confirmed; the call it replaced is kept in the
+      * replaced set as long as its message could be delivered (its marker's time,
+      * and at least the new marker's) */
+     code = REPLACED; other = m_k;
+     if
+     :: rec_pend == m_k ->                   /* a chain: it keeps the first (if any) */
+        if
+        :: rec_pold != 0 -> rep_by[rec_pold] = k
+        :: else -> skip
+        fi
+     :: else -> rec_pold = m_k; rec_pdl = m_exp
+     fi;
+#ifdef SHORT_RECORD
+     r_until[ID(m_k)] = now + ttl;
+#else
+     if
+     :: m_exp > now + ttl -> remember(m_k, m_exp)
+     :: else -> remember(m_k, now + ttl)
+     fi;
+#endif
+     rep_by[m_k] = k;
+     m_k = k; m_exp = now + ttl; m_st = false;
+     rec_pend = k; rec_conf = 0; rec_back = 0; rec_op = k
+     fi
+#else
+     code = QUEUED; other = m_k
+#endif
+  fi
+#endif
+}
+
+/* A re-queue of send k (a rate park, a contention retry, a retry of a started call:
+ * a message carrying its own marker record), then its publish (assumed to succeed).
+ * In throttle, and for a started call's retry in until_started, it claims nothing. */
+inline requeue(k, st) {
+  atomic {
+    requeues++;
+    expire();
+#if MODE == TH
+#ifdef WINDOW_RESTART
+    /* the old code: the re-queue's claim moves the window to a full ttl from now */
+    if
+    :: m_k != 0 && ID(m_k) == ID(k) -> m_exp = now + TTL
+    :: m_k == 0 -> m_k = k; m_exp = now + TTL
+    :: else -> skip
+    fi;
+#endif
+    put(k, now + RCD, FAR, st)               /* claims nothing: the window counts on */
+#else
+    if
+    :: BARE(st) -> put(k, now + RCD, FAR, st)
+    :: else ->
+#ifndef REQUEUE_REPLACED
+       /* a replaced call (or one whose replace is pending) is re-queued as it is,
+        * and the record of it lasts as long as its new message could be delivered */
+       if
+       :: IS_REPLACED(k) && CHECKED(st) ->
+          remember(k, now + RCD + QTTL);
+          if
+          :: rec_pend != 0 && rec_pold == k && rec_pdl < now + RCD + QTTL ->
+             rec_pdl = now + RCD + QTTL        /* an undo gives it a marker that long */
+          :: else -> skip
+          fi;
+          put(k, now + RCD, now + RCD + QTTL, st);
+          goto requeued
+       :: else -> skip
+       fi;
+#endif
+       if
+       :: m_k != 0 && ID(m_k) == ID(k) ->
+          /* OURS: delivered, so its publish went through: its replace is confirmed */
+          if
+          :: rec_pend == k -> replaced[rec_pold] = true;
+                              rec_pend = 0; rec_pold = 0; rec_pdl = 0
+          :: else -> skip
+          fi;
+          m_exp = now + RCD + QTTL; m_st = m_st || st;
+          put(k, now + RCD, m_exp, st)
+       :: m_k != 0 && ID(m_k) != ID(k) -> put(k, now + RCD, FAR, st)  /* left alone */
+       :: m_k == 0 -> m_k = k; m_exp = now + RCD + QTTL; m_st = st;
+                      put(k, now + RCD, m_exp, st)
+       fi
+    fi
+#endif
+  }
+requeued:
+  skip
+}
+
+proctype Send(byte k) {
+  byte code, other, i, ttl, owin;
+  bool ok, stands;
+  /* its moment: any tick up to SEND_BY (the clock waits for it until then) */
+#if MODE == TH
+  ttl = TTL;
+#else
+  ttl = QTTL + cd_of[k];
+#endif
+  atomic {
+    publishing++;                    /* no time passes from its claim to its end */
+    owin = win_t;
+    claim(k, code, other, ttl);
+#if MODE == TH
+    if
+    :: code == CLAIMED ->
+       /* P5: a new window only when the last one has passed */
+       assert(win_t == FAR || now >= win_t + TTL);
+       win_t = now
+    :: else -> skip
+    fi;
+#endif
+    if
+    :: code == QUEUED || code == RUNNING ->
+#if MODE == TH
+       /* P5: a duplicate only within the window of the last claimed call */
+       assert(win_t != FAR && now < win_t + TTL);
+#endif
+#ifdef NO_FORWARD
+       if
+       :: member[k] -> skip                  /* its own id is never given an outcome */
+       :: else -> out[k] = DUP
+       fi
+#else
+       out[k] = DUP                          /* (a member: a follower takes its outcome) */
+#endif
+    :: else -> skip
+    fi
+  };
+  if
+  :: code == QUEUED || code == RUNNING -> goto done
+  :: else -> skip
+  fi;
+  /* publish */
+  atomic {
+    if
+    :: fail_budget -> fail_budget = false; ok = false
+    :: true -> ok = true
+    fi;
+    if
+    :: ok ->
+       check_id_free(k);                     /* P4 */
+#if MODE == TH
+       put(k, now + cd_of[k], FAR, false);
+#else
+       put(k, now + cd_of[k], now + ttl, false);
+#endif
+       pub[k] = true; ev++; acc_ev[k] = ev
+    :: else -> out[k] = ERR
+    fi
+  };
+  atomic {
+    if
+    :: ok && code == REPLACED ->
+       /* CONFIRM: the replace stands unless the call it replaced started first */
+       if
+       :: rec_conf == k -> stands = true     /* a re-send, or it started first */
+       :: rec_conf != k && rec_back == k -> stands = false   /* taken back */
+       :: rec_conf != k && rec_back != k && rec_pend != k ->
+#ifdef CONFIRM_BLIND
+          stands = true                      /* nothing known of it: revoke anyway */
+#else
+          stands = !IS_REPLACED(k)           /* unless it is replaced itself */
+#endif
+       :: rec_conf != k && rec_back != k && rec_pend == k ->
+          replaced[rec_pold] = true;
+          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = k; stands = true
+       fi;
+       if
+       :: stands -> replaced[other] = true; assert(!started[other]);
+                    w_rev = w_rev | BIT(ID(other))              /* revoke */
+       :: else -> skip
+       fi
+    :: !ok && (code == CLAIMED || code == REPLACED) ->
+#ifdef FAIL_REVOKES
+       if
+       :: code == REPLACED -> w_rev = w_rev | BIT(ID(other))  /* revoked all the same */
+       :: else -> skip
+       fi;
+#endif
+       /* UNDO: a replace gives the name back to the call it replaced; a claim goes */
+       expire();
+       if
+       :: rec_op == k ->
+          if
+          :: rec_pend == k && rec_pold != 0 ->
+             r_until[ID(rec_pold)] = 0; rep_by[rec_pold] = 0;
+             if
+             :: m_k == k && rec_pdl > now -> m_k = rec_pold; m_exp = rec_pdl; m_st = false
+             :: m_k == k && rec_pdl <= now -> m_k = 0
+             :: else -> skip
+             fi
+          :: else ->
+             if
+             :: m_k == k -> m_k = 0
+             :: else -> skip
+             fi
+          fi;
+          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = 0
+       :: rec_op != k && rec_pold == k -> rec_pold = 0; rec_pdl = 0
+       :: else -> skip
+       fi;
+       win_t = owin                          /* (TH: no window opened) */
+    :: else -> skip
+    fi
+  };
+done:
+  atomic { publishing--; sent++ }
+}
+
+/* A message taken: its call runs, or ends without running. */
+inline work(w, k, st) {
+  /* revoked: the worker discards it (task_revoked frees its marker) */
+  if
+  :: atomic { (w_rev & BIT(ID(k))) != 0 ->
+       w_dl[w] = FAR;
+#if MODE != TH
+       clear(k);
+#endif
+       assert(!started[k]);                  /* P6 */
+       out[k] = SUP; sup_by[k] = rep_by[k]; ev++; end_ev[k] = ev };
+     goto next
+  :: else -> skip
+  fi;
+  /* the runtime lock, or contention */
+  atomic {
+    if
+    :: l_k == 0 -> l_k = k; got = true
+    :: l_k != 0 && ID(l_k) != ID(k) -> got = false;
+       if
+       :: requeues < REQUEUES -> requeue(k, st)     /* a contention retry */
+       :: else ->
+#if MODE != TH
+          clear(k);                          /* free_marker: it ends without running */
+#endif
+          out[k] = GAVE_UP; ev++; end_ev[k] = ev
+       fi;
+       w_dl[w] = FAR
+    fi
+    /* held by an earlier attempt of this very call (a retry published before its
+     * release): it waits for it (_same_task_holder) */
+  };
+  if
+  :: !got -> goto next
+  :: else -> skip
+  fi;
+#ifdef PARK
+  /* over the rate (asked with the lock held): released, then parked */
+  if
+  :: atomic { requeues < REQUEUES -> l_k = 0; requeue(k, st); w_dl[w] = FAR }; goto next
+  :: true -> skip
+  fi;
+#endif
+#if MODE != TH
+  /* HAND_OVER (a started call's retry in until_started claimed nothing: no hand-over;
+   * in until_finished it is never superseded) */
+  atomic {
+    w_dl[w] = FAR;
+    sup = 0;
+    if
+    :: BARE(st) -> goto handed
+    :: else -> skip
+    fi;
+    expire();
+    if
+    :: rec_pend == k -> replaced[rec_pold] = true;      /* it started first: confirmed */
+                        rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = k
+    :: rec_pend != 0 && rec_pend != k && rec_pold == k && CHECKED(st) ->
+       /* replaced by a call whose publish is not confirmed: it takes the replace back
+        * and runs; the replacing call never does */
+       r_until[ID(k)] = 0; rep_by[k] = 0;
+       if
+       :: m_exp > now + 1 -> remember(rec_pend, m_exp)
+       :: else -> remember(rec_pend, now + 1)
+       fi;
+       rep_by[rec_pend] = k; replaced[rec_pend] = true;
+       if
+       :: m_k == rec_pend -> m_k = 0; m_st = false
+       :: else -> skip
+       fi;
+       rec_back = rec_pend; rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = 0;
+       goto handed
+    :: else -> skip
+    fi;
+    if
+    :: CHECKED(st) && IS_REPLACED(k) -> sup = rep_by[k]
+    :: else ->
+       if
+       :: m_k != 0 && ID(m_k) == ID(k) -> m_k = 0; m_st = false; del_rec()
+       :: m_k != 0 && ID(m_k) != ID(k) && CHECKED(st) -> sup = m_k
+       :: m_k != 0 && ID(m_k) != ID(k) && !CHECKED(st) -> skip
+       :: m_k == 0 -> skip
+       fi
+    fi;
+    if
+    :: sup != 0 -> assert(!started[k]);   /* P6 */
+                   l_k = 0; out[k] = SUP; sup_by[k] = sup; ev++; end_ev[k] = ev
+    :: else -> skip
+    fi;
+handed:
+    skip
+  };
+  if
+  :: sup != 0 -> goto next
+  :: else -> skip
+  fi;
+#else
+  w_dl[w] = FAR;
+#endif
+  /* the body starts */
+  atomic {
+    assert(!replaced[k]);                    /* P2 */
+#if MODE == UF
+    i = 1;                                   /* P1 */
+    do
+    :: i > NS -> break
+    :: i <= NS ->
+       assert(i == k || !started[i] || (out[i] != NONE && end_ev[i] < acc_ev[k]));
+       i++
+    od;
+#endif
+    started[k] = true
+  };
+  if
+  :: atomic { requeues < REQUEUES -> requeue(k, true); l_k = 0 }  /* self.retry */
+  :: atomic { true -> l_k = 0; ev++; end_ev[k] = ev; out[k] = RAN }
+  fi;
+next:
+  skip
+}
+
+proctype Worker(byte w) {
+  byte k, i, sup;
+  bool st, got;
+end_worker:
+  do
+  :: atomic {
+       if
+       :: q_k[0] != 0 && q_eta[0] <= now -> k = q_k[0]; st = q_st[0]; w_dl[w] = q_dl[0];
+                                             q_k[0] = 0
+       :: q_k[1] != 0 && q_eta[1] <= now -> k = q_k[1]; st = q_st[1]; w_dl[w] = q_dl[1];
+                                             q_k[1] = 0
+       :: q_k[2] != 0 && q_eta[2] <= now -> k = q_k[2]; st = q_st[2]; w_dl[w] = q_dl[2];
+                                             q_k[2] = 0
+       :: q_k[3] != 0 && q_eta[3] <= now -> k = q_k[3]; st = q_st[3]; w_dl[w] = q_dl[3];
+                                             q_k[3] = 0
+       fi;
+       w_busy[w] = true
+     };
+     work(w, k, st);
+     atomic { w_busy[w] = false; w_dl[w] = FAR; k = 0; st = false; sup = 0; got = false }
+  od
+}
+
+#ifdef RESTART
+/* A worker restart, once, at any moment: the revokes it kept in memory are lost. */
+proctype Restart() {
+  if
+  :: w_rev = 0
+  :: skip
+  fi
+}
+#endif
+
+/* Time passes while something waits for it; never past the moment a queued call must
+ * start by (its marker's expiry: the assumption that a call starts within
+ * lock_queue_ttl after its eta). */
+#define QUIET (sent == NS && q_k[0] == 0 && q_k[1] == 0 && q_k[2] == 0 \
+               && q_k[3] == 0 && !w_busy[0] && !w_busy[1])
+#define DUE(i) (q_k[i] != 0 && now + 1 >= q_dl[i])
+#define WAITING(i) (q_k[i] != 0 && q_eta[i] > now)
+proctype Clock() {
+  do
+  :: atomic { (publishing == 0 && !DUE(0) && !DUE(1) && !DUE(2) && !DUE(3)
+               && now + 1 < w_dl[0] && now + 1 < w_dl[1]
+               && (WAITING(0) || WAITING(1) || WAITING(2) || WAITING(3)
+                   || (sent < NS && now < SEND_BY))) -> now++ }
+  :: atomic { QUIET -> break }
+  od
+}
+
+init {
+  byte k;
+  atomic {
+    w_dl[0] = FAR; w_dl[1] = FAR;
+    k = 1;
+    do
+    :: k > NS -> break
+    :: k <= NS ->
+       id_of[k] = k;
+#ifdef SAME_ID
+       if
+       :: k == 2 -> id_of[k] = 1             /* the same task id, sent again */
+       :: true -> skip
+       fi;
+#endif
+       if
+       :: cd_of[k] = 0
+       :: cd_of[k] = CD
+       fi;
+       if
+       :: k == 2 -> member[k] = true
+       :: true -> skip
+       fi;
+       k++
+    od;
+    run Clock();
+    run Worker(0); run Worker(1);
+#ifdef RESTART
+    run Restart();
+#endif
+    k = 1;
+    do
+    :: k > NS -> break
+    :: k <= NS -> run Send(k); k++
+    od
+  };
+  /* the end: every process but this one has ended (the workers wait in their end
+   * state), nothing is queued */
+  QUIET;
+  k = 1;
+  do
+  :: k > NS -> break
+  :: k <= NS ->
+     /* P3: no accepted call is lost; superseded only by a call that was published */
+     assert(out[k] != NONE);
+     assert(out[k] != SUP || (sup_by[k] != 0 && pub[sup_by[k]]));
+     k++
+  od
+}
