@@ -117,10 +117,16 @@ if current then
   return {2, current, redis.call('PTTL', marker)}
 end
 redis.call('SET', marker, id, 'PX', ARGV[2])
-redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back')
-redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
-if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
+if not (r[1] or r[4] or r[5] or r[7] or r[8]) then
+  -- no record of a claim, a replace or a take-back (the usual case): written anew
+  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
   redis.call('PEXPIRE', rec, ARGV[2])
+else
+  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back')
+  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
+  if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', rec, ARGV[2])
+  end
 end
 started()
 return {0, '', 0}
