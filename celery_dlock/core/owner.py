@@ -36,6 +36,8 @@ import uuid
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+from .process import after_fork
+
 __all__ = [
     "current_owner",
     "new_owner_token",
@@ -67,7 +69,7 @@ def _after_fork_in_child() -> None:
 
 
 _new_process_token()
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)
 
 
 def generation() -> int:

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 from .deadline import clock as _default_clock
 from .deadline import lease_end
 from .max_hold import capped_ms, reached_reason
+from .process import after_fork
 from .renew_target import LossNote, RenewTarget
 
 __all__ = [
@@ -471,4 +472,4 @@ def _after_fork_in_child() -> None:
     _process_scheduler_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)

@@ -14,7 +14,6 @@ then).  Everything else in ``task/`` and ``ops/`` speaks
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -24,6 +23,7 @@ from ..backends.redis.backend import RedisBackend
 from ..backends.redis.redlock.backend import RedlockBackend, check_redlock_limit
 from ..core.errors import InvalidLockConfig, NotSupported
 from ..core.lock_args import DEFAULT_PREFIX
+from ..core.process import after_fork
 from ..core.protocol import Backend, Lock
 from . import connection
 from .config import check_conf, get_client
@@ -257,4 +257,4 @@ def _after_fork_in_child() -> None:
     _by_url_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)

@@ -24,7 +24,6 @@ No URL is ever shown with its password: every message goes through :func:`mask_u
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 from typing import Any
@@ -38,6 +37,7 @@ from redis.retry import Retry
 from ..backends.redis import topology
 from ..core import urls
 from ..core.errors import BackendUnavailable, InvalidLockConfig
+from ..core.process import after_fork
 from .schemes import celery_sql_url, check_known, sql_kind
 from .settings import conf_value
 
@@ -379,4 +379,4 @@ def _forget_clients() -> None:
     _clients_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_clients)
+after_fork(_forget_clients)

@@ -31,6 +31,7 @@ from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
 from ..core.errors import DLockError
+from ..core.process import after_fork
 from ..core.scheduler import get_scheduler
 from . import events
 from .backend import backend_for
@@ -261,7 +262,7 @@ def _new_child_watch() -> None:
     _child_watch = _ChildWatch()
 
 
-os.register_at_fork(after_in_child=_new_child_watch)
+after_fork(_new_child_watch)
 
 
 def watch_child(request: Any, pid: int) -> None:

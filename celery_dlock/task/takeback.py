@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 
 from ..core.errors import DLockError
+from ..core.process import after_fork
 from .markers import MarkerStore
 
 __all__ = ["EVERY", "FOR", "MAX_PENDING", "take_back_later"]
@@ -99,4 +99,4 @@ def _after_fork_in_child() -> None:
     _thread = None
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)

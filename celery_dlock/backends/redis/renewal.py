@@ -16,7 +16,6 @@ why (a :class:`~celery_dlock.core.scheduler.LossNote`).
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -24,6 +23,7 @@ from typing import Any
 
 import redis
 
+from ...core.process import after_fork
 from ...core.renew_target import LossNote
 from .bounded import PLAIN_POOLS, bounded_client
 from .cluster import ClusterNodeRenewTarget, is_cluster_client, node_name_of
@@ -154,4 +154,4 @@ def _after_fork_in_child() -> None:
     _targets_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)

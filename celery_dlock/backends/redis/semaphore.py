@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +29,7 @@ from ...core.errors import (
     LockKeyConflict,
 )
 from ...core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ...core.process import after_fork
 from ...core.protocol import new_op_id
 from ...core.scheduler import RenewalScheduler
 from .calls import RedisHold
@@ -270,7 +270,7 @@ def _after_fork_in_child() -> None:
     _targets_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)
 
 
 def decode_all(flat: Sequence[Any]) -> dict[str, str]:

@@ -10,13 +10,13 @@ and warns once per client.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
+from ...core.process import after_fork
 from ...core.store_check import Problem
 from .cluster import node_clients
 
@@ -131,4 +131,4 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)

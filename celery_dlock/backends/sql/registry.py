@@ -7,10 +7,11 @@ No driver is imported here.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from ...core.process import after_fork
 
 __all__ = ["PerUrl"]
 
@@ -23,7 +24,7 @@ class PerUrl(Generic[T]):
     def __init__(self) -> None:
         self._items: dict[str, T] = {}
         self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        after_fork(self._after_fork_in_child)
 
     def get(self, url: str, make: Callable[[], T],
             keep: Callable[[T], bool] = lambda _: True) -> T:

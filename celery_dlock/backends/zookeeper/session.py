@@ -28,7 +28,6 @@ held again, even while the server is still deleting them.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from typing import Any, TypeVar
@@ -39,6 +38,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
 from ...core.errors import BackendUnavailable, InvalidLockConfig
+from ...core.process import after_fork
 from .answers import UNAVAILABLE, error_for, meaning_of
 from .logs import kazoo_logger
 from .url import ZkSpec
@@ -269,4 +269,4 @@ def _after_fork_in_child() -> None:
     _sessions_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)

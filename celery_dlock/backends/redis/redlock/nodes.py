@@ -13,7 +13,6 @@ have answered, however long it hangs.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import threading
 import time
 import weakref
@@ -23,6 +22,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ....core.errors import InvalidLockConfig
+from ....core.process import after_fork
 from ..bounded import PLAIN_POOLS, bounded_client
 from ..cluster import is_cluster_client
 from ..keyspace import check_client
@@ -344,4 +344,4 @@ def _after_fork_in_child() -> None:
     _targets_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)

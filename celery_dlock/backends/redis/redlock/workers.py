@@ -14,7 +14,6 @@ than :data:`NODE_BACKLOG` calls waiting or running refuses more at once
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import threading
 import time
 from collections import deque
@@ -23,6 +22,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from ....core.process import after_fork
 from .report import address
 
 __all__ = ["IDLE_EXIT", "NODE_BACKLOG", "NODE_WORKERS", "NodeBusy", "NotSent",
@@ -163,4 +163,4 @@ def _after_fork_in_child() -> None:
     _workers_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+after_fork(_after_fork_in_child)
