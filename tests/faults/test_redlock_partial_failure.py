@@ -319,6 +319,51 @@ def test_a_late_give_back_never_removes_the_owners_next_hold(nodes):
         proxy.close()
 
 
+def test_a_retry_within_one_acquire_is_not_undone_by_the_last_attempts_give_back(
+        nodes):
+    """One blocking acquire, two attempts: attempt 1 is refused by nodes 0 and 1 and
+    granted by node 2, whose give-back is held up; nodes 0 and 1 are freed and
+    attempt 2 is granted by all three; then the give-back reaches node 2.  Each attempt
+    has an operation id of its own: attempt 2 counts in node 2's hold beside attempt
+    1, and the give-back of attempt 1 takes back only its own count (with one id for
+    both, node 2 answered attempt 2 with attempt 1's remembered grant, and the
+    give-back then removed the hold attempt 2 counted on)."""
+    proxy = FaultProxy(nodes.servers[2].port)
+    through_proxy = redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=5)
+    try:
+        clients = [*nodes.clients()[:2], through_proxy]
+        a = _lock(clients, "retry-undo", "owner-a", ttl=10.0, node_timeout=0.2,
+                  auto_renew=False)
+        others = [RedisLock(nodes.admin(i), "retry-undo", owner="owner-x", ttl=30,
+                            prefix="pf", auto_renew=False) for i in (0, 1)]
+        for other in others:
+            assert other.acquire(blocking=False)
+        nodes.admin(2).script_load(RELEASE.source)  # a late EVALSHA finds it there
+        held = proxy.hold_request(RELEASE.sha.encode())
+        got: list[bool] = []
+        acquiring = threading.Thread(target=lambda: got.append(a.acquire(timeout=10)))
+        acquiring.start()
+        try:
+            assert held.arrived.wait(5)  # attempt 1 failed; its give-back held up
+            for other in others:
+                other.release()
+        finally:
+            acquiring.join(15)
+        assert got == [True]  # a later attempt of the same acquire
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == ["owner-a"] * 3)
+        before = _evalsha_calls(nodes.admin(2))
+        held.let_go()
+        assert held.forwarded.wait(5)
+        assert wait_until(lambda: _evalsha_calls(nodes.admin(2)) > before, timeout=5)
+        assert nodes.owners(a.keys.lock) == ["owner-a"] * 3
+        a.ensure_held()
+        a.release()
+        assert wait_until(lambda: nodes.owners(a.keys.lock) == [None] * 3)
+    finally:
+        through_proxy.close()
+        proxy.close()
+
+
 @pytest.mark.parametrize("grant", ["answered-after-the-quorum", "never-answered"])
 def test_a_late_release_never_removes_the_owners_next_hold(nodes, grant):
     """A release held up on its way to node 2 (the caller is back once nodes 0 and 1

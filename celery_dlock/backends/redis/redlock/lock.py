@@ -180,6 +180,11 @@ class RedlockLock(Hold):
 
     def _send_acquire(self, owner: str, op: str, *, queue: bool,
                       reentry: bool) -> Grant | Refused | int:
+        # An operation id per attempt, not per acquire() call: a node whose give-back
+        # of the last attempt has not landed yet would answer a retry under the same id
+        # with that attempt's remembered grant, which the give-back then takes away.
+        # (The nodes' calls are never re-sent, so nothing relies on the id repeating.)
+        op = new_op_id()
         self._last_acquire_op = op
         args = [owner, self._acquire_ttl_ms(reentry), 0, op, "", "pid", os.getpid(),
                 *self._info_args]
