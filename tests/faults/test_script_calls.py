@@ -133,6 +133,26 @@ def test_after_a_failover_and_pool_disconnect_the_scripts_follow(own_server, pro
     client.close()
 
 
+def test_set_retry_and_close_reach_the_lock_calls(own_server, proxy, prefix, name):
+    """``client.set_retry()`` after the lock's first calls governs its next ones (a
+    reply lost on the way is re-sent, the operation id making it harmless), and
+    ``client.close()`` leaves no connection of the lock's open."""
+    admin = _client(own_server.url)
+    client = _client(proxy.url, socket_timeout=0.5, retry=_no_resends())
+    lock = RedisLock(client, name, ttl=30, prefix=prefix, auto_renew=False)
+    assert lock.acquire(blocking=False)  # the lock's connections are made
+    lock.release()
+    client.set_retry(redis.retry.Retry(redis.backoff.NoBackoff(), 2))
+    dropped = proxy.drop_reply(b"EVALSHA")
+    assert lock.acquire(blocking=False)  # its reply lost once, the call re-sent
+    assert dropped.is_set()
+    assert lock.holder() is not None and lock.holder().count == 1
+    lock.release()
+    client.close()
+    assert wait_until(lambda: _others(admin) == [])
+    admin.close()
+
+
 def test_clients_sharing_a_pool_share_its_bound(own_server, prefix):
     """20 clients on one pool of ``max_connections=2``: the lock's calls take the
     pool's connections, so the server sees at most 2 and no client opens one of its
