@@ -105,6 +105,24 @@ def test_a_replace_replaced_in_turn_revokes_nothing_when_the_later_one_fails(
     assert start(m, prefix, "n", "old") is None
 
 
+def test_a_replaced_call_re_queued_before_its_start_stays_replaced(
+        r: redis.Redis, prefix: str) -> None:
+    """Its revoke lost, the replaced call is delivered, meets contention and is
+    re-queued (as a contention retry or a rate park re-queues): it takes no marker,
+    and its entry among the replaced calls covers its new message."""
+    m = RedisMarkers(r)
+    claim(m, prefix, "n", "old", "op1", ttl=5)
+    claim(m, prefix, "n", "new", "op2", replace=True, ttl=5)
+    assert m.confirm(prefix, "n", "new") is True
+    assert start(m, prefix, "n", "new") is None  # the marker goes
+    code, _, _ = m.claim(prefix, "n", "old", 600, running_counts=True, replace=False,
+                         requeue=True, op="op3")
+    assert code == QUEUED and m.read(prefix, "n") is None
+    until_ms = r.zscore(m.key(prefix, "n") + "r", "old")
+    assert until_ms is not None and until_ms > time.time() * 1000 + 590_000
+    assert start(m, prefix, "n", "old") is not None
+
+
 def test_a_claim_taken_back_before_it_ran_does_nothing_when_it_runs(
         r: redis.Redis, prefix: str) -> None:
     m = RedisMarkers(r)

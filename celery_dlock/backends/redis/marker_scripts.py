@@ -55,13 +55,27 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- marker it keeps or takes is never replaced (the record's ``run``): a replace finds
 -- it queued (reply 2), as a replace finds a running call.
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
--- (the lock's holder is it) is a duplicate of that call, in every mode.
+-- (the lock's holder is it) is a duplicate of that call, in every mode.  A re-queue of
+-- a replaced call takes nothing (reply 2) and keeps it replaced for ARGV[2] more.
 local marker, lock, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
 local requeue = ARGV[5] == '1'
 local current = redis.call('GET', marker)
 local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
                     'run')
 if r[7] == ARGV[6] then return {2, '', 0} end
+if requeue then
+  -- A replaced call delivered all the same (its revoke lost) and re-queued before its
+  -- start (a contention retry, a rate park) takes nothing, and stays replaced as long
+  -- as its new message could be delivered.
+  local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
+  if until_ms then
+    local now = now_ms()
+    if until_ms > now then
+      remember(replaced, id, now + tonumber(ARGV[2]), now)
+      return {2, current or '', redis.call('PTTL', marker)}
+    end
+  end
+end
 local function started()  -- a started call's re-queue holds the marker from now on
   if ARGV[7] == '1' then
     redis.call('HSET', rec, 'run', id)
