@@ -87,6 +87,15 @@ def _stale(app: Any, task: Any, task_id: str) -> bool:
         return False
 
 
+def _retrying(task: Any, task_id: str) -> bool:
+    """Whether the result store says ``task_id`` waits for its retry (False when it
+    cannot tell, or keeps no results)."""
+    try:
+        return bool(task.AsyncResult(task_id).state == states.RETRY)
+    except Exception:
+        return False
+
+
 def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any,
          kwargs: Any, options: dict[str, Any], per_call: Mapping[str, Any]) -> Any:
     """Send one call of a task with an enqueue-time mode (see the module's table)."""
@@ -100,6 +109,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
     check_limit_mode(f"call of {name!r}", mode, settings["lock_limit"])
     lock_name = task.lock_name(tuple(args or ()), kwargs or {})
     prefix = settings["lock_prefix"]
+    chosen_id = bool(options.get("task_id"))  # the caller's own: it may be sent again
     task_id = options.get("task_id") or uuid()
     options["task_id"] = task_id
     headers = dict(options.get("headers") or {})
@@ -119,6 +129,13 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
                                               task_id, started).header()
         options["headers"] = headers
         return original(name, args, kwargs, **options)
+    if chosen_id and not requeue and mode in ("until_started", "queued_and_running") \
+            and _retrying(task, task_id):
+        # A started call waiting for its retry holds no marker in these modes (the
+        # name freed when it started): its task id sent again is still that call.
+        return _duplicate(app, task, lock_name, task_id, task_id, None, mode, policy,
+                          running=False,
+                          arguments=task.lock_arguments(tuple(args or ()), kwargs or {}))
     store = markers_for(app)
     ttl = marker_ttl(mode, settings, options)
 

@@ -147,3 +147,27 @@ def test_a_replace_whose_publish_fails_replaces_nothing(harness: Harness,
     assert old.get(timeout=30) == "old"
     time.sleep(0.5)
     assert tags(h, "pub") == ["old"]
+
+
+@pytest.mark.parametrize("mode", ("until_started", "queued_and_running"))
+def test_a_task_id_sent_again_while_its_retry_waits_is_the_same_call(
+        harness: Harness, mode: str) -> None:
+    """The call started and asked for a retry in 3 s: in these modes it holds no
+    marker meanwhile (the name freed at its start), yet its task id sent again is
+    still that call."""
+    h = harness
+    h.start_workers(count=1, concurrency=2)
+    key, task_id = f"rt-{mode}", f"report-rt-{mode}"
+    task = h.app.tasks["pf.mode_retry"]
+    first = task.apply_async((key, 0.0, "a"), {"retry_in": 3.0}, lock_mode=mode,
+                             task_id=task_id)
+    wait_for(lambda: first.state == "RETRY", 20, 0.05, what="the retry to be asked for")
+    again = task.apply_async((key, 0.0, "b"), lock_mode=mode, task_id=task_id)
+    assert again.id == task_id
+    with pytest.raises(AlreadyQueued):
+        task.apply_async((key, 0.0, "b"), lock_mode=mode, task_id=task_id,
+                         on_duplicate="raise")
+    assert first.get(timeout=30) == "a"
+    time.sleep(1.0)
+    assert [(run["tag"], run["attempt"]) for run in h.records("mode", key)] == \
+        [("a", 0), ("a", 1)]
