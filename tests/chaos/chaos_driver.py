@@ -53,11 +53,12 @@ class Config:
     settle: float = 10.0  # fault-free seconds at the end, before draining
     drain: float = 60.0  # at most this long waiting for sent tasks to end
     scenario: str = "lock"  # or "modes" (chaos_modes: lock_mode, on_duplicate, rates)
+    own_broker: bool = False  # a Redis broker apart from the lock's Redis
 
     @property
     def shared_broker(self) -> bool:
         """Whether the broker is the lock's server (Redis for both)."""
-        return self.lock == "redis" and self.broker == "redis"
+        return self.lock == "redis" and self.broker == "redis" and not self.own_broker
 
     def kinds(self) -> list[str]:
         """The faults of this run: the lock's, and the broker's restarts when the

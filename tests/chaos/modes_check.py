@@ -229,12 +229,13 @@ def check(out: Path) -> dict[str, Any]:
                 any(t >= since for t in revoked_at[task_id]):
             continue
         # Superseded when it started, before any body of it ran, by a replace: of
-        # it (whose signal did not come, as its confirmation failed), or its own,
-        # lost to the start of the call it replaced; its result says so.  Never
-        # after a body of it started (its retry keeps the name), never by a call
-        # that is no replace.
+        # it, sent later (whose signal did not come, as its confirmation failed), or
+        # its own, lost to the start of the call it replaced (sent earlier); its
+        # result says so.  Never after a body of it started (its retry keeps the
+        # name), never by a call that is no replace or was never published (a
+        # replace whose publish failed replaces nothing).
         if any(t >= since and not any(b["start"] < t for b in mine)
-               and "replace" in (c["policy"], first_pub.get(by, {}).get("policy"))
+               and _by_a_replace(c, first_pub.get(by or ""))
                for t, by in superseded[task_id]):
             superseded_at_start += 1
             continue
@@ -313,6 +314,16 @@ def check(out: Path) -> dict[str, Any]:
                                             if r["ev"] == "worker_exit")},
         "drain_s": meta.get("drain", {}).get("seconds"),
     }
+
+
+def _by_a_replace(call: dict[str, Any], by: dict[str, Any] | None) -> bool:
+    """Whether ``call``, superseded by ``by`` (its first publish; None: never
+    published), was replaced by it or lost its own replace of it."""
+    if by is None:
+        return False
+    if by["t0"] > call["t0"]:
+        return bool(by["policy"] == "replace")
+    return bool(call["policy"] == "replace")
 
 
 def pending(out: Path) -> int:

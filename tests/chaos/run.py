@@ -36,6 +36,9 @@ def main() -> int:
     p.add_argument("--ttl", type=float, default=2.0)
     p.add_argument("--mean-gap", type=float, default=0.5,
                    help="mean seconds between fault starts")
+    p.add_argument("--own-broker", action="store_true",
+                   help="with --lock redis --broker redis: a broker Redis apart from "
+                        "the lock's (restarted on its own)")
     p.add_argument("--scenario", choices=("lock", "modes"), default="lock",
                    help="modes: lock_mode, on_duplicate and lock_rate calls "
                         "(tests/chaos/chaos_modes.py) instead of the fenced counter")
@@ -50,7 +53,8 @@ def main() -> int:
                               lock=args.lock, broker=args.broker,
                               workers=args.workers, concurrency=args.concurrency,
                               ttl=args.ttl, mean_gap=args.mean_gap,
-                              drain=max(60.0, args.minutes * 6), scenario=args.scenario)
+                              drain=max(60.0, args.minutes * 6), scenario=args.scenario,
+                              own_broker=args.own_broker)
     started = time.time()
     chaos_driver.run(cfg, out)
     if args.scenario == "modes":

@@ -178,6 +178,16 @@ def test_a_call_superseded_before_it_started_is_not_lost(tmp_path: Path) -> None
     assert sorted(kinds(run.check())) == ["lost", "two_live"]
 
 
+def test_a_replace_whose_publish_failed_replaces_nothing(tmp_path: Path) -> None:
+    # B's replace of A could not be published (the serializer refused it): A must
+    # still run; superseded at its start by B, it is lost.
+    run = Run(tmp_path)
+    run.call(0.0, "A", policy="replace")
+    run.call(1.0, "B", policy="replace", outcome="publish_failed")
+    run.ignored("A", 1.5, by="B")
+    assert kinds(run.check()) == ["lost"]
+
+
 def test_a_caller_told_of_a_call_never_sent_is_flagged(tmp_path: Path) -> None:
     run = Run(tmp_path)
     run.call(0.0, "B", outcome="existing", other="X")
