@@ -281,6 +281,22 @@ class LockedTask(Task):  # type: ignore[misc]
             return follow(self, request, args, kwargs, following, attempt)
         return attempt()
 
+    def _settle(self, request: Any, requeue: bool, decide: Callable[[], Any]) -> Any:
+        """What ``decide()`` (the contention policy, the rate) says the call does
+        instead of running now; its queue marker is freed unless the call goes on
+        (``ACQUIRED``) or was re-queued with its task id (``Retry``: parked, or a
+        contention retry), which keeps it."""
+        try:
+            outcome = decide()
+        except Retry:
+            raise
+        except BaseException:
+            free_marker(self, request, requeue)
+            raise
+        if outcome is not ACQUIRED:
+            free_marker(self, request, requeue)
+        return outcome
+
     def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                     requeue: bool) -> Any:
         settings = self.dlock_settings(request)
@@ -307,32 +323,19 @@ class LockedTask(Task):  # type: ignore[misc]
             acquired, error = False, exc
         if not acquired:
             assert error is not None
-            try:
-                outcome = self._contended(key, lock, error, args, kwargs, settings,
-                                          requeue)
-            except Retry:
-                raise  # re-queued with its task id: it keeps its queue marker
-            except BaseException:
-                free_marker(self, request, requeue)
-                raise
+            outcome = self._settle(request, requeue, functools.partial(
+                self._contended, key, lock, error, args, kwargs, settings, requeue))
             if outcome is not ACQUIRED:
-                free_marker(self, request, requeue)
                 return outcome
         assert lock is not None  # acquired: the lock was made
         if duplicate and first_run_ended(self, request.id, DUPLICATE_GRACE):
             lock.release()  # the first run released, and its result came just after
             raise Ignore(f"duplicate delivery of {request.id}: it has ended")
         if requeue and settings["lock_rate"] is not None:
-            try:
-                outcome = within_rate(self, request, lock, args, kwargs, key, settings,
-                                      functools.partial(self._contended, key, lock))
-            except Retry:
-                raise  # parked, or re-queued: it keeps its queue marker
-            except BaseException:
-                free_marker(self, request, requeue)
-                raise
+            outcome = self._settle(request, requeue, functools.partial(
+                within_rate, self, request, lock, args, kwargs, key, settings,
+                functools.partial(self._contended, key, lock)))
             if outcome is not ACQUIRED:
-                free_marker(self, request, requeue)
                 return outcome
         if requeue:
             hand_over(self, request, lock)

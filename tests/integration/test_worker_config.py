@@ -142,14 +142,19 @@ def test_broker_from_the_environment_in_a_worker(redis_url, r, prefix):
         # the task's final release left the counter at its fence + 1
         assert int(r.get(fence_key) or 0) == out["fence"] + 1 >= 2
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, 9)
-            worker.wait(timeout=30)
+        _stop(worker)
         close_app(client)
     assert wait_until(lambda: worker.returncode is not None, timeout=5)
+
+
+def _stop(worker: subprocess.Popen[Any]) -> None:
+    """Stop a worker (warm, then its whole process group)."""
+    worker.terminate()
+    try:
+        worker.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, 9)
+        worker.wait(timeout=30)
 
 
 
@@ -170,12 +175,7 @@ def _started(conf: dict[str, Any], timeout: float = 60) -> str:
             if "ready." in line or time.monotonic() > deadline:
                 break
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, 9)
-            worker.wait(timeout=30)
+        _stop(worker)
         worker.stdout.close()
     output = "".join(seen)
     assert "ready." in output, output
