@@ -44,6 +44,7 @@ __all__ = [
     "CLAIMED",
     "MARKER_HEADER",
     "OURS",
+    "PENDING",
     "QUEUED",
     "REPLACED",
     "RUNNING",
@@ -57,7 +58,7 @@ __all__ = [
 MARKER_HEADER = "dlock_marker"
 
 # Claim replies (see celery_dlock.backends.redis.markers).
-CLAIMED, OURS, QUEUED, RUNNING, REPLACED = 0, 1, 2, 3, 4
+CLAIMED, OURS, QUEUED, RUNNING, REPLACED, PENDING = 0, 1, 2, 3, 4, 5
 
 
 class MarkerStore(Protocol):

@@ -46,6 +46,7 @@ script call (the hand-over, after the lock is taken; none in ``throttle``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -61,6 +62,7 @@ from .markers import (
     CLAIMED,
     MARKER_HEADER,
     OURS,
+    PENDING,
     QUEUED,
     REPLACED,
     RUNNING,
@@ -85,6 +87,12 @@ def _stale(app: Any, task: Any, task_id: str) -> bool:
         return result.state in states.READY_STATES
     except Exception:
         return False
+
+
+#: How long a replace waits for another replace's publish to settle (stand or be
+#: taken back), and how often it asks.
+PENDING_WAIT = 2.0
+PENDING_STEP = 0.02
 
 
 def _retrying(task: Any, task_id: str) -> bool:
@@ -155,6 +163,13 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         if not requeue:
             take_back_later(store, prefix, lock_name, task_id, op, ttl)
         raise
+    waited = 0.0
+    while code == PENDING and waited < PENDING_WAIT:
+        time.sleep(PENDING_STEP)  # another replace's publish: settled in milliseconds
+        waited += PENDING_STEP
+        code, other, left = claim()
+    if code == PENDING:  # its caller never settled it: a duplicate of that call
+        code = QUEUED
     # (A marker naming this very task id is never judged by the result store: a
     # task id sent again may have a result of an earlier run.)
     if code == QUEUED and not requeue and mode != "throttle" and \

@@ -34,7 +34,7 @@ from celery_dlock.backends.redis.marker_scripts import CLAIM, CONFIRM, HAND_OVER
 from celery_dlock.backends.redis.markers import RedisMarkers
 from celery_dlock.ops.embedded import EmbeddedRedis
 from celery_dlock.task import signals
-from celery_dlock.task.markers import CLAIMED, QUEUED, REPLACED
+from celery_dlock.task.markers import CLAIMED, PENDING, QUEUED, REPLACED
 from celery_dlock.task.takeback import EVERY as TAKE_BACK_EVERY
 
 pytestmark = pytest.mark.slow
@@ -73,36 +73,29 @@ def test_the_replacing_call_starting_before_the_confirm_confirms_it(
     assert start(m, prefix, "n", "old") is not None
 
 
-def test_a_failed_publish_gives_the_name_back_through_a_chain_of_replaces(
-        r: redis.Redis, prefix: str) -> None:
-    """old queued; mid replaces it and new replaces mid before either confirmed: mid's
-    publish fails, then new's: the name is old's again, with its time, and it runs."""
+@pytest.mark.parametrize("mid", ("stands", "taken back"))
+def test_a_replace_waits_for_a_replace_whose_publish_is_not_settled(
+        r: redis.Redis, prefix: str, mid: str) -> None:
+    """old queued; mid replaces it, its publish not settled yet: a replace by new
+    waits (nothing written), then replaces whichever call is queued by then: mid if
+    its publish went through, old (with its time) if it failed."""
     m = RedisMarkers(r)
     claim(m, prefix, "n", "old", "op1", ttl=30)
     time.sleep(0.2)
     claim(m, prefix, "n", "mid", "op2", replace=True, ttl=60)
-    claim(m, prefix, "n", "new", "op3", replace=True, ttl=60)
-    assert m.undo(prefix, "n", "mid", "op2", 60) is False  # replaced in turn
-    assert m.undo(prefix, "n", "new", "op3", 60) is True
-    task_id, left = m.read(prefix, "n") or ("", None)
-    assert task_id == "old" and left is not None and 25 < left <= 29.9
-    assert start(m, prefix, "n", "mid") is not None  # never published: never runs
-    assert start(m, prefix, "n", "old") is None
-
-
-def test_a_replace_replaced_in_turn_revokes_nothing_when_the_later_one_fails(
-        r: redis.Redis, prefix: str) -> None:
-    """mid replaces old, new replaces mid; mid's publish goes through, new's fails:
-    old gets the name back and must not be revoked by mid's confirm (else nothing
-    runs: mid is replaced, new never sent, old revoked)."""
-    m = RedisMarkers(r)
-    claim(m, prefix, "n", "old", "op1")
-    claim(m, prefix, "n", "mid", "op2", replace=True)
-    claim(m, prefix, "n", "new", "op3", replace=True)
-    assert m.undo(prefix, "n", "new", "op3", 60) is True
-    assert m.confirm(prefix, "n", "mid") is False
-    assert start(m, prefix, "n", "mid") is not None
-    assert start(m, prefix, "n", "old") is None
+    assert claim(m, prefix, "n", "new", "op3", replace=True)[:2] == (PENDING, "mid")
+    assert (m.read(prefix, "n") or ("",))[0] == "mid"
+    if mid == "stands":
+        assert m.confirm(prefix, "n", "mid") is True
+    else:
+        assert m.undo(prefix, "n", "mid", "op2", 60) is True
+        task_id, left = m.read(prefix, "n") or ("", None)
+        assert task_id == "old" and left is not None and 25 < left <= 29.9
+    queued = "mid" if mid == "stands" else "old"
+    assert claim(m, prefix, "n", "new", "op4", replace=True)[:2] == (REPLACED, queued)
+    assert m.undo(prefix, "n", "new", "op4", 60) is True  # new's publish fails
+    assert start(m, prefix, "n", "new") is not None
+    assert start(m, prefix, "n", queued) is None  # the call queued before runs
 
 
 def test_a_replaced_call_re_queued_before_its_start_stays_replaced(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.signals import before_task_publish
 from kombu import Connection
 from kombu.exceptions import EncodeError, OperationalError
 from worker_harness import Harness, open_harness, wait_for
@@ -171,3 +173,52 @@ def test_a_task_id_sent_again_while_its_retry_waits_is_the_same_call(
     time.sleep(1.0)
     assert [(run["tag"], run["attempt"]) for run in h.records("mode", key)] == \
         [("a", 0), ("a", 1)]
+
+
+def test_a_failed_replace_never_takes_the_place_of_a_published_one(
+        harness: Harness) -> None:
+    """old is queued; mid replaces it and is held between its claim and its publish;
+    meanwhile new replaces too, and its publish fails. new waits for mid's publish to
+    settle, then replaces mid, fails and gives the name back to mid: mid (published,
+    the latest arguments that reached the broker) runs, old never does."""
+    h = harness
+    opts = {"lock_mode": "until_started", "on_duplicate": "replace"}
+    old = send(h, "chain", "old", **opts)
+    claimed, go = threading.Event(), threading.Event()
+
+    def hold(headers: Any = None, **_: Any) -> None:
+        if threading.current_thread().name == "mid-sender":
+            claimed.set()
+            go.wait(10)
+
+    before_task_publish.connect(hold, weak=False)
+    try:
+        results: list[Any] = []
+        sender = threading.Thread(target=lambda: results.append(
+            send(h, "chain", "mid", **opts)), name="mid-sender")
+        sender.start()
+        assert claimed.wait(10)
+        failed: list[BaseException] = []
+
+        def new() -> None:
+            try:
+                send(h, "chain", "new", object(), **opts)
+            except EncodeError as exc:
+                failed.append(exc)
+
+        failing = threading.Thread(target=new)
+        failing.start()
+        time.sleep(0.3)  # new waits for mid's publish to settle
+        go.set()
+        sender.join(10)
+        failing.join(10)
+    finally:
+        before_task_publish.disconnect(hold)
+    assert failed and results
+    mid = results[0]
+    assert marker(h, "chain") == mid.id
+    h.start_workers(count=1, concurrency=2)
+    assert mid.get(timeout=30) == "mid"
+    time.sleep(0.5)
+    assert tags(h, "chain") == ["mid"]
+    assert old.id not in queued_ids(h, "chain")

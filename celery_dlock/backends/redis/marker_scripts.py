@@ -108,6 +108,12 @@ if current then
   if requeue then
     return {2, current, redis.call('PTTL', marker)}
   end
+  if ARGV[4] == '1' and r[8] ~= current and r[4] == current then
+    -- The queued call is itself a replace whose publish is not confirmed yet: wait
+    -- (reply 5, nothing written) until it stands or is taken back, so a failed
+    -- publish never takes a published call's place.
+    return {5, current, redis.call('PTTL', marker)}
+  end
   if ARGV[4] == '1' and r[8] ~= current then
     -- The replaced call's id is kept as long as its message could be delivered (its
     -- marker's time) and as the new marker, so that its start finds it replaced, also

@@ -36,7 +36,9 @@ Replies of :data:`CLAIM` (first element):
   the lock (``until_finished``), or this very task id does (every mode); element 3 is
   the hold's time left in ms;
 * ``4`` REPLACED: the queued call (element 2) was replaced: the marker now holds this
-  task id.
+  task id;
+* ``5`` PENDING: (a replace only) the queued call (element 2) is itself a replace whose
+  publish is not confirmed yet: nothing was written; the caller asks again shortly.
 """
 
 from __future__ import annotations
