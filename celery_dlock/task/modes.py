@@ -157,12 +157,18 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
 
     try:
         code, other, left = claim()
-    except BackendUnavailable:
-        # No reply: the claim may have run, or may run later (a stalled server).
-        # Nothing is published, so it is taken back (best effort: its ttl bounds it).
+    except BackendUnavailable as exc:
         if not requeue:
+            # No reply: the claim may have run, or may run later (a stalled server).
+            # Nothing is published, so it is taken back (its ttl bounds it).
             take_back_later(store, prefix, lock_name, task_id, op, ttl)
-        raise
+            raise
+        # An accepted call's re-queue (a retry, a contention re-queue, a rate park) is
+        # never lost for want of its marker: it is published all the same, with its
+        # record; its start finds what the name's marker says by then.
+        logger.warning("Task %s[%s] is re-queued without its queue marker of %r: %s",
+                       task.name, task_id, lock_name, exc)
+        code, other, left = OURS, task_id, None
     waited = 0.0
     while code == PENDING and waited < PENDING_WAIT:
         time.sleep(PENDING_STEP)  # another replace's publish: settled in milliseconds

@@ -34,7 +34,14 @@ from celery_dlock.backends.redis.marker_scripts import CLAIM, CONFIRM, HAND_OVER
 from celery_dlock.backends.redis.markers import RedisMarkers
 from celery_dlock.ops.embedded import EmbeddedRedis
 from celery_dlock.task import signals
-from celery_dlock.task.markers import CLAIMED, PENDING, QUEUED, REPLACED
+from celery_dlock.task.markers import (
+    CLAIMED,
+    MARKER_HEADER,
+    PENDING,
+    QUEUED,
+    REPLACED,
+    MarkerRecord,
+)
 from celery_dlock.task.takeback import EVERY as TAKE_BACK_EVERY
 
 pytestmark = pytest.mark.slow
@@ -222,6 +229,27 @@ def test_a_send_whose_claim_reply_was_lost_is_sent_once(
     assert again.id == "report-d1" and _queued(r, queue) == ["report-d1"]
     app.close()
     direct.close()
+
+
+def test_a_re_queue_is_published_when_its_claim_finds_redis_gone(
+        redis_url: str, r: redis.Redis, prefix: str) -> None:
+    """A retry (or contention re-queue, rate park) of an accepted call carries its own
+    marker record: with the lock's Redis unreachable it is published all the same,
+    never lost; a new call is refused (BackendUnavailable), nothing published."""
+    queue = f"q-{prefix}"
+    app = _producer(redis_url, prefix, queue, lambda: redis.Redis.from_url(
+        "redis://127.0.0.1:1/0", socket_connect_timeout=0.5,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0)))
+    task = app.tasks["pf.mode"]
+    args = ("k", 0.0, "a")
+    record = MarkerRecord(task.lock_name(args, {}), prefix, "until_finished",
+                          "return_existing", "retried").header()
+    sent = task.apply_async(args, task_id="retried", headers={MARKER_HEADER: record})
+    assert sent.id == "retried" and _queued(r, queue) == ["retried"]
+    with pytest.raises(BackendUnavailable):
+        task.apply_async(args, task_id="new")
+    assert _queued(r, queue) == ["retried"]
+    app.close()
 
 
 def _stall(kind: str, server: EmbeddedRedis) -> Callable[[], None]:
