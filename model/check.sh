@@ -81,16 +81,21 @@ expect_fail "fence = counter + 1 (repeats after data loss)" "$MUTANT_BITS" -DOLD
 
 MODEL=markers.pml
 echo "-- the marker protocol as implemented (must hold)"
-expect_pass "until_finished: an id sent again, retries" "$BITS" -DMODE=UF -DSAME_ID
-expect_pass "until_finished, replace: worker restart" "$BITS" -DMODE=UF -DREPLACE -DRESTART
+expect_pass "until_finished: an id sent again, retries" "$BITS" -DMODE=UF -DSAME_ID \
+  -DLOST_REPLY
+expect_pass "until_finished, replace: worker restart" "$BITS" -DMODE=UF -DREPLACE -DRESTART \
+  -DLOST_REPLY
 expect_pass "until_finished, replace: rate parks" "$BITS" -DMODE=UF -DREPLACE -DPARK
-expect_pass "until_started, replace: worker restart" "$BITS" -DMODE=US -DREPLACE -DRESTART
+expect_pass "until_started, replace: worker restart" "$BITS" -DMODE=US -DREPLACE -DRESTART \
+  -DLOST_REPLY
 expect_pass "until_started, replace: rate parks" "$BITS" -DMODE=US -DREPLACE -DPARK
 expect_pass "throttle: rate parks, retries" "$BITS" -DMODE=TH -DPARK
 echo "-- marker mutants (each must produce a counterexample)"
 expect_fail "a second send of an id is 'ours' (1)" "$MUTANT_BITS" -DMODE=UF -DSAME_ID \
   -DSAME_ID_OURS
 expect_fail "the claim always answers 'ours' (1)" "$MUTANT_BITS" -DMODE=UF -DALWAYS_OURS
+expect_fail "a re-sent claim is a duplicate of itself (1)" "$MUTANT_BITS" -DMODE=UF -DSAME_ID \
+  -DLOST_REPLY -DNO_CLAIM_OP
 expect_fail "replaced ids kept as long as the new marker (2)" "$MUTANT_BITS" -DMODE=UF \
   -DREPLACE -DRESTART -DSHORT_RECORD
 expect_fail "a failed replace still revokes (3)" "$MUTANT_BITS" -DMODE=UF -DREPLACE \
@@ -109,6 +114,8 @@ echo "-- the code as it stands where the model differs (counterexamples; docs/pr
 expect_fail "a replaced call's re-queue outlives its record" "$MUTANT_BITS" -DMODE=UF \
   -DREPLACE -DPARK -DREQUEUE_REPLACED
 expect_fail "a replace of a pending replace" "$MUTANT_BITS" -DMODE=UF -DREPLACE -DCHAIN
+expect_fail "a re-sent claim of a call taken back is claimed" "$MUTANT_BITS" -DMODE=US \
+  -DREPLACE -DRESTART -DLOST_REPLY -DCLAIM_REPLACED
 expect_fail "until_started: an id sent again during its retry" "$MUTANT_BITS" -DMODE=US \
   -DSAME_ID
 exit $status

@@ -11,7 +11,8 @@
  * a group, chord or chain.  A send claims the marker (one atomic CLAIM), publishes its
  * message (one publish in a run may fail: a serializer's refusal, the broker down),
  * then confirms its replace (CONFIRM, then the revoke of the call it replaced) or
- * takes its claim back (UNDO).  No time passes from a send's claim to its end (a
+ * takes its claim back (UNDO).  One claim's reply in a run may be lost (-DLOST_REPLY):
+ * redis-py sends the claim again, with the same operation id.  No time passes from a send's claim to its end (a
  * publish takes milliseconds), but every other process may step in between.  Two
  * workers take messages whose eta has come, in any order: a revoked id is discarded
  * (revokes live in worker memory, which a worker restart loses: -DRESTART); the
@@ -35,7 +36,8 @@
  *      every other call whose body ran had ended before this call was accepted;
  *   P2 a replaced call never runs;
  *   P3 no accepted call is lost: at the end every send ran to its end, or its caller
- *      was told (a duplicate, the publish error, its contention retries ran out), or
+ *      was told (a duplicate of another call, the publish error, its contention
+ *      retries ran out), or
  *      it was superseded by a call that was published (so a failed replace replaces
  *      nothing);
  *   P4 a task id is never published twice while a call of it is queued or running
@@ -48,6 +50,8 @@
  * and of the code on its way to the fix:
  *   SAME_ID_OURS      the claim answers "ours" to a second send of the same task id (1)
  *   ALWAYS_OURS       the claim answers "ours" to every send (1)
+ *   NO_CLAIM_OP       a re-sent claim (its reply lost) is not known for the first: the
+ *                     send is told a duplicate of itself (1)
  *   SHORT_RECORD      a replaced id is kept only as long as the new marker (2)
  *   FAIL_REVOKES      a replace whose publish failed still revokes the queued call (3)
  *   RETRY_SUPERSEDED  the retry of a started call claims, and is superseded when
@@ -65,6 +69,10 @@
  *   CHAIN             a replace may replace a replace whose publish is pending; when
  *                     the later publish fails, the earlier replace, published, never
  *                     runs (the model answers "queued" to such a replace)
+ *   CLAIM_REPLACED    a claim of a task id in the replaced set may be claimed: a
+ *                     re-sent claim whose replace was taken back meanwhile is claimed
+ *                     anew and published, and a later failed replace's UNDO removes it
+ *                     from the set (the model's CLAIM answers "queued" to such an id)
  *   (-DMODE=US -DSAME_ID) a started call's retry in until_started claims nothing, so a
  *                     second send of its task id is published while the retry is queued
  */
@@ -146,10 +154,12 @@ byte requeues = 0;
 byte sent = 0;           /* sends that have finished */
 byte publishing = 0;     /* sends between their claim and their end */
 bool fail_budget = true; /* one publish may fail */
+bool lost_budget = true; /* one claim's reply may be lost (-DLOST_REPLY) */
 
 /* -- ghosts, for the properties only --------------------------------------------- */
 byte out[NS + 1];
 byte sup_by[NS + 1];     /* the send that superseded it */
+byte dup_of[NS + 1];     /* the send it was told a duplicate of */
 byte rep_by[NS + 1];     /* the send that replaced it (0: none, or taken back) */
 bool pub[NS + 1];        /* accepted: its message was published */
 bool replaced[NS + 1];   /* replaced for good: it must never run */
@@ -168,6 +178,11 @@ byte win_t = FAR;        /* (TH) when the window of the last claimed call began 
 #define CHECKED(st) (!st)            /* a started call's retry is never superseded */
 #endif
 #define IS_REPLACED(k) (r_until[ID(k)] > now)
+#ifdef CLAIM_REPLACED
+#define NOT_REPLACED(k) true
+#else
+#define NOT_REPLACED(k) (!IS_REPLACED(k))
+#endif
 
 /* a message into a free slot (there always is one: NS sends, REQUEUES re-queues,
  * a message leaves its slot when a worker takes it) */
@@ -240,17 +255,27 @@ inline claim(k, code, other, ttl) {
   fi
 #else
   if
+#ifndef CLAIM_REPLACED
+  :: IS_REPLACED(k) ->                       /* replaced (or taken back): never runs */
+     code = QUEUED;
+     if
+     :: m_k != 0 -> other = m_k
+     :: else -> other = rep_by[k]
+     fi
+  :: !IS_REPLACED(k) && m_k != 0 && ID(m_k) == ID(k) ->
+#else
   :: m_k != 0 && ID(m_k) == ID(k) ->
+#endif
 #ifdef SAME_ID_OURS
      code = OURS; m_exp = now + ttl          /* "ours": the old script's answer */
 #else
      code = QUEUED; other = m_k              /* a second send of a queued call */
 #endif
-  :: m_k == 0 && l_k != 0 && (MODE == UF || ID(l_k) == ID(k)) ->
+  :: NOT_REPLACED(k) && m_k == 0 && l_k != 0 && (MODE == UF || ID(l_k) == ID(k)) ->
      code = RUNNING; other = l_k             /* running: its holder (or itself) */
-  :: m_k == 0 && (l_k == 0 || (MODE != UF && ID(l_k) != ID(k))) ->
+  :: NOT_REPLACED(k) && m_k == 0 && (l_k == 0 || (MODE != UF && ID(l_k) != ID(k))) ->
      code = CLAIMED; m_k = k; m_exp = now + ttl; m_st = false; new_rec(k)
-  :: m_k != 0 && ID(m_k) != ID(k) ->
+  :: NOT_REPLACED(k) && m_k != 0 && ID(m_k) != ID(k) ->
 #ifdef REPLACE
      if
 #ifndef REPLACE_STARTED
@@ -351,7 +376,7 @@ requeued:
 
 proctype Send(byte k) {
   byte code, other, i, ttl, owin;
-  bool ok, stands;
+  bool ok, stands, lost;
   /* its moment: any tick up to SEND_BY (the clock waits for it until then) */
 #if MODE == TH
   ttl = TTL;
@@ -362,6 +387,34 @@ proctype Send(byte k) {
     publishing++;                    /* no time passes from its claim to its end */
     owin = win_t;
     claim(k, code, other, ttl);
+#ifdef LOST_REPLY
+    if
+    :: lost_budget -> lost_budget = false; lost = true   /* its reply is lost */
+    :: true -> skip
+    fi
+  };
+  if
+  :: lost ->
+     /* redis-py sends the claim again (the same operation id): its first reply */
+     atomic {
+       expire();
+#ifndef NO_CLAIM_OP
+       if
+       :: m_k != 0 && ID(m_k) == ID(k) && rec_op == k ->
+          if
+          :: rec_pend == k -> code = REPLACED; other = rec_pold
+          :: else -> code = CLAIMED; other = 0
+          fi
+       :: else -> claim(k, code, other, ttl)
+       fi
+#else
+       claim(k, code, other, ttl)
+#endif
+     }
+  :: else -> skip
+  fi;
+  atomic {
+#endif
 #if MODE == TH
     if
     :: code == CLAIMED ->
@@ -377,6 +430,7 @@ proctype Send(byte k) {
        /* P5: a duplicate only within the window of the last claimed call */
        assert(win_t != FAR && now < win_t + TTL);
 #endif
+       dup_of[k] = other;
 #ifdef NO_FORWARD
        if
        :: member[k] -> skip                  /* its own id is never given an outcome */
@@ -686,6 +740,7 @@ init {
      /* P3: no accepted call is lost; superseded only by a call that was published */
      assert(out[k] != NONE);
      assert(out[k] != SUP || (sup_by[k] != 0 && pub[sup_by[k]]));
+     assert(out[k] != DUP || dup_of[k] != k);   /* never a duplicate of itself */
      k++
   od
 }
