@@ -211,8 +211,11 @@ def check(out: Path) -> dict[str, Any]:
         if not by:
             continue
         t, new = by[0]
+        # (until the id is sent again and accepted: that is a call of its own)
+        again = min((c["t0"] for c in published if c["task_id"] == old and c["t0"] > t),
+                    default=INF)
         for b in bodies_of[old]:
-            if b["start"] > t:
+            if t < b["start"] < again:
                 violations.append({"kind": "replaced_ran", "task_id": old,
                                    "replaced_by": new, "body_start": b["start"]})
 
@@ -233,9 +236,12 @@ def check(out: Path) -> dict[str, Any]:
         # its own, lost to the start of the call it replaced (sent earlier); its
         # result says so.  Never after a body of it started (its retry keeps the
         # name), never by a call that is no replace or was never published (a
-        # replace whose publish failed replaces nothing).
+        # replace whose publish failed replaces nothing).  Superseded by "a later
+        # call" (not named): see _unnamed_replace.
         if any(t >= since and not any(b["start"] < t for b in mine)
-               and _by_a_replace(c, first_pub.get(by or ""))
+               and (_by_a_replace(c, first_pub.get(by or "")) or (
+                   by not in first_pub and _unnamed_replace(c, t, published,
+                                                            bodies)))
                for t, by in superseded[task_id]):
             superseded_at_start += 1
             continue
@@ -324,6 +330,21 @@ def _by_a_replace(call: dict[str, Any], by: dict[str, Any] | None) -> bool:
     if by["t0"] > call["t0"]:
         return bool(by["policy"] == "replace")
     return bool(call["policy"] == "replace")
+
+
+def _unnamed_replace(call: dict[str, Any], t: float, published: list[dict[str, Any]],
+                     bodies: list[dict[str, Any]]) -> bool:
+    """Whether ``call``, superseded at ``t`` by "a later call" (the hand-over does not
+    name it), was so by a replace: a replace of its name published after it, or (its
+    own replace lost to the start of the call it replaced) another call of its name
+    whose body started after it was sent."""
+    key, since = call["key"], call["t0"]
+    if any(p["key"] == key and p["policy"] == "replace" and since < p["t0"] < t
+           for p in published):
+        return True
+    return call["policy"] == "replace" and any(
+        b["key"] == key and b["task_id"] != call["task_id"] and since < b["start"] < t
+        for b in bodies)
 
 
 def pending(out: Path) -> int:

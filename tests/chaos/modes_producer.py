@@ -59,6 +59,7 @@ class Producer:
         self.rated = rated
         self.queue = queue
         self.recent: dict[str, list[str]] = {k: [] for k, _, _ in keys}
+        self.gone: set[str] = set()  # replaced or revoked: never sent again
         self._published: list[str] = []
         self._me = threading.get_ident()
         self.n = 0
@@ -82,9 +83,11 @@ class Producer:
     def _forget(self, task_id: str | None) -> None:
         """A replaced or revoked call's id is not sent again: Celery's workers keep
         discarding the messages of a revoked id (and a replace revokes)."""
-        for recent in self.recent.values():
-            if task_id in recent:
-                recent.remove(task_id)
+        if task_id is None:
+            return
+        self.gone.add(task_id)
+        for key, recent in self.recent.items():
+            self.recent[key] = [t for t in recent if t != task_id]
 
     # -- one call -------------------------------------------------------------------
 
@@ -121,9 +124,10 @@ class Producer:
                 fields.update(outcome="existing", other=result.id)
         fields["published"] = task_id in self._published
         self.log("call", **fields)
-        if fields["outcome"] == "accepted":
+        if fields["outcome"] == "accepted" and task_id not in self.gone:
             recent = self.recent.setdefault(key, [])
-            recent.append(task_id)
+            if task_id not in recent:
+                recent.append(task_id)
             del recent[:-4]
         return str(fields["outcome"])
 
