@@ -7,7 +7,7 @@ correct system is never flagged): the end of its first body that did not retry (
 when it was told its lock is lost); or, if it was replaced, the start of the send
 that replaced it (or of a replace that superseded it at its start, whose signal did
 not come: its confirmation failed); or the moment the producer revoked it; or the
-start of a body whose process died (a killed body frees the name within
+start of a delivery or body whose process died (a killed body frees the name within
 ``lock_ttl``); or its end without a body (ignored, failed).  The producer sends from
 one thread, so sends (and their claims) are in the order of their records.
 
@@ -109,9 +109,16 @@ def check(out: Path) -> dict[str, Any]:
     for b in bodies:
         bodies_of[b["task_id"]].append(b)
     starts: dict[str, list[float]] = defaultdict(list)
-    for r in records:
+    # Deliveries whose process died in them (their start is its last record).
+    last_of: dict[int, dict[str, Any]] = {}
+    for r in sorted(records, key=lambda r: r["t"]):
+        last_of[r["pid"]] = r
         if r["ev"] == "task_start":
             starts[r["task_id"]].append(r["t"])
+    killed: dict[str, list[float]] = defaultdict(list)
+    for r in last_of.values():
+        if r["ev"] in ("task_start", "body_start"):
+            killed[r["task_id"]].append(r["t"])
     ends: dict[str, list[tuple[float, str]]] = defaultdict(list)
     # Ignored at its start, superseded: (when, by which call: None when not named).
     superseded: dict[str, list[tuple[float, str | None]]] = defaultdict(list)
@@ -144,6 +151,8 @@ def check(out: Path) -> dict[str, Any]:
         found += [t for t, state in ends[task_id]
                   if t >= since and state in _DONE and state != "SUCCESS"]
         found += [t for t in discarded[task_id] if t >= since]
+        # Killed in a delivery, before or in its body: the name frees within lock_ttl.
+        found += [t for t in killed[task_id] if t >= since]
         # Superseded by a replace sent later: from that call's claim on (a replace
         # the signal did not report, as its confirmation failed).
         found += [first_pub[by]["t0"] for t, by in superseded[task_id]
@@ -223,6 +232,7 @@ def check(out: Path) -> dict[str, Any]:
     # Judged per message published (a task id may be sent again once its call ended):
     # what happened to that id after that send.
     never_delivered = still_queued = failed = retry_undelivered = 0
+    killed_not_redelivered = 0
     superseded_at_start = 0
     for c in published:
         task_id, since = c["task_id"], c["t0"]
@@ -254,6 +264,9 @@ def check(out: Path) -> dict[str, Any]:
             continue
         if not starts[task_id] or max(starts[task_id]) < since:
             never_delivered += 1
+            continue
+        if killed[task_id] and max(killed[task_id]) >= max(starts[task_id]):
+            killed_not_redelivered += 1  # its message is the broker's to bring back
             continue
         if states and states[-1] == "RETRY":
             retry_undelivered += 1
@@ -316,6 +329,7 @@ def check(out: Path) -> dict[str, Any]:
         "broker": {"never_delivered": never_delivered, "still_queued_at_end":
                    still_queued, "retry_never_delivered": retry_undelivered,
                    "ended_failure": failed, "superseded_at_start": superseded_at_start,
+                   "killed_not_redelivered": killed_not_redelivered,
                    "worker_main_exits": sum(1 for r in driver
                                             if r["ev"] == "worker_exit")},
         "drain_s": meta.get("drain", {}).get("seconds"),

@@ -95,6 +95,21 @@ def test_a_call_accepted_while_another_is_queued_is_two_live(tmp_path: Path,
     assert kinds(rep) == (["two_live"] if second_at < 2.5 else []), rep["violations"]
 
 
+def test_a_call_killed_before_its_body_frees_its_name(tmp_path: Path) -> None:
+    # until_finished: A's delivery dies with its worker (its process records nothing
+    # more): the name frees within lock_ttl, so B accepted later is no violation.
+    run = Run(tmp_path)
+    run.call(0.0, "A")
+    run.worker.append({"ev": "task_start", "task_id": "A", "t": 0.5, "pid": 10})
+    run.call(3.0, "B")
+    run.body("B", 3.5, 4.0, pid=11)
+    rep = run.check()
+    assert rep["violations"] == [] and rep["broker"]["killed_not_redelivered"] == 1
+    # Alive (it goes on to run another call later), A was never ended: B is second.
+    run.body("C", 9.0, 9.5, pid=10)
+    assert "two_live" in kinds(run.check())
+
+
 def test_the_same_id_published_twice_while_queued_is_flagged(tmp_path: Path) -> None:
     run = Run(tmp_path)
     run.call(0.0, "A", mode="until_started")
