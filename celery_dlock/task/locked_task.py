@@ -385,6 +385,18 @@ class LockedTask(Task):  # type: ignore[misc]
                   settings: Mapping[str, Any]) -> Any:
         attempt = Attempt(lock, threading.get_ident(), request.id)
         lock.on_lost = functools.partial(self._on_lock_lost, attempt, settings)
+        if lock.lost:
+            # Found lost between the acquire and here (a rate or marker call that
+            # hung past the hold's deadline, a release by force), while no on_lost
+            # was there to tell: the body must not start on a lock another owner
+            # may hold by now.
+            if attempt.found_lost(lock.lost_reason or "lost"):
+                self._report_lost(attempt, attempt.lost_reason or "lost")
+            attempt.running = False
+            self._end_attempt(attempt, "FAILURE", settings)
+            raise LockLost(f"lock {attempt.key!r} was lost before the task's body "
+                           f"started ({attempt.lost_reason}); the body did not run",
+                           lock_name=attempt.key)
         reset = attempts.set({**attempts.get(), self.name: attempt})
         signals.send(signals.lock_acquired, self, lock.name, fence=attempt.fence,
                      task_id=request.id, wait=time.monotonic() - started)
