@@ -94,3 +94,17 @@ def test_the_changelog_speaks_of_released_versions_only() -> None:
                            r"(\d+\.\d+)\b", text)
         versions = {a or b for a, b in named}
         assert versions <= known | {v + ".0" for v in known}, (page.name, versions)
+
+
+def test_the_migration_page_names_every_difference_a_migration_meets() -> None:
+    """docs/migrating.md says what changes for code and settings coming from the
+    peers (each a difference a migration met unwritten)."""
+    text = " ".join((ROOT / "docs" / "migrating.md").read_text(encoding="utf-8").split())
+    for difference in (
+            "The locks move to `dlock_url`",  # ONCE['url'], singleton_backend_url
+            "`singleton_backend_url`",
+            "The shims need a store that keeps queue markers",
+            "No `clear_lock(key)`, no `get_key`",
+            "Markers expire",
+            "A lock is never deleted by anyone but its holder"):
+        assert difference in text, difference
