@@ -80,26 +80,33 @@ expect_fail "re-entry takes a new hold after data loss" "$MUTANT_BITS" -DOLD_REE
 expect_fail "fence = counter + 1 (repeats after data loss)" "$MUTANT_BITS" -DOLD_FENCE -DDATA_LOSS
 
 MODEL=markers.pml
+MARKER_BITS=$((BITS - 1))  # one less than the lock's: the marker runs stay near 2 minutes
 echo "-- the marker protocol as implemented (must hold)"
-expect_pass "until_finished: an id sent again, retries" "$BITS" -DMODE=UF -DSAME_ID \
+expect_pass "until_finished: an id sent again, retries" "$MARKER_BITS" -DMODE=UF -DSAME_ID \
   -DLOST_REPLY
-expect_pass "until_finished, replace: worker restart" "$BITS" -DMODE=UF -DREPLACE -DRESTART \
+expect_pass "until_finished, replace: worker restart" "$MARKER_BITS" -DMODE=UF -DREPLACE -DRESTART \
   -DLOST_REPLY
-expect_pass "until_finished, replace: rate parks" "$BITS" -DMODE=UF -DREPLACE -DPARK
-expect_pass "until_started, replace: worker restart" "$BITS" -DMODE=US -DREPLACE -DRESTART \
+expect_pass "until_finished, replace: rate parks" "$MARKER_BITS" -DMODE=UF -DREPLACE -DPARK
+expect_pass "until_started: an id sent again, retries" "$MARKER_BITS" -DMODE=US -DSAME_ID
+expect_pass "until_started, replace: worker restart" "$MARKER_BITS" -DMODE=US -DREPLACE -DRESTART \
   -DLOST_REPLY
-expect_pass "until_started, replace: rate parks" "$BITS" -DMODE=US -DREPLACE -DPARK
-expect_pass "throttle: rate parks, retries" "$BITS" -DMODE=TH -DPARK
+expect_pass "until_started, replace: rate parks" "$MARKER_BITS" -DMODE=US -DREPLACE -DPARK
+expect_pass "throttle: rate parks, retries" "$MARKER_BITS" -DMODE=TH -DPARK
 echo "-- marker mutants (each must produce a counterexample)"
 expect_fail "a second send of an id is 'ours' (1)" "$MUTANT_BITS" -DMODE=UF -DSAME_ID \
   -DSAME_ID_OURS
 expect_fail "the claim always answers 'ours' (1)" "$MUTANT_BITS" -DMODE=UF -DALWAYS_OURS
 expect_fail "a re-sent claim is a duplicate of itself (1)" "$MUTANT_BITS" -DMODE=UF -DSAME_ID \
   -DLOST_REPLY -DNO_CLAIM_OP
+expect_fail "until_started: an id sent again during its retry (1)" "$MUTANT_BITS" -DMODE=US \
+  -DSAME_ID -DNO_RETRY_STATE
 expect_fail "replaced ids kept as long as the new marker (2)" "$MUTANT_BITS" -DMODE=UF \
   -DREPLACE -DRESTART -DSHORT_RECORD
+expect_fail "a replaced call's re-queue outlives its record (2)" "$MUTANT_BITS" -DMODE=UF \
+  -DREPLACE -DPARK -DREQUEUE_REPLACED
 expect_fail "a failed replace still revokes (3)" "$MUTANT_BITS" -DMODE=UF -DREPLACE \
   -DFAIL_REVOKES
+expect_fail "a replace of a pending replace (3)" "$MUTANT_BITS" -DMODE=UF -DREPLACE -DCHAIN
 expect_fail "a started call's retry superseded (4)" "$MUTANT_BITS" -DMODE=US \
   -DRETRY_SUPERSEDED
 expect_fail "a re-queue restarts the throttle window (5)" "$MUTANT_BITS" -DMODE=TH -DPARK \
@@ -111,11 +118,12 @@ expect_fail "a replace replaces a started call's retry" "$MUTANT_BITS" -DMODE=UF
 expect_fail "a confirm with no record revokes anyway" "$MUTANT_BITS" -DMODE=US -DREPLACE \
   -DPARK -DCONFIRM_BLIND
 echo "-- the code as it stands where the model differs (counterexamples; docs/protocol.md)"
-expect_fail "a replaced call's re-queue outlives its record" "$MUTANT_BITS" -DMODE=UF \
-  -DREPLACE -DPARK -DREQUEUE_REPLACED
-expect_fail "a replace of a pending replace" "$MUTANT_BITS" -DMODE=UF -DREPLACE -DCHAIN
 expect_fail "a re-sent claim of a call taken back is claimed" "$MUTANT_BITS" -DMODE=US \
   -DREPLACE -DRESTART -DLOST_REPLY -DCLAIM_REPLACED
-expect_fail "until_started: an id sent again during its retry" "$MUTANT_BITS" -DMODE=US \
-  -DSAME_ID
+expect_fail "a re-sent claim known by the record's last op only" "$MUTANT_BITS" -DNS=2 \
+  -DMODE=UF -DREPLACE -DLOST_REPLY -DOP_IN_RECORD
+expect_fail "an undo gives back a marker shorter than the re-queue" "$MUTANT_BITS" \
+  -DMODE=UF -DREPLACE -DPARK -DNO_PDL_RAISE
+expect_fail "until_started: the retry state read apart from the claim" "$MUTANT_BITS" \
+  -DMODE=US -DSAME_ID -DRESULT_STORE_CHECK
 exit $status

@@ -11,8 +11,10 @@
  * a group, chord or chain.  A send claims the marker (one atomic CLAIM), publishes its
  * message (one publish in a run may fail: a serializer's refusal, the broker down),
  * then confirms its replace (CONFIRM, then the revoke of the call it replaced) or
- * takes its claim back (UNDO).  One claim's reply in a run may be lost (-DLOST_REPLY):
- * redis-py sends the claim again, with the same operation id.  No time passes from a send's claim to its end (a
+ * takes its claim back (UNDO).  A replace that finds another replace's publish not
+ * settled asks again once it is (CLAIM answers PENDING), or, past its wait, is a
+ * duplicate of it.  One claim's reply in a run may be lost (-DLOST_REPLY): redis-py
+ * sends the claim again, with the same operation id.  No time passes from a send's claim to its end (a
  * publish takes milliseconds), but every other process may step in between.  Two
  * workers take messages whose eta has come, in any order: a revoked id is discarded
  * (revokes live in worker memory, which a worker restart loses: -DRESTART); the
@@ -52,29 +54,43 @@
  *   ALWAYS_OURS       the claim answers "ours" to every send (1)
  *   NO_CLAIM_OP       a re-sent claim (its reply lost) is not known for the first: the
  *                     send is told a duplicate of itself (1)
+ *   NO_RETRY_STATE    until_started: nothing says a started call waits for its retry
+ *                     (its re-queue claims nothing), so its task id sent again is
+ *                     published a second time (1)
  *   SHORT_RECORD      a replaced id is kept only as long as the new marker (2)
+ *   REQUEUE_REPLACED  a replaced call's re-queue (a contention retry, a park) takes the
+ *                     marker or outlives the record of it (2)
  *   FAIL_REVOKES      a replace whose publish failed still revokes the queued call (3)
+ *   CHAIN             a replace replaces a replace whose publish is not settled: when
+ *                     its own publish fails, the earlier replace, published, never
+ *                     runs (the model's CLAIM answers PENDING, and the send asks again
+ *                     once the other has settled, or is a duplicate of it) (3)
  *   RETRY_SUPERSEDED  the retry of a started call claims, and is superseded when
  *                     another call holds the marker (4)
  *   WINDOW_RESTART    a throttle call's re-queue restarts its window (5)
  *   NO_FORWARD        a duplicate member of a group, chord or chain: its own id never
  *                     gets an outcome (6)
  *   REPLACE_STARTED   a replace may replace a started call's re-queued retry
- *   CONFIRM_BLIND     a confirm that finds no record of its replace revokes anyway
- *                     (also a call that took the replace back and runs)
+ *   CONFIRM_BLIND     a confirm that finds no record revokes anyway (also a call that
+ *                     took the replace back and runs)
  * Behaviour of the code as it stands that the model shows wrong (each must produce a
  * counterexample until the code and the model change together; docs/protocol.md):
- *   REQUEUE_REPLACED  a replaced call's re-queue (a contention retry, a park) outlives
- *                     the record of it (the model's CLAIM extends the record)
- *   CHAIN             a replace may replace a replace whose publish is pending; when
- *                     the later publish fails, the earlier replace, published, never
- *                     runs (the model answers "queued" to such a replace)
  *   CLAIM_REPLACED    a claim of a task id in the replaced set may be claimed: a
  *                     re-sent claim whose replace was taken back meanwhile is claimed
  *                     anew and published, and a later failed replace's UNDO removes it
  *                     from the set (the model's CLAIM answers "queued" to such an id)
- *   (-DMODE=US -DSAME_ID) a started call's retry in until_started claims nothing, so a
- *                     second send of its task id is published while the retry is queued
+ *   OP_IN_RECORD      a re-sent claim is known by the claim record's last operation
+ *                     id, which a later claim overwrites: 1 claims, its reply is lost,
+ *                     2 replaces 1 and its publish fails (UNDO gives 1 its marker back):
+ *                     1's claim, sent again, is told a duplicate of itself (the model
+ *                     knows the operation that wrote the marker)
+ *   NO_PDL_RAISE      a call whose replace is pending and that is re-queued keeps the
+ *                     old marker time for the UNDO to give back: the name frees while
+ *                     the re-queued message waits (the model's re-queue raises it)
+ *   RESULT_STORE_CHECK until_started: "waits for its retry" is read from the result
+ *                     store before the claim, and set there after the attempt released
+ *                     its lock: a send of the same task id in between is published (the
+ *                     model's re-queue leaves the id for the claim to read, atomically)
  */
 
 #define UF 1
@@ -112,6 +128,7 @@
 #define QUEUED 2
 #define RUNNING 3
 #define REPLACED 4
+#define PENDING 5         /* a replace found another replace's publish not settled */
 
 /* a send's outcome (ghost) */
 #define NONE 0
@@ -160,6 +177,7 @@ bool lost_budget = true; /* one claim's reply may be lost (-DLOST_REPLY) */
 byte out[NS + 1];
 byte sup_by[NS + 1];     /* the send that superseded it */
 byte dup_of[NS + 1];     /* the send it was told a duplicate of */
+bool rs[NS + 1];         /* the result store says RETRY (a started call's retry waits) */
 byte rep_by[NS + 1];     /* the send that replaced it (0: none, or taken back) */
 bool pub[NS + 1];        /* accepted: its message was published */
 bool replaced[NS + 1];   /* replaced for good: it must never run */
@@ -254,6 +272,17 @@ inline claim(k, code, other, ttl) {
   :: m_k == 0 -> code = CLAIMED; m_k = k; m_exp = now + ttl; m_st = false; new_rec(k)
   fi
 #else
+#if MODE == US && !defined(NO_RETRY_STATE) && !defined(RESULT_STORE_CHECK)
+  /* a send of a task id whose started call waits for its retry (its re-queue claimed
+   * nothing here, but left its id with the claim record) is that call */
+  i = 1;
+  do
+  :: i > NS -> break
+  :: i <= NS && i != k && ID(i) == ID(k) && rs[i] && out[i] == NONE ->
+     code = QUEUED; other = i; goto claimed
+  :: i <= NS && !(i != k && ID(i) == ID(k) && rs[i] && out[i] == NONE) -> i++
+  od;
+#endif
   if
 #ifndef CLAIM_REPLACED
   :: IS_REPLACED(k) ->                       /* replaced (or taken back): never runs */
@@ -282,7 +311,7 @@ inline claim(k, code, other, ttl) {
      :: m_st -> code = QUEUED; other = m_k   /* a started call's retry: not replaced */
 #endif
 #ifndef CHAIN
-     :: rec_pend == m_k -> code = QUEUED; other = m_k  /* a replace not confirmed yet */
+     :: rec_pend == m_k -> code = PENDING; other = m_k  /* a replace not settled yet */
 #endif
      :: else ->
      /* pending until its publish is confirmed; the call it replaced is kept in the
@@ -314,6 +343,8 @@ inline claim(k, code, other, ttl) {
 #endif
   fi
 #endif
+claimed:
+  skip
 }
 
 /* A re-queue of send k (a rate park, a contention retry, a retry of a started call:
@@ -343,11 +374,13 @@ inline requeue(k, st) {
        if
        :: IS_REPLACED(k) && CHECKED(st) ->
           remember(k, now + RCD + QTTL);
+#ifndef NO_PDL_RAISE
           if
           :: rec_pend != 0 && rec_pold == k && rec_pdl < now + RCD + QTTL ->
              rec_pdl = now + RCD + QTTL        /* an undo gives it a marker that long */
           :: else -> skip
           fi;
+#endif
           put(k, now + RCD, now + RCD + QTTL, st);
           goto requeued
        :: else -> skip
@@ -374,6 +407,20 @@ requeued:
   skip
 }
 
+/* P5, in the claim's own step: a new window only when the last one has passed; a
+ * duplicate only within it */
+inline window(code) {
+#if MODE == TH
+  if
+  :: code == CLAIMED -> assert(win_t == FAR || now >= win_t + TTL); win_t = now
+  :: code == QUEUED || code == RUNNING -> assert(win_t != FAR && now < win_t + TTL)
+  :: else -> skip
+  fi
+#else
+  skip
+#endif
+}
+
 proctype Send(byte k) {
   byte code, other, i, ttl, owin;
   bool ok, stands, lost;
@@ -383,16 +430,40 @@ proctype Send(byte k) {
 #else
   ttl = QTTL + cd_of[k];
 #endif
+#if MODE == US && defined(RESULT_STORE_CHECK)
+  /* (the code as it stands) until_started: a task id the caller chose, whose started
+   * call waits for its retry (the result store says RETRY, read before the claim), is
+   * that call: a duplicate, nothing claimed */
+  atomic {
+    publishing++;
+    i = 1;
+    do
+    :: i > NS -> break
+    :: i <= NS && i != k && ID(i) == ID(k) && rs[i] && out[i] == NONE ->
+       code = QUEUED; other = i; out[k] = DUP; dup_of[k] = i; break
+    :: i <= NS && !(i != k && ID(i) == ID(k) && rs[i] && out[i] == NONE) -> i++
+    od
+  };
+  if
+  :: out[k] == DUP -> goto done
+  :: else -> skip
+  fi;
+  atomic {
+#else
   atomic {
     publishing++;                    /* no time passes from its claim to its end */
+#endif
     owin = win_t;
-    claim(k, code, other, ttl);
+    claim(k, code, other, ttl); window(code);
 #ifdef LOST_REPLY
     if
     :: lost_budget -> lost_budget = false; lost = true   /* its reply is lost */
     :: true -> skip
-    fi
+    fi;
+#endif
+    skip
   };
+#ifdef LOST_REPLY
   if
   :: lost ->
      /* redis-py sends the claim again (the same operation id): its first reply */
@@ -400,36 +471,34 @@ proctype Send(byte k) {
        expire();
 #ifndef NO_CLAIM_OP
        if
+#ifdef OP_IN_RECORD
        :: m_k != 0 && ID(m_k) == ID(k) && rec_op == k ->
+#else
+       :: m_k == k ->                        /* the marker its own claim wrote */
+#endif
           if
           :: rec_pend == k -> code = REPLACED; other = rec_pold
           :: else -> code = CLAIMED; other = 0
           fi
-       :: else -> claim(k, code, other, ttl)
+       :: else -> claim(k, code, other, ttl); window(code)
        fi
 #else
-       claim(k, code, other, ttl)
+       claim(k, code, other, ttl); window(code)
 #endif
      }
   :: else -> skip
   fi;
+#endif
+  /* another replace's publish not settled: ask again once it is (it settles in
+   * milliseconds), or, past the wait, a duplicate of that call */
+  do
+  :: code != PENDING -> break
+  :: atomic { code == PENDING && rec_pend != other -> claim(k, code, other, ttl); window(code) }
+  :: atomic { code == PENDING -> code = QUEUED }
+  od;
   atomic {
-#endif
-#if MODE == TH
-    if
-    :: code == CLAIMED ->
-       /* P5: a new window only when the last one has passed */
-       assert(win_t == FAR || now >= win_t + TTL);
-       win_t = now
-    :: else -> skip
-    fi;
-#endif
     if
     :: code == QUEUED || code == RUNNING ->
-#if MODE == TH
-       /* P5: a duplicate only within the window of the last claimed call */
-       assert(win_t != FAR && now < win_t + TTL);
-#endif
        dup_of[k] = other;
 #ifdef NO_FORWARD
        if
@@ -637,7 +706,13 @@ handed:
     started[k] = true
   };
   if
-  :: atomic { requeues < REQUEUES -> requeue(k, true); l_k = 0 }  /* self.retry */
+#ifdef RESULT_STORE_CHECK
+  :: atomic { requeues < REQUEUES -> requeue(k, true); l_k = 0 };  /* self.retry */
+     rs[k] = true                 /* then the result store says RETRY (after the release) */
+#else
+  /* self.retry: re-queued (its task id known to be waiting for its retry), released */
+  :: atomic { requeues < REQUEUES -> requeue(k, true); rs[k] = true; l_k = 0 }
+#endif
   :: atomic { true -> l_k = 0; ev++; end_ev[k] = ev; out[k] = RAN }
   fi;
 next:
