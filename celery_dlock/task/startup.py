@@ -64,9 +64,9 @@ def check_store(app: Any) -> list[str]:
         return []
     prefixes = sorted({str(read_setting(task, "lock_prefix"))
                        for task in _locked_tasks(app)})
-    backend = backend_for(app)
     lasting: list[str] = []
     try:
+        backend = backend_for(app)  # a Cluster's client connects as it is made
         for prefix in prefixes:
             for problem in backend.check(prefix):
                 if problem.lasting:
