@@ -16,7 +16,7 @@ from celery_helpers import close_app, test_app
 from dlock_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
-from celery_dlock import LockedTask, LockLost, RedisLock, is_skipped
+from celery_dlock import LockedTask, LockLost, RedisLock, is_skipped, signals
 from celery_dlock.ops import metrics
 
 RESULT_TIMEOUT = 30
@@ -201,10 +201,24 @@ def test_duplicate_counter_by_task_and_policy(env):
 
 
 def test_parked_counter(env):
+    """Every park is counted once.  3 calls of one name at once at 2/s (burst 1):
+    the rate is asked with the lock held, so the later calls first wait their turn
+    for the lock (contention retries) and are parked when they get it too soon:
+    at least one is, and the counter moves by as many as the signal told."""
     task = env.tasks.rated.name
     x = uuid.uuid4().hex
-    before = sample(env, "dlock_parked_total", task=task)
-    # 3 calls at once at 2/s (burst 1): the 2nd and 3rd are parked, then run.
-    results = [env.tasks.rated.delay(x) for _ in range(3)]
-    assert [res.get(timeout=RESULT_TIMEOUT) for res in results] == ["ran"] * 3
-    assert sample(env, "dlock_parked_total", task=task) >= before + 2
+    parked: list[Any] = []
+
+    def on_parked(sender: Any = None, **kw: Any) -> None:
+        if kw.get("name") == f"m:{x}":
+            parked.append(kw)
+
+    signals.lock_parked.connect(on_parked, weak=False)
+    try:
+        before = sample(env, "dlock_parked_total", task=task)
+        results = [env.tasks.rated.delay(x) for _ in range(3)]
+        assert [res.get(timeout=RESULT_TIMEOUT) for res in results] == ["ran"] * 3
+    finally:
+        signals.lock_parked.disconnect(on_parked)
+    assert len(parked) >= 1
+    assert sample(env, "dlock_parked_total", task=task) == before + len(parked)

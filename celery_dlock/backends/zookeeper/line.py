@@ -89,10 +89,11 @@ class LockNode:
         return decode_node(raw, child), stat
 
     def write(self, child: str, data: NodeData, version: int) -> bool:
-        """Set a child's data at ``version``; False when it changed meanwhile."""
+        """Set a child's data at ``version``; False when it changed or went meanwhile
+        (its holder deleted it: told of a loss, or at its max hold)."""
         try:
             self.call("write", lambda c: c.set_async(child, data.encode(), version))
-        except BadVersionError:
+        except (BadVersionError, NoNodeError):
             return False
         return True
 
