@@ -56,6 +56,16 @@ needs_inprocess_eta = pytest.mark.skipif(
            "test_contention_retry_workers.py")
 
 
+#: A duplicate chord body and a frozen group applied twice are known to hang their
+#: get() on Celery 5.5 (the floors job): the body is sent by the result backend with
+#: nothing that says it belongs to a chord, so it gets no follower (docs/modes.md).
+#: Kept visible as a skip with this reason until it is fixed there.
+canvas_follows_before_57 = pytest.mark.skipif(
+    _celery_version() < (5, 7),
+    reason="before Celery 5.7 a duplicate chord body (and a frozen group applied "
+           "twice) is not followed and its get() waits: a known gap, docs/modes.md")
+
+
 #: Quick polling: a worker's teardown does not wait a second (for any broker).
 QUICK_POLLING: dict[str, Any] = {"broker_transport_options": {"polling_interval": 0.1}}
 
