@@ -25,6 +25,9 @@ from celery_dlock.backends.redis.renewal import renew_target
 from celery_dlock.backends.redis.scripts import LuaScript
 from celery_dlock.ops.embedded import EmbeddedRedis
 
+#: redis-py 4 (the floors job) differs from later redis-py where these tests read it.
+_REDIS_4 = int(redis.__version__.split(".")[0]) < 5
+
 ECHO = LuaScript("echo_args", "return ARGV")
 
 
@@ -133,6 +136,8 @@ def test_after_a_failover_and_pool_disconnect_the_scripts_follow(own_server, pro
     client.close()
 
 
+@pytest.mark.skipif(_REDIS_4, reason="redis-py 4 re-sends a command after a timeout "
+                    "only with retry_on_timeout=True, whatever set_retry() says")
 def test_set_retry_and_close_reach_the_lock_calls(own_server, proxy, prefix, name):
     """``client.set_retry()`` after the lock's first calls governs its next ones (a
     reply lost on the way is re-sent, the operation id making it harmless), and
@@ -212,8 +217,12 @@ def test_a_connection_that_cannot_be_made_does_not_fail_an_acquire(own_server, p
 @pytest.mark.parametrize(("encoding", "field", "text"), [
     ("utf-8", "owner", "owner-\ud800"),
     ("utf-8", "info", "report-\ud800"),
-    ("latin-1", "owner", "owner-€"),
-    ("latin-1", "info", "report-€"),
+    pytest.param("latin-1", "owner", "owner-€", marks=pytest.mark.skipif(
+        _REDIS_4, reason="redis-py 4 sends every argument as UTF-8 whatever the "
+                         "client's encoding: nothing to refuse")),
+    pytest.param("latin-1", "info", "report-€", marks=pytest.mark.skipif(
+        _REDIS_4, reason="redis-py 4 sends every argument as UTF-8 whatever the "
+                         "client's encoding: nothing to refuse")),
 ])
 def test_an_argument_that_cannot_be_encoded_is_invalid_lock_config(
         own_server, prefix, name, encoding, field, text):
