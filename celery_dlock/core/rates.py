@@ -13,8 +13,10 @@ server keeps, per name, the *theoretical arrival time* ``tat`` (on the server's 
   may start) and ``tat`` moves on by ``T`` all the same: the slot is reserved for it, so
   calls parked one after another get successive slots, in the order they asked;
 * a parked call that comes back at its slot (no earlier, at most one interval later)
-  starts without asking again; one that comes back later than that asks afresh (its
-  slot passed unused; it is never dropped).
+  starts without asking again, and the slot is spent; one that comes back later than
+  that asks afresh (its slot passed unused; it is never dropped), and so does one whose
+  slot was spent already (the same message delivered again after a worker died while
+  running it, or a retry whose message kept the slot): a slot starts one body.
 
 So at most ``R + B - 1`` starts are granted in any period-long window, and, as a
 parked call may start up to one interval after its slot, at most ``R + B`` calls start

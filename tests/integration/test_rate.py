@@ -71,6 +71,22 @@ def test_a_parked_call_runs_at_its_slot_without_asking_again(rates, r, prefix, n
     assert r.hget(rate_key(prefix, name), "tat") == before, "its slot was already counted"
 
 
+def test_a_slot_starts_one_body(rates, r, prefix, name):
+    """A parked message delivered twice (its worker died after the body started; a
+    retry that kept the slot header) starts once at its slot: the second delivery
+    asks afresh and, the rate being spent, is parked for a new slot."""
+    rate = parse_rate("5/s")
+    assert rates.take(prefix, name, rate).run
+    parked = rates.take(prefix, name, rate)
+    assert not parked.run
+    time.sleep(parked.delay + 0.01)
+    assert rates.take(prefix, name, rate, parked.slot).run
+    before = r.hget(rate_key(prefix, name), "tat")
+    again = rates.take(prefix, name, rate, parked.slot)
+    assert not again.run and again.slot is not None and again.slot > parked.slot
+    assert r.hget(rate_key(prefix, name), "tat") != before, "asked afresh: a new slot"
+
+
 def test_a_parked_call_back_late_asks_afresh(rates, prefix, name):
     rate = parse_rate("5/s")
     assert rates.take(prefix, name, rate).run

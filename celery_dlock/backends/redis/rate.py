@@ -5,7 +5,8 @@ lock's, sharing its hash tag (one Cluster slot): ``tat`` (the theoretical arriva
 time), ``interval`` and ``tau`` (``(burst - 1) * interval``), all in server
 microseconds, and ``ops``: the last few calls' operation ids with their answers, so a
 call the client re-sends (a lost reply, a request the server ran late) takes one
-slot, not two.  It expires one second after ``tat``: a name with no calls lately keeps
+slot, not two; and ``slots``: the slots reserved for parked calls and not yet claimed,
+so that each is claimed once.  It expires one second after ``tat``: a name with no calls lately keeps
 nothing.  It is a hash with none of a hold's fields, so ``celery dlock ls`` (which
 lists the lock hashes) never shows it as a lock.
 """
@@ -34,21 +35,27 @@ RATE_SUFFIX = ":rate"
 # (us) a parked call comes back for, or '', ARGV[4] the call's operation id (hex).
 # Replies {code, wait (us), slot (us)}: 1 start now; 0 parked: wait for the slot,
 # reserved; 2 back too early for its slot: wait again (nothing changed).
-# Idempotent: the last OPS_KEPT operation ids that moved ``tat`` are kept in ``ops``
-# (" id:code:slot" each, newest first); a re-sent call (a lost reply, a request the
-# server ran late) finds its id and gets its first answer, ``tat`` unmoved.
+# Idempotent: the last OPS_KEPT operation ids that changed the state are kept in
+# ``ops`` (" id:code:slot" each, newest first); a re-sent call (a lost reply, a request
+# the server ran late) finds its id and gets its first answer, ``tat`` unmoved.
+# A slot is claimed once: the reserved slots not yet claimed are kept in ``slots``
+# (" slot" each); a parked call that comes back for a slot found there takes it out
+# and starts; one whose slot is not there (claimed already: the same message
+# delivered again after a worker died, or a retry that kept the header) asks afresh,
+# as one back more than an interval late does.  Slots past their last moment are
+# dropped at every write.
 TAKE = LuaScript("rate_take", """
 local key = KEYS[1]
 local interval, tau = tonumber(ARGV[1]), tonumber(ARGV[2])
 local op = ARGV[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local slot = nil
 if ARGV[3] ~= '' then
-  local slot = tonumber(ARGV[3])
+  slot = tonumber(ARGV[3])
   if now < slot then return {2, slot - now, slot} end
-  if now <= slot + interval then return {1, 0, slot} end
 end
-local state = redis.call('HMGET', key, 'tat', 'ops')
+local state = redis.call('HMGET', key, 'tat', 'ops', 'slots')
 local ops = state[2] or ''
 if op ~= '' then
   local code, given = string.match(ops, ' ' .. op .. ':(%d):(%d+)')
@@ -58,6 +65,25 @@ if op ~= '' then
     return {0, given - now, given}
   end
 end
+local pending, mine = '', false
+for entry in string.gmatch(state[3] or '', '%d+') do
+  local s = tonumber(entry)
+  if s == slot then mine = true
+  elseif s + interval >= now then pending = pending .. ' ' .. entry end
+end
+local function remember(code, given)
+  local kept, n = ' ' .. op .. ':' .. code .. ':' .. string.format('%.0f', given), 1
+  for entry in string.gmatch(ops, ' [^ ]+') do
+    if n >= OPS_KEPT then break end
+    kept, n = kept .. entry, n + 1
+  end
+  return kept
+end
+if mine and now <= slot + interval then
+  -- The key lives at least one interval past every slot it reserved: no expiry here.
+  redis.call('HSET', key, 'slots', pending, 'ops', remember(1, slot))
+  return {1, 0, slot}
+end
 local tat = tonumber(state[1] or '0')
 if tat < now then tat = now end
 local at = tat - tau
@@ -65,17 +91,12 @@ if at < now then at = now end
 local new = tat + interval
 local ms = math.ceil((new - now) / 1000) + 1000
 local code = 0
-if at <= now then code = 1 end
-local kept, n = ' ' .. op .. ':' .. code .. ':' .. string.format('%.0f', at), 1
-for entry in string.gmatch(ops, ' [^ ]+') do
-  if n >= OPS_KEPT then break end
-  kept, n = kept .. entry, n + 1
-end
+if at <= now then code = 1 else pending = pending .. ' ' .. string.format('%.0f', at) end
 -- The expiry first (on a missing key it changes nothing): a refused command stops the
 -- script before the write.
 redis.call('PEXPIRE', key, ms)
 redis.call('HSET', key, 'tat', string.format('%.0f', new), 'interval', ARGV[1],
-           'tau', ARGV[2], 'ops', kept)
+           'tau', ARGV[2], 'ops', remember(code, at), 'slots', pending)
 redis.call('PEXPIRE', key, ms)
 if code == 1 then return {1, 0, now} end
 return {0, at - now, at}
