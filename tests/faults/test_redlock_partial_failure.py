@@ -202,8 +202,10 @@ def test_one_node_stopped_past_several_ttls_starves_nobody(nodes):
 
     def wait_for_held(k: int) -> None:
         # busy waiters for the held lock: each refused try sends calls to the stopped
-        # node, and a give-back of that try there too
-        waiter = _lock(shared, "held", f"waiter-{k}")
+        # node, and a give-back of that try there too.  Their node timeout leaves a
+        # loaded machine (two cores, another test beside) time to start their calls
+        # to the live nodes; the stopped node keeps each of its calls that long.
+        waiter = _lock(shared, "held", f"waiter-{k}", node_timeout=0.5)
         while not stop.is_set():
             try:
                 assert not waiter.acquire(timeout=0.5)
