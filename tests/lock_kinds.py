@@ -124,8 +124,8 @@ class LockKind:
     def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
         """Free ``lock_name`` on every server whoever holds it (an operator's
         ``celery dlock release --force``)."""
+        from celery_dlock.backends.redis.inspect import force_release
         from celery_dlock.backends.redis.keyspace import LockKeys
-        from celery_dlock.ops.inspect import force_release
 
         self._settle(LockKeys.for_name(prefix, lock_name).lock)
         for c in self.clients:

@@ -12,8 +12,10 @@ Two protocols, and the reply codes every backend speaks:
   checks that the only module of theirs that names a backend is the one that chooses
   it from the configuration).
 
-An optional capability: a backend with a ``rates()`` method returning a
-:class:`RateStore` keeps per-name rates (``lock_rate``); one without it refuses them.
+What a backend can do beyond locks of one holder is in its ``capabilities``
+(:mod:`celery_dlock.core.registry`): one with ``rates`` has a ``rates()`` method
+returning a :class:`RateStore` (``lock_rate``), one with ``markers`` a ``markers()``
+method (enqueue-time uniqueness); one without refuses them.
 
 Nothing here imports a driver or Celery.
 """
@@ -149,6 +151,10 @@ class Backend(Protocol):
     kind: str
     #: Whether its locks give fencing tokens.
     fences: bool
+    #: What it can do beyond locks of one holder (:mod:`celery_dlock.core.registry`:
+    #: markers, limit, rates, fencing, inspect, history); the Celery face checks these,
+    #: never the URL.
+    capabilities: frozenset[str]
 
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,

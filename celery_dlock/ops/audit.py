@@ -20,10 +20,10 @@ import socket
 import time
 from typing import Any
 
+from ..core.holds import HoldInfo
 from ..core.text import clean_text
 from ..task.events import EVENTS_MAX, EVENTS_TTL, Event, events_key
 from .formatting import printable
-from .inspect import LockInfo
 
 __all__ = ["operator", "record_release", "released_by"]
 
@@ -44,7 +44,7 @@ def released_by(force: bool) -> str:
     return f"{operator()} with celery dlock release{' --force' if force else ''}"
 
 
-def record_release(client: Any, prefix: str, key: str, freed: LockInfo,
+def record_release(client: Any, prefix: str, key: str, freed: HoldInfo,
                    reason: str | None) -> Event:
     """Record that ``freed`` (the hold on ``key``) was released by hand.
 

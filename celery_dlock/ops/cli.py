@@ -40,7 +40,7 @@ from celery import current_app
 from redis.exceptions import RedisError
 
 from ..core.errors import DLockError, LockKeyConflict
-from ..core.holds import HoldInfo
+from ..core.holds import SUMMARY_FIELDS, HoldChanged, HoldInfo
 from .audit import record_release, released_by
 from .check import check
 from .formatting import (
@@ -54,10 +54,6 @@ from .formatting import (
     table_lines,
     value_cells,
     with_slots,
-)
-from .inspect import (
-    SUMMARY_FIELDS,
-    HoldChanged,
 )
 from .oneline import OneLineGroup
 from .rates import rate_cell, rate_state, rate_states, rate_text

@@ -6,7 +6,7 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .inspect import LockInfo
+from ..core.holds import HoldInfo
 
 __all__ = ["QUEUED_FIELDS", "cell_text", "duration_text", "fit_widths", "holder_text",
            "printable", "queued_text", "row_cells", "slot_text", "table_lines",
@@ -94,7 +94,7 @@ def fit_widths(columns: Sequence[str], rows: Sequence[Sequence[str]],
     return {name: sizes[name] for name in text}
 
 
-def row_cells(info: LockInfo, columns: Sequence[str], extra: dict[str, Any] | None = None
+def row_cells(info: HoldInfo, columns: Sequence[str], extra: dict[str, Any] | None = None
          ) -> list[str]:
     return value_cells({**info.as_dict(), **(extra or {})}, columns)
 
@@ -110,14 +110,14 @@ def queued_text(task_id: str, left: float | None) -> str:
     return f"{task_id} ({'no expiry' if left is None else f'ttl {left:.3f}s'})"
 
 
-def holder_text(info: LockInfo) -> str:
+def holder_text(info: HoldInfo) -> str:
     if info.task_name or info.task_id:
         return (f"task {info.task_name or '?'}[{info.task_id or '?'}], "
                 f"owner {info.owner}, fence {cell_text(info.fence)}")
     return f"owner {info.owner}, fence {cell_text(info.fence)}"
 
 
-def with_slots(columns: Sequence[str], infos: Iterable[LockInfo]) -> tuple[str, ...]:
+def with_slots(columns: Sequence[str], infos: Iterable[HoldInfo]) -> tuple[str, ...]:
     """``columns`` with ``slots`` (a semaphore's used/limit) after ``key`` when any
     of ``infos`` is a semaphore."""
     if not any(i.limit is not None for i in infos):
@@ -127,7 +127,7 @@ def with_slots(columns: Sequence[str], infos: Iterable[LockInfo]) -> tuple[str, 
     return tuple(out)
 
 
-def slot_text(info: LockInfo) -> str:
+def slot_text(info: HoldInfo) -> str:
     """One holder of a semaphore in a line: who, fence, ttl left, held for."""
     return (f"{info.describe()}, owner {info.owner}, fence {cell_text(info.fence)}, "
             f"ttl {duration_text(info.ttl)}, held for {duration_text(info.held_for)}")

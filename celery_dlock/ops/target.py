@@ -16,11 +16,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..core.errors import BackendUnavailable, InvalidLockConfig, NotSupported
 from ..core.lock_args import DEFAULT_PREFIX
 from ..core.protocol import Backend
+from ..core.registry import INSPECT
 from ..task.backend import backend_for, backend_from_url, backend_of_client, markers_for
 from ..task.config import mask_url, redis_url_of, resolve_url
 from ..task.connection import client_for_url, sql_url_of
 from ..task.markers import MarkerStore
-from ..task.schemes import check_known, sql_kind
+from ..task.schemes import check_known, url_backend
 from ..task.settings import conf_of, conf_value
 from .formatting import printable
 
@@ -55,14 +56,15 @@ class Target:
         """The backend the locks are read from (one Redis; a Redlock is refused in
         one line: give --url with one of its servers)."""
         if self._backend is None:
-            if self.url and (sql_kind(self.url) or redis_url_of(self.url) is None):
-                if not sql_kind(self.url):  # a scheme none reads: name --url
+            made_from_url = url_backend(self.url) is not None if self.url else False
+            if self.url and (made_from_url or redis_url_of(self.url) is None):
+                if not made_from_url:  # a scheme none reads: name --url
                     check_known(self.url, "--url")
                 backend = backend_from_url(self.url)
             else:
                 backend = (backend_of_client(self._url_client()) if self.url
                            else backend_for(self.app))
-            if backend.kind == "redlock":
+            if INSPECT not in backend.capabilities:
                 backend.holds(self.prefix)  # raises NotSupported, in one line
             self._backend = backend
         return self._backend
@@ -158,7 +160,8 @@ class Target:
                     url = sql_url_of(conf_of(self.app))
                 except Exception:  # a setting it cannot read: said elsewhere
                     url = None
-            kind = sql_kind(url) if url else None
+            entry = url_backend(url) if url else None
+            kind = entry.kind if entry is not None else None
         return STORE_NAMES.get(str(kind), "Redis")
 
     def close(self) -> None:

@@ -1,12 +1,14 @@
 """The one door from the Celery face to a backend: :func:`backend_for`.
 
-The backend is chosen from the app's configuration in this one place (one Redis, a
-Cluster, Sentinel or a unix socket: a :class:`RedisBackend`; several servers, from a
-list ``dlock_url``, ``redlock://a;redlock://b;...`` or a ``dlock_client`` returning a
-list: a :class:`RedlockBackend`; a ``postgresql://`` URL: the PostgreSQL backend,
-``mysql://`` or ``mariadb://``: the MySQL/MariaDB one, whose driver is imported only
-then).  Everything else in ``task/`` and ``ops/`` speaks
-:mod:`celery_dlock.core.protocol` only.
+The backend is chosen from the app's configuration in this one place, through the
+backend registry (:mod:`celery_dlock.core.registry`), which imports a backend's module
+by name when its first backend is made: one Redis, a Cluster, Sentinel or a unix
+socket; several servers (a list ``dlock_url``, ``redlock://a;redlock://b;...`` or a
+``dlock_client`` returning a list): Redlock; ``postgresql://``, ``mysql://`` or
+``mariadb://``, ``zookeeper://``: those backends, whose drivers are imported only
+then.  What a backend can do is asked of its capabilities, never of its URL.
+Everything else in ``task/`` and ``ops/`` speaks :mod:`celery_dlock.core.protocol`
+only.
 
 :func:`lock_from_url` is the same door for code without a Celery app.
 """
@@ -19,17 +21,15 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..backends.redis.backend import RedisBackend
-from ..backends.redis.redlock.backend import RedlockBackend, check_redlock_limit
 from ..core.errors import InvalidLockConfig, NotSupported
 from ..core.lock_args import DEFAULT_PREFIX
 from ..core.process import after_fork
 from ..core.protocol import Backend, Lock
+from ..core.registry import LIMIT, MARKERS, Entry, entry_for, entry_named, redis_driver
 from . import connection
 from .config import check_conf, get_client
-from .connection import redlock_urls
 from .markers import MarkerStore
-from .schemes import check_known, sql_kind
+from .schemes import check_known, url_backend
 from .settings import conf_value
 
 __all__ = ["backend_for", "backend_from_url", "backend_of_client",
@@ -42,40 +42,15 @@ _by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDi
 def backend_of_client(client: Any) -> Backend:
     """The backend of a client the configuration gave: a tuple of clients is a
     Redlock, anything else one Redis."""
-    if isinstance(client, tuple):
-        return RedlockBackend(client)
-    return RedisBackend(client)
+    backend: Backend = redis_driver().backend_of_client(client)
+    return backend
 
 
-def _sql_backend(kind: str, url: str) -> Backend:
-    """The SQL backend ``kind`` for ``url`` (its driver imported now)."""
+def _url_backend(entry: Entry, url: str) -> Backend:
+    """The backend ``entry`` makes from ``url`` alone (its driver imported now)."""
     connection.check_unambiguous(url, "the lock URL")
-    if kind == "postgres":
-        try:
-            # Imported only now: ``import celery_dlock`` imports no SQL driver.
-            from ..backends.sql.backend import PostgresBackend  # noqa: PLC0415
-        except ImportError as exc:  # the extra is not installed
-            raise InvalidLockConfig(f"postgresql:// locks need psycopg 3: pip install "
-                                    f"'celery-dlock[postgres]' ({exc})") from None
-        return PostgresBackend(url)
-    if kind == "mysql":
-        try:
-            # Imported only now: ``import celery_dlock`` imports no SQL driver.
-            from ..backends.sql.my_backend import MySQLBackend  # noqa: PLC0415
-        except ImportError as exc:  # the extra is not installed
-            raise InvalidLockConfig(f"mysql:// and mariadb:// locks need PyMySQL: pip "
-                                    f"install 'celery-dlock[mysql]' ({exc})") from None
-        return MySQLBackend(url)
-    if kind == "zookeeper":
-        try:
-            # Imported only now: ``import celery_dlock`` imports no driver.
-            from ..backends.zookeeper import backend_from_url as zk_backend  # noqa: PLC0415
-        except ImportError as exc:  # the extra is not installed
-            raise InvalidLockConfig(f"zookeeper:// locks need kazoo: pip install "
-                                    f"'celery-dlock[zookeeper]' ({exc})") from None
-        backend: Backend = zk_backend(url)
-        return backend
-    raise AssertionError(kind)  # pragma: no cover - a scheme without a backend
+    backend: Backend = entry.driver().backend_from_url(url)
+    return backend
 
 
 _by_url: dict[str, Backend] = {}
@@ -96,22 +71,22 @@ def backend_from_url(url: Any) -> Backend:
         found = _by_url.get(key)
         if found is not None:
             return found
-        kind = sql_kind(url)
+        entry = url_backend(url)
         backend: Backend
-        if kind is not None:
-            backend = _sql_backend(kind, url)
+        if entry is not None:
+            backend = _url_backend(entry, url)
         else:
             redlock = connection.redlock_urls(url)
             if redlock is not None:
                 options = connection.client_options({})
-                backend = RedlockBackend(tuple(
+                backend = backend_of_client(tuple(
                     connection.client_from_url(u, options) for u in redlock))
             else:
                 one = connection.redis_url_of(url)
                 if one is None:
                     check_known(url, "lock URL")
                 connection.check_unambiguous(one, "the lock URL")
-                backend = RedisBackend(connection.client_for_url(one))
+                backend = backend_of_client(connection.client_for_url(one))
         _by_url[key] = backend
         return backend
 
@@ -215,24 +190,15 @@ def forget_app(app: Any) -> None:
 
 
 def check_limit_supported(app: Any, limit: Any, where: str) -> None:
-    """InvalidLockConfig when ``limit`` > 1 (a semaphore) and ``app``'s
-    ``dlock_url`` is a Redlock (several servers) or a SQL database, which keep no
-    semaphores.  (A ``dlock_client`` returning several clients is refused at the first
-    lock.)"""
+    """InvalidLockConfig when ``limit`` > 1 (a semaphore) and the backend
+    ``app``'s ``dlock_url`` names keeps no semaphores (its capabilities, from the
+    configuration alone).  (A ``dlock_client`` returning several clients is refused
+    at the first lock.)"""
     if limit in (None, 1):
         return
-    url = conf_value(app, "dlock_url")
-    kind = sql_kind(url)
-    if kind is not None:
-        raise InvalidLockConfig(
-            f"{where}: lock_limit={limit!r} needs a Redis backend: the {kind} backend "
-            f"keeps locks of one holder (docs/backends.md)")
-    if redlock_urls(url) is None:
-        return
-    try:
-        check_redlock_limit(limit)
-    except InvalidLockConfig as exc:
-        raise InvalidLockConfig(f"{where}: {exc}") from None
+    entry = entry_for(conf_value(app, "dlock_url"))
+    if entry is not None and not entry.can(LIMIT):
+        raise InvalidLockConfig(entry.missing(LIMIT, f"{where}: lock_limit={limit!r}"))
 
 
 def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:
@@ -242,11 +208,9 @@ def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:
     if backend is None:
         backend = backend_for(app)
     markers = getattr(backend, "markers", None)
-    if markers is None:
-        raise NotSupported(
-            f"lock_mode other than while_running needs queue markers, which the "
-            f"{backend.kind} backend does not keep (use one Redis, a Cluster or "
-            f"Sentinel for tasks with an enqueue-time lock_mode)")
+    if MARKERS not in backend.capabilities or markers is None:
+        raise NotSupported(entry_named(backend.kind).missing(
+            MARKERS, "lock_mode other than while_running"))
     store: MarkerStore = markers()
     return store
 

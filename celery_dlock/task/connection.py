@@ -30,15 +30,13 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import redis
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisClusterException
-from redis.retry import Retry
 
 from ..backends.redis import topology
 from ..core import urls
 from ..core.errors import BackendUnavailable, InvalidLockConfig
 from ..core.process import after_fork
-from .schemes import celery_sql_url, check_known, sql_kind
+from .schemes import celery_sql_url, check_known, url_backend
 from .settings import conf_value
 
 __all__ = ["cached_client", "forget_app", "get_client", "mask_url", "redis_url_of",
@@ -174,7 +172,7 @@ def transport_options_for(conf: Any, url: str) -> Any:
 def client_for_url(url: str, conf: Any = None) -> Any:
     """A client for a URL given by hand (``celery dlock --url``), with the options
     every client of the locks gets and the app's transport options."""
-    options = dict(_default_client_options())
+    options = dict(topology.default_client_options())
     transport = (conf_value(conf, "dlock_transport_options", {}) if conf is not None
                  else {})
     return topology.client_from_url(url, options, transport)
@@ -220,7 +218,7 @@ def sql_url_of(conf: Any) -> str | None:
         return None
     url = conf_value(conf, "dlock_url")
     if url:
-        return url if sql_kind(url) else None
+        return url if url_backend(url) is not None else None
     try:
         resolve_url(conf)
         return None
@@ -241,23 +239,10 @@ def _each_unambiguous(url: str, where: str) -> str:
     return url
 
 
-def _default_client_options() -> dict[str, Any]:
-    return {
-        "socket_timeout": 5.0,
-        "socket_connect_timeout": 3.0,
-        "health_check_interval": 30,
-        # Fail over quickly to BackendUnavailable rather than hang a task.
-        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        # What ``retry`` re-sends on: redis-py 6+ reads it from ``retry``, older
-        # versions only from here (without it they re-send nothing).
-        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
-    }
-
-
 def client_options(conf: Any) -> dict[str, Any]:
     """The keyword arguments of ``redis.Redis.from_url``: the defaults above with
     ``app.conf.dlock_redis_options`` merged over them."""
-    options = _default_client_options()
+    options = topology.default_client_options()
     extra = conf_value(conf, "dlock_redis_options", {})
     if not isinstance(extra, dict):
         raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict, got "

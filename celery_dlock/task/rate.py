@@ -33,11 +33,10 @@ from celery.exceptions import Retry
 from ..core.errors import BackendUnavailable, DLockError, NotSupported
 from ..core.protocol import Lock, RateStore
 from ..core.rates import Rate, RateDecision
+from ..core.registry import RATES, entry_for, entry_named
 from . import signals
 from .backend import backend_for
-from .connection import redlock_urls
 from .contention import ACQUIRED
-from .schemes import sql_kind
 from .settings import conf_value
 
 __all__ = ["SLOT_HEADER", "check_rates_supported", "park_if_over", "rates_for",
@@ -50,16 +49,14 @@ SLOT_HEADER = "dlock_rate_slot"
 
 
 def _unsupported(kind: str) -> NotSupported:
-    return NotSupported(
-        f"lock_rate needs per-name rates, which the {kind} backend does not keep (use "
-        f"one Redis, a Cluster or Sentinel for tasks with a lock_rate)")
+    return NotSupported(entry_named(kind).missing(RATES, "lock_rate"))
 
 
 def rates_for(app: Any) -> RateStore:
     """The rates of ``app``'s backend; :class:`NotSupported` when it keeps none."""
     backend = backend_for(app)
     rates = getattr(backend, "rates", None)
-    if rates is None:
+    if RATES not in backend.capabilities or rates is None:
         raise _unsupported(backend.kind)
     store: RateStore = rates()
     return store
@@ -67,15 +64,12 @@ def rates_for(app: Any) -> RateStore:
 
 def check_rates_supported(app: Any, where: str) -> None:
     """At worker start, from the configuration alone (no client is made): refuse
-    ``lock_rate`` with a Redlock or SQL ``dlock_url``.  (A ``dlock_client`` returning
-    several clients is found out at the first call, which fails with the same
-    error.)"""
-    url = conf_value(app, "dlock_url")
-    kind = sql_kind(url)
-    if kind is not None:
-        raise NotSupported(f"{where}: {_unsupported(kind)}")
-    if redlock_urls(url) is not None:
-        raise NotSupported(f"{where}: {_unsupported('redlock')}")
+    ``lock_rate`` when the backend ``dlock_url`` names keeps no rates (its
+    capabilities).  (A ``dlock_client`` returning several clients is found out at the
+    first call, which fails with the same error.)"""
+    entry = entry_for(conf_value(app, "dlock_url"))
+    if entry is not None and not entry.can(RATES):
+        raise NotSupported(f"{where}: {_unsupported(entry.kind)}")
 
 
 def _slot_of(request: Any) -> int | None:

@@ -1,9 +1,10 @@
-"""Which backend a URL asks for, by its scheme (no backend is imported here).
+"""Which backend a URL asks for, as the backend registry
+(:mod:`celery_dlock.core.registry`) says from its scheme (no backend is imported here).
 
 The Redis family (``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``,
-``sentinel://``, a Redlock list) is read by :mod:`.connection`; the schemes of the
-other backends are named here, so that the configuration check and the door
-(:mod:`.backend`) agree on them, and an unknown scheme gets one clear error.
+``sentinel://``, a Redlock list) is read by :mod:`.connection` into a client; every
+other backend is made from its URL alone (:func:`url_backend`).  An unknown scheme
+gets one clear error.
 """
 
 from __future__ import annotations
@@ -12,20 +13,15 @@ import re
 from typing import Any, NoReturn
 
 from ..core.errors import InvalidLockConfig
+from ..core.registry import Entry, entry_for, known_schemes
 from ..core.urls import mask_url
 
-__all__ = ["KNOWN_SCHEMES", "SQL_SCHEMES", "celery_sql_url", "check_known", "sql_kind"]
+__all__ = ["celery_sql_url", "check_known", "url_backend"]
 
-#: The URL schemes of the backends other than Redis (SQL databases, ZooKeeper), and
-#: the backend each names: the door (:mod:`.backend`) makes them from the URL alone.
-SQL_SCHEMES = {"postgresql": "postgres", "postgres": "postgres",
-               "mysql": "mysql", "mariadb": "mysql", "zookeeper": "zookeeper"}
-#: Every scheme a lock URL may have, for error messages.
-KNOWN_SCHEMES = ("redis://, rediss://, unix://, redis+cluster://, sentinel://, "
-                 "redlock://a;redlock://b;redlock://c (or a list of 3+ Redis URLs), "
-                 "postgresql://, postgres://, mysql://, mariadb://, "
-                 "zookeeper://host:port[,host:port][/chroot]")
 
+#: The backends made from a client (the Celery face makes it from the URL and the app's
+#: options, or a ``dlock_client`` callable returns it).
+_CLIENT_KINDS = ("redis", "redlock")
 
 # Celery's spellings of a PostgreSQL broker (kombu's SQLAlchemy transport) and result
 # backend, with an optional SQLAlchemy driver: sqla+postgresql+psycopg://...
@@ -43,17 +39,13 @@ def celery_sql_url(value: Any) -> str | None:
     return None if found is None else "postgresql://" + value[found.end():]
 
 
-def _scheme(url: Any) -> str | None:
-    if not isinstance(url, str) or "://" not in url:
+def url_backend(url: Any) -> Entry | None:
+    """The backend made from ``url`` alone (PostgreSQL, MySQL/MariaDB, ZooKeeper: any
+    but the Redis family, whose client the Celery face makes), or None."""
+    entry = entry_for(url)
+    if entry is None or entry.kind in _CLIENT_KINDS:
         return None
-    return url.split("://", 1)[0].lower()
-
-
-def sql_kind(url: Any) -> str | None:
-    """The backend other than Redis that ``url`` names (``postgres``, ``mysql``,
-    ``zookeeper``), or None."""
-    scheme = _scheme(url)
-    return SQL_SCHEMES.get(scheme) if scheme is not None else None
+    return entry
 
 
 def check_known(url: Any, where: str) -> NoReturn:
@@ -61,4 +53,4 @@ def check_known(url: Any, where: str) -> NoReturn:
     names the setting), listing the known ones; the URL is shown masked."""
     shown = mask_url(url) if isinstance(url, str) else f"a {type(url).__name__}"
     raise InvalidLockConfig(f"{where} must be a URL of a known scheme (known schemes: "
-                            f"{KNOWN_SCHEMES}), got {shown!r}")
+                            f"{known_schemes()}), got {shown!r}")

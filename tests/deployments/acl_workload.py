@@ -17,8 +17,13 @@ from celery_helpers import close_app, test_app
 from click.testing import CliRunner
 
 from celery_dlock import LockedTask, LockKeyConflict, RedisLock, is_skipped
+from celery_dlock.backends.redis.inspect import (
+    force_release,
+    get_lock,
+    iter_locks,
+    waiting_counts,
+)
 from celery_dlock.ops.cli import dlock
-from celery_dlock.ops.inspect import force_release, get_lock, iter_locks, waiting_counts
 from celery_dlock.task.config import get_client
 
 

@@ -23,10 +23,10 @@ import redis
 from acl_workload import run_workload
 
 from celery_dlock import InvalidLockConfig, RedisLock
+from celery_dlock.backends.redis.inspect import force_release
 from celery_dlock.backends.redis.scripts import ACQUIRE
 from celery_dlock.core.hold import new_op_id
 from celery_dlock.ops.embedded import EmbeddedRedis
-from celery_dlock.ops.inspect import force_release
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deployments.md"
 USER, PASSWORD = "dlock", "dlock-secret"

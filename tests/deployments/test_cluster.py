@@ -16,8 +16,13 @@ from click.testing import CliRunner
 from dlock_helpers import wait_until
 
 from celery_dlock import LockLost, RedisLock
+from celery_dlock.backends.redis.inspect import (
+    force_release,
+    get_lock,
+    iter_locks,
+    lock_name_of,
+)
 from celery_dlock.ops.cli import dlock
-from celery_dlock.ops.inspect import force_release, get_lock, iter_locks, lock_name_of
 
 # Names that once broke (an empty hash tag: keys spread over slots) or that stress
 # the key: braces everywhere, unicode, 1000 characters.

@@ -10,7 +10,7 @@ import pytest
 import redis.cluster
 
 from celery_dlock import LockLost, RedisLock
-from celery_dlock.ops.inspect import force_release, iter_locks
+from celery_dlock.backends.redis.inspect import force_release, iter_locks
 
 
 @pytest.fixture

@@ -27,14 +27,13 @@ from dlock_helpers import try_acquire, until_while, wait_until
 from servers import SentinelGroup
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.backends.redis.topology import client_from_url
-from celery_dlock.task.connection import _default_client_options
+from celery_dlock.backends.redis.topology import client_from_url, default_client_options
 
 pytestmark = pytest.mark.slow
 
 
 def _client(group: SentinelGroup) -> Any:
-    return client_from_url(group.url(), _default_client_options(),
+    return client_from_url(group.url(), default_client_options(),
                            {"master_name": group.master_name})
 
 

@@ -1,7 +1,8 @@
 """A force release re-sent after its reply was lost changes nothing the second time.
 
 redis-py re-sends a command whose reply it did not get.  ``celery dlock release``
-(:func:`celery_dlock.ops.inspect.force_release`) names the hold it read (its fence) and
+(:func:`celery_dlock.backends.redis.inspect.force_release`) names the hold it read
+(its fence) and
 carries an operation id, so when another owner took the lock between the first
 execution and the re-send, that newer hold is left alone.
 """
@@ -18,10 +19,10 @@ import redis.retry
 from proxy import FaultProxy
 
 from celery_dlock import RedisLock
+from celery_dlock.backends.redis.inspect import force_release
 from celery_dlock.backends.redis.keyspace import LockKeys
 from celery_dlock.backends.redis.scripts import FORCE_RELEASE
 from celery_dlock.ops.embedded import EmbeddedRedis
-from celery_dlock.ops.inspect import force_release
 
 pytestmark = pytest.mark.slow
 

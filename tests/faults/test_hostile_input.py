@@ -16,8 +16,8 @@ from lock_kinds import NO_KEYS
 
 from celery_dlock import InvalidLockConfig, LockedTask, LockKeyConflict, RedisLock
 from celery_dlock.backends.redis.backend import RedisBackend
+from celery_dlock.backends.redis.inspect import force_release
 from celery_dlock.backends.redis.keyspace import LockKeys
-from celery_dlock.ops.inspect import force_release
 
 #: What another application may keep at a lock's key: hashes that are not holds (no
 #: owner; an owner and nothing else of a hold; a few of a hold's fields), and keys of

@@ -30,8 +30,8 @@ from click.testing import CliRunner, Result
 from dlock_helpers import closed_port, wait_until
 
 from celery_dlock import LockLost, is_skipped
+from celery_dlock.backends.redis.inspect import SUMMARY_FIELDS, get_lock
 from celery_dlock.ops.cli import dlock
-from celery_dlock.ops.inspect import SUMMARY_FIELDS, get_lock
 
 RESULT_TIMEOUT = 30
 #: What ls --json and show --json add for a queued call (tests/integration/

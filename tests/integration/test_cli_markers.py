@@ -23,7 +23,7 @@ from celery import Celery
 from celery_helpers import close_app, test_conf
 
 from celery_dlock import LockedTask, RedisLock
-from celery_dlock.ops.inspect import SUMMARY_FIELDS
+from celery_dlock.backends.redis.inspect import SUMMARY_FIELDS
 
 LS_FIELDS = [*SUMMARY_FIELDS, "queued_task_id", "queued_ttl", "rate"]
 QUEUE_TTL = 120

@@ -35,7 +35,7 @@ from celery_dlock import (
     RedisLock,
     UnkeyableArgument,
 )
-from celery_dlock.ops.inspect import HoldChanged
+from celery_dlock.backends.redis.inspect import HoldChanged
 
 SERIALIZERS = [
     "json",

@@ -23,8 +23,8 @@ from dlock_helpers import wait_until
 from task_env import TaskEnv, new_app, running
 
 from celery_dlock import LockedTask, LockKeyConflict, LockLost, RedisLock, signals
+from celery_dlock.backends.redis.inspect import force_release, iter_locks
 from celery_dlock.backends.redis.scripts import FORCE_RELEASE
-from celery_dlock.ops.inspect import force_release, iter_locks
 
 RESULT_TIMEOUT = 30
 

@@ -1,4 +1,5 @@
-"""Reading and freeing held locks (``celery_dlock.ops.inspect``) on a real Redis."""
+"""Reading and freeing held locks (``celery_dlock.backends.redis.inspect``) on a real
+Redis."""
 
 from __future__ import annotations
 
@@ -13,11 +14,10 @@ import redis
 from dlock_helpers import closed_port, fast_failing_client, wait_until
 
 from celery_dlock import BackendUnavailable, RedisLock
-from celery_dlock.backends.redis.keyspace import LockKeys
-from celery_dlock.ops.inspect import (
+from celery_dlock.backends.redis.inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
-    LockInfo,
+    HoldInfo,
     force_release,
     get_lock,
     iter_locks,
@@ -25,6 +25,7 @@ from celery_dlock.ops.inspect import (
     scan_pattern,
     waiting_counts,
 )
+from celery_dlock.backends.redis.keyspace import LockKeys
 from celery_dlock.task.events import Event, events_key, recent_events
 
 
@@ -104,7 +105,7 @@ def test_iter_locks_lists_holds_and_skips_helper_keys(r, prefix):
     hold(r, prefix[:-1], "other")
     found = {info.key: info for info in iter_locks(r, prefix)}
     assert sorted(found) == sorted(names)
-    assert all(isinstance(info, LockInfo) and info.owner == "me"
+    assert all(isinstance(info, HoldInfo) and info.owner == "me"
                for info in found.values())
 
 

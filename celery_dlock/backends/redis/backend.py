@@ -11,6 +11,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...core.errors import BackendUnavailable
 from ...core.holds import HoldInfo
+from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .inspect import force_release, get_lock, iter_locks, release_matching, waiting_counts
 from .keyspace import LockKeys
@@ -28,6 +29,7 @@ class RedisBackend:
 
     kind = "redis"
     fences = True
+    capabilities = entry_named("redis").capabilities
 
     def __init__(self, client: Any) -> None:
         self.client = client

@@ -5,7 +5,7 @@ metrics.
 Everything here reads (or, for :func:`force_release`, frees) the keys laid out in
 :mod:`celery_dlock.backends.redis.scripts`; nothing depends on a running worker::
 
-    from celery_dlock.ops.inspect import force_release, get_lock, iter_locks
+    from celery_dlock.backends.redis.inspect import force_release, get_lock, iter_locks
     # (the same functions: celery_dlock.backends.redis.inspect)
 
     for info in iter_locks(client, "dlock"):
@@ -54,14 +54,13 @@ from .semaphore_inspect import (
 )
 
 #: The name this module used before the hold's description moved to the core.
-LockInfo = HoldInfo
 
 logger = logging.getLogger("celery_dlock.inspect")
 
 __all__ = [
     "SUMMARY_FIELDS",
     "HoldChanged",
-    "LockInfo",
+    "HoldInfo",
     "force_release",
     "get_lock",
     "iter_locks",
@@ -72,8 +71,8 @@ __all__ = [
     "waiting_counts",
 ]
 
-# Hash fields that LockInfo shows under their own name (or turns into ttl/held_for);
-# every other field of the hash goes to LockInfo.extra.
+# Hash fields that HoldInfo shows under their own name (or turns into ttl/held_for);
+# every other field of the hash goes to HoldInfo.extra.
 _KNOWN = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "ops", "prev",
                     "task_id", "task_name", "worker", "pid", "host"})
 
@@ -113,7 +112,7 @@ def _lease(ttl_ms: str | None) -> float | None:
 
 
 def _lock_info(name: str, fields: Mapping[str, str], pttl_ms: int | None,
-               now_ms: int | None) -> LockInfo | None:
+               now_ms: int | None) -> HoldInfo | None:
     owner = fields.get("owner")
     if owner is None:
         return None  # not one of our holds (or a half-written one): not a lock
@@ -122,7 +121,7 @@ def _lock_info(name: str, fields: Mapping[str, str], pttl_ms: int | None,
     if acquired_at is not None and now_ms is not None:
         held_for = max(0, now_ms - acquired_at) / 1000.0
     ttl = pttl_ms / 1000.0 if pttl_ms is not None and pttl_ms >= 0 else None
-    return LockInfo(
+    return HoldInfo(
         key=name,
         task_name=fields.get("task_name"),
         task_id=fields.get("task_id"),
@@ -175,7 +174,7 @@ def _read_hold(client: Any, key: str) -> tuple[dict[str, str], int, int]:
         int(reply[2]) // 1000
 
 
-def _read_page(client: Any, page: list[tuple[str, str]]) -> list[LockInfo]:
+def _read_page(client: Any, page: list[tuple[str, str]]) -> list[HoldInfo]:
     pipe = client.pipeline(transaction=False)
     for key, _ in page:
         pipe.hgetall(key)
@@ -195,7 +194,7 @@ def _read_page(client: Any, page: list[tuple[str, str]]) -> list[LockInfo]:
 
 
 def iter_locks(client: Any, prefix: str = DEFAULT_PREFIX, *,
-               page_size: int = 500) -> Iterator[LockInfo]:
+               page_size: int = 500) -> Iterator[HoldInfo]:
     """Every lock held under ``prefix``, a page of ``page_size`` keys at a time.
 
     Needs Redis 6.0 or later (``SCAN ... TYPE``).  Raises :class:`BackendUnavailable`
@@ -240,7 +239,7 @@ def iter_locks(client: Any, prefix: str = DEFAULT_PREFIX, *,
         raise _unavailable(exc) from exc
 
 
-def get_lock(client: Any, prefix: str, name: str) -> LockInfo | None:
+def get_lock(client: Any, prefix: str, name: str) -> HoldInfo | None:
     """The lock ``name`` under ``prefix`` (None when nobody holds it)."""
     key = LockKeys.for_name(prefix, name).lock
     try:
@@ -282,7 +281,7 @@ def _is_semaphore(client: Any, key: str, name: str) -> bool:
 
 def force_release(client: Any, prefix: str, name: str, *,
                   fence: int | None = None, by: str | None = None,
-                  reason: str | None = None) -> LockInfo | None:
+                  reason: str | None = None) -> HoldInfo | None:
     """Free the lock ``name`` whoever holds it, and wake the first waiter in line.
 
     Returns the hold that was freed (None when nothing was held).  With ``fence``, frees

@@ -32,12 +32,15 @@ from urllib.parse import unquote, urlsplit
 import redis
 import redis.cluster
 import redis.sentinel
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from ...core import urls
 from ...core.errors import InvalidLockConfig
 
 __all__ = [
     "client_from_url",
+    "default_client_options",
     "is_cluster_url",
     "is_sentinel_url",
     "transport_options",
@@ -70,6 +73,21 @@ def transport_options(url: str, options: Any, setting: str) -> Mapping[str, Any]
     if not isinstance(options, Mapping):
         raise InvalidLockConfig(f"app.conf.{setting} must be a dict, got {options!r}")
     return options
+
+
+def default_client_options() -> dict[str, Any]:
+    """The keyword arguments every client of the locks gets (``dlock_redis_options``
+    are merged over them): timeouts suited to locking, and two quick re-sends."""
+    return {
+        "socket_timeout": 5.0,
+        "socket_connect_timeout": 3.0,
+        "health_check_interval": 30,
+        # Fail over quickly to BackendUnavailable rather than hang a task.
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        # What ``retry`` re-sends on: redis-py 6+ reads it from ``retry``, older
+        # versions only from here (without it they re-send nothing).
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+    }
 
 
 def client_from_url(url: str, options: Mapping[str, Any],

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ...core.holds import HoldInfo
+from ...core.registry import entry_named
 from ...core.text import clean_text
 from .lease import hold_info as _info
 from .lease_backend import LeaseBackend
@@ -26,6 +27,7 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
     """The locks kept in one PostgreSQL server's lease table."""
 
     kind = "postgres"
+    capabilities = entry_named("postgres").capabilities
 
     def _server_of(self, url: str | PgServer) -> PgServer:
         return url if isinstance(url, PgServer) else server_for(url)
@@ -75,3 +77,9 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
             return found
         self._not_freed(name, found, fence)
         return None
+
+
+def backend_from_url(url: str) -> PostgresBackend:
+    """The backend of a ``postgresql://`` URL, for the backend registry (no server
+    call)."""
+    return PostgresBackend(url)

@@ -38,6 +38,8 @@ class LeaseBackend(Generic[S, L]):
 
     kind = ""
     fences = True
+    #: What it can do (:mod:`celery_dlock.core.registry`); each dialect sets it.
+    capabilities: frozenset[str] = frozenset()
     server: S
 
     def __init__(self, url: str | S) -> None:

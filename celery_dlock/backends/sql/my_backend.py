@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ...core.holds import HoldInfo
+from ...core.registry import entry_named
 from ...core.text import clean_text
 from .lease import hold_info
 from .lease_backend import LeaseBackend
@@ -34,6 +35,7 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
     """The locks kept in one MySQL or MariaDB server's lease table."""
 
     kind = "mysql"
+    capabilities = entry_named("mysql").capabilities
 
     def _server_of(self, url: str | MyServer) -> MyServer:
         return url if isinstance(url, MyServer) else server_for(url)
@@ -99,3 +101,9 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
             return found
         self._not_freed(name, found, fence)
         return None
+
+
+def backend_from_url(url: str) -> MySQLBackend:
+    """The backend of a ``mysql://`` or ``mariadb://`` URL, for the backend registry
+    (no server call)."""
+    return MySQLBackend(url)

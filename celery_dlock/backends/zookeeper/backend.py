@@ -10,6 +10,7 @@ from kazoo.exceptions import NoNodeError
 
 from ...core.errors import DLockError, InvalidLockConfig, LockKeyConflict
 from ...core.holds import HoldChanged, HoldInfo
+from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .lock import ZooKeeperLock
 from .nodes import (
@@ -51,6 +52,7 @@ class ZooKeeperBackend:
 
     kind = "zookeeper"
     fences = True
+    capabilities = entry_named("zookeeper").capabilities
 
     def __init__(self, spec: ZkSpec) -> None:
         self.spec = spec

@@ -12,6 +12,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ....core.errors import BackendUnavailable, InvalidLockConfig, NotSupported
 from ....core.holds import HoldInfo
+from ....core.registry import entry_named
 from ....core.store_check import Problem, probe
 from ..inspect import release_matching
 from ..keyspace import LockKeys
@@ -40,6 +41,7 @@ class RedlockBackend:
 
     kind = "redlock"
     fences = False
+    capabilities = entry_named("redlock").capabilities
 
     def __init__(self, clients: Sequence[Any]) -> None:
         # Refused here (InvalidLockConfig), not at a task's first lock: fewer than 3,
