@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -72,10 +73,37 @@ class Driver(Protocol):
 
 
 class ClientDriver(Driver, Protocol):
-    """The Redis family's module: a backend also from a client made elsewhere."""
+    """The Redis family's module: its URLs in every spelling, and a backend also from
+    a client made elsewhere (the Celery face makes one per app and process, with the
+    app's options, or a ``dlock_client`` callable returns it)."""
 
     def backend_of_client(self, client: Any) -> Any:
         """The backend of ``client`` (a tuple of clients: a Redlock)."""
+
+    def redis_url_of(self, url: Any) -> str | None:
+        """``url`` as redis-py opens it, when it names one Redis (a server, a
+        Cluster, Sentinel); else None."""
+
+    def redlock_urls(self, value: Any) -> tuple[str, ...] | None:
+        """The servers of a Redlock URL (or list), or None when it is not one."""
+
+    def is_cluster_url(self, url: object) -> bool:
+        """Whether ``url`` names a Redis Cluster."""
+
+    def default_client_options(self) -> dict[str, Any]:
+        """The client options every client of the locks starts from."""
+
+    def transport_options(self, url: str, options: Any, setting: str
+                          ) -> Mapping[str, Any]:
+        """The transport options ``url`` takes (Sentinel's), checked."""
+
+    def client_from_url(self, url: str, options: Mapping[str, Any],
+                        transport: Any = None, where: str = ...) -> Any:
+        """A client for ``url``; its errors (InvalidLockConfig, BackendUnavailable)
+        name ``where`` it was given, the URL masked."""
+
+    def check_client_options(self, client: Any) -> None:
+        """Make (not open) one connection, so that a bad option is found now."""
 
 
 @dataclass(frozen=True)

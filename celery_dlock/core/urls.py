@@ -20,8 +20,12 @@ one way only is shown as its scheme alone.
 from __future__ import annotations
 
 import re
+from typing import Any
 
-__all__ = ["ENCODE_HINT", "ambiguity", "mask_secrets", "mask_url", "split_urls"]
+from .errors import InvalidLockConfig
+
+__all__ = ["ENCODE_HINT", "ambiguity", "check_unambiguous", "mask_secrets",
+           "mask_setting", "mask_url", "split_urls"]
 
 _SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*://"
 _STARTS = re.compile(_SCHEME)
@@ -99,3 +103,25 @@ def mask_url(url: str) -> str:
 def mask_secrets(text: str) -> str:
     """Free ``text`` with every URL in it masked (:func:`mask_url`)."""
     return _IN_TEXT.sub(lambda match: mask_url(match.group(0)), text)
+
+
+def mask_setting(value: Any) -> str:
+    """A setting's value fit for a message: a URL (or ``;``-separated URLs, or a list
+    of them) masked by :func:`mask_url`; anything else by its type only."""
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(repr(mask_setting(v)) for v in value) + "]"
+    if not isinstance(value, str):
+        return f"<a {type(value).__name__}>"
+    return mask_url(value)
+
+
+def check_unambiguous(url: str, where: str) -> str:
+    """``url``, when it reads one way only; else :class:`InvalidLockConfig` naming
+    ``where`` and how to encode, quoting no part of the URL."""
+    why = ambiguity(url)
+    if why is not None:
+        raise InvalidLockConfig(f"{where} cannot be read one way only ({why}): "
+                                f"{ENCODE_HINT}")
+    return url

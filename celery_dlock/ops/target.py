@@ -16,9 +16,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ..core.errors import BackendUnavailable, InvalidLockConfig, NotSupported
 from ..core.lock_args import DEFAULT_PREFIX
 from ..core.protocol import Backend
-from ..core.registry import INSPECT
+from ..core.registry import INSPECT, redis_driver
 from ..task.backend import backend_for, backend_from_url, backend_of_client, markers_for
-from ..task.config import mask_url, redis_url_of, resolve_url
+from ..task.config import mask_url, resolve_url
 from ..task.connection import client_for_url, sql_url_of
 from ..task.markers import MarkerStore
 from ..task.schemes import check_known, url_backend
@@ -57,7 +57,8 @@ class Target:
         one line: give --url with one of its servers)."""
         if self._backend is None:
             made_from_url = url_backend(self.url) is not None if self.url else False
-            if self.url and (made_from_url or redis_url_of(self.url) is None):
+            one_redis = redis_driver().redis_url_of(self.url) if self.url else None
+            if self.url and (made_from_url or one_redis is None):
                 if not made_from_url:  # a scheme none reads: name --url
                     check_known(self.url, "--url")
                 backend = backend_from_url(self.url)
@@ -115,16 +116,7 @@ class Target:
 
     def _url_client(self) -> Any:
         if self._client is None and self.url:
-            try:
-                self._client = client_for_url(self.url, conf_of(self.app))
-            except (ValueError, TypeError) as exc:
-                text = str(exc).replace(self.url, mask_url(self.url))
-                raise InvalidLockConfig(f"--url {mask_url(self.url)!r} is not a "
-                                        f"Redis URL it can use: {text}") from None
-            except (RedisClusterException, RedisError) as exc:  # a dead cluster
-                text = str(exc).replace(self.url, mask_url(self.url))
-                raise BackendUnavailable(f"Redis unavailable at "
-                                         f"{mask_url(self.url)}: {text}") from None
+            self._client = client_for_url(self.url, conf_of(self.app), "--url")
         return self._client
 
     def where(self) -> str:

@@ -76,17 +76,18 @@ def backend_from_url(url: Any) -> Backend:
         if entry is not None:
             backend = _url_backend(entry, url)
         else:
-            redlock = connection.redlock_urls(url)
+            redlock = redis_driver().redlock_urls(url)
             if redlock is not None:
                 options = connection.client_options({})
                 backend = backend_of_client(tuple(
-                    connection.client_from_url(u, options) for u in redlock))
+                    redis_driver().client_from_url(u, options) for u in redlock))
             else:
-                one = connection.redis_url_of(url)
+                one = redis_driver().redis_url_of(url)
                 if one is None:
                     check_known(url, "lock URL")
                 connection.check_unambiguous(one, "the lock URL")
-                backend = backend_of_client(connection.client_for_url(one))
+                backend = backend_of_client(
+                    connection.client_for_url(one, where="the lock URL"))
         _by_url[key] = backend
         return backend
 

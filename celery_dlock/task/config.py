@@ -20,10 +20,10 @@ from typing import Any
 from celery import Task
 from celery.app.annotations import resolve_all as resolve_all_annotations
 
-from ..backends.redis.topology import is_cluster_url
 from ..core.errors import InvalidLockConfig
+from ..core.registry import redis_driver
 from . import connection
-from .connection import mask_url, redis_url_of, resolve_url
+from .connection import mask_url, resolve_url
 from .settings import (
     CALL_OPTIONS,
     CONF_KEYS,
@@ -53,7 +53,6 @@ __all__ = [
     "get_client",
     "mask_url",
     "read_setting",
-    "redis_url_of",
     "resolve_url",
     "take_call_options",
 ]
@@ -244,27 +243,27 @@ def check_conf(conf: Any) -> None:
         connection.check_unambiguous(sql_url, "app.conf.dlock_url")
         return  # parsed as it is first used: the server may be down now
     options = connection.client_options(conf)
-    redlock = connection.redlock_urls(conf_value(conf, "dlock_url"))
+    redlock = redis_driver().redlock_urls(conf_value(conf, "dlock_url"))
     if redlock is not None:
         if record:
             raise InvalidLockConfig("app.conf.dlock_record_events is not supported with "
                                     "a Redlock dlock_url (several servers)")
         for url in redlock:
-            client = connection.client_from_url(url, options)
+            client = redis_driver().client_from_url(url, options)
             try:
-                connection.check_client_options(client)
+                redis_driver().check_client_options(client)
             finally:
                 client.close()
         return
     url = resolve_url(conf)
-    if is_cluster_url(url):
+    if redis_driver().is_cluster_url(url):
         return  # a cluster client connects as it is made: checked at first use
     # Parse it as the client will (a bad port, an unknown query argument), without
     # connecting: Redis may be down at this moment, which is not a configuration error.
-    client = connection.client_from_url(url, options,
+    client = redis_driver().client_from_url(url, options,
                                         connection.transport_options_for(conf, url))
     try:
-        connection.check_client_options(client)
+        redis_driver().check_client_options(client)
     finally:
         client.close()
 

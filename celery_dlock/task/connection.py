@@ -27,129 +27,27 @@ import contextlib
 import threading
 import weakref
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
 
-import redis
-from redis.exceptions import RedisClusterException
-
-from ..backends.redis import topology
 from ..core import urls
-from ..core.errors import BackendUnavailable, InvalidLockConfig
+from ..core.errors import InvalidLockConfig
 from ..core.process import after_fork
+from ..core.registry import ClientDriver, redis_driver
 from .schemes import celery_sql_url, check_known, url_backend
 from .settings import conf_value
 
-__all__ = ["cached_client", "forget_app", "get_client", "mask_url", "redis_url_of",
-           "redlock_urls", "resolve_url", "sql_url_of"]
+__all__ = ["cached_client", "check_unambiguous", "forget_app", "get_client", "mask_url",
+           "resolve_url", "sql_url_of"]
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-# Celery's and kombu's spellings of a Redis unix socket.
-_SOCKET_SCHEMES = ("redis+socket://", "socket://")
-def mask_url(value: Any) -> str:
-    """``value`` fit for a message: a URL (or ``;``-separated URLs) with every password
-    and secret query parameter replaced by ``**`` (see
-    :func:`celery_dlock.core.urls.mask_url`); not a string: its type only."""
-    if value is None:
-        return "None"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(repr(mask_url(v)) for v in value) + "]"
-    if not isinstance(value, str):
-        return f"<a {type(value).__name__}>"
-    return urls.mask_url(value)
+#: ``value`` fit for a message, passwords masked
+#: (:func:`celery_dlock.core.urls.mask_setting`).
+mask_url = urls.mask_setting
+#: ``url`` when it reads one way only (:func:`celery_dlock.core.urls.check_unambiguous`).
+check_unambiguous = urls.check_unambiguous
 
 
-def check_unambiguous(url: str, where: str) -> str:
-    """``url``, when it reads one way only; else :class:`InvalidLockConfig` naming
-    ``where`` and how to encode, quoting no part of the URL."""
-    why = urls.ambiguity(url)
-    if why is not None:
-        raise InvalidLockConfig(f"{where} cannot be read one way only ({why}): "
-                                f"{urls.ENCODE_HINT}")
-    return url
-
-
-def _celery_query(url: str) -> str:
-    """Celery's spellings in a Redis URL's query, as redis-py takes them:
-    ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's documented form) -> ``required``."""
-    base, question, query = url.partition("?")
-    if not question or "CERT_" not in query:
-        return url
-    pairs = [(k, v[len("CERT_"):].lower() if k == "ssl_cert_reqs" and
-              v.startswith("CERT_") else v)
-             for k, v in parse_qsl(query, keep_blank_values=True)]
-    return f"{base}?{urlencode(pairs)}"
-
-
-def redis_url_of(url: Any) -> str | None:
-    """``url`` as a URL redis-py opens, when it names one Redis server; else None.
-
-    Accepts ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and
-    Celery's ``sentinel://h1;sentinel://h2`` (see
-    :mod:`celery_dlock.backends.redis.topology`), and Celery's unix socket spellings
-    ``redis+socket:///path`` and ``socket:///path`` (``virtual_host=N`` is the db);
-    ``ssl_cert_reqs=CERT_REQUIRED`` (Celery's spelling) becomes redis-py's
-    ``required``.  A list, or several URLs separated by ``;`` (broker failover),
-    is not one server: None.  A ``;`` separates URLs where another ``scheme://``
-    follows it, or after the host; in a password it is part of the password.
-    """
-    if not isinstance(url, str):
-        return None
-    if topology.is_cluster_url(url) or topology.is_sentinel_url(url):
-        return url  # several nodes by design (see celery_dlock.backends.redis.topology)
-    if len(urls.split_urls(url)) > 1 or ";" in url.rpartition("@")[2]:
-        return None
-    if url.startswith(_REDIS_SCHEMES):
-        return _celery_query(url)
-    for scheme in _SOCKET_SCHEMES:
-        if url.startswith(scheme):
-            rest = url[len(scheme):]
-            path, _, query = rest.partition("?")
-            pairs = [("db" if k == "virtual_host" else k, v)
-                     for k, v in parse_qsl(query, keep_blank_values=True)]
-            return f"unix://{path}" + (f"?{urlencode(pairs)}" if pairs else "")
-    return None
-
-
-REDLOCK_SCHEME = "redlock://"
-#: The fewest servers a Redlock ``dlock_url`` may name.
-REDLOCK_MIN_NODES = 3
-
-
-def redlock_urls(value: Any) -> tuple[str, ...] | None:
-    """The one-server URLs of a Redlock ``dlock_url`` (a list or tuple of URLs, or
-    ``redlock://``-URLs separated by ``;``); None when ``value`` does not ask for
-    Redlock.  :class:`InvalidLockConfig` naming ``dlock_url`` (masked) for a part that
-    is not one server, or fewer than 3 of them."""
-    if isinstance(value, str):
-        parts = urls.split_urls(value)
-        redlock = [p.lower().startswith(REDLOCK_SCHEME) for p in parts]
-        if not any(redlock):
-            return None
-        if not all(redlock):
-            raise InvalidLockConfig(
-                f"app.conf.dlock_url mixes redlock:// with other URLs: "
-                f"{mask_url(value)!r}; give every server as redlock://host:port/db")
-        parts = ["redis://" + p[len(REDLOCK_SCHEME):] for p in parts]
-    elif isinstance(value, (list, tuple)):
-        parts = list(value)
-    else:
-        return None
-    found_urls: list[str] = []
-    for part in parts:
-        found = redis_url_of(part) if isinstance(part, str) else None
-        if found is None or topology.is_cluster_url(found) or \
-                topology.is_sentinel_url(found):
-            raise InvalidLockConfig(
-                f"app.conf.dlock_url: every Redlock server must be one redis://, "
-                f"rediss:// or unix:// URL, got {mask_url(part)!r}")
-        found_urls.append(check_unambiguous(
-            found, f"app.conf.dlock_url (Redlock server {len(found_urls) + 1})"))
-    if len(found_urls) < REDLOCK_MIN_NODES:
-        raise InvalidLockConfig(
-            f"app.conf.dlock_url names {len(found_urls)} Redis server(s): a Redlock "
-            f"needs {REDLOCK_MIN_NODES} or more independent servers (one server: a "
-            f"plain URL)")
-    return tuple(found_urls)
+def _redis() -> ClientDriver:
+    """The Redis family's module (its URLs and clients), through the registry."""
+    return redis_driver()
 
 
 def _conf_value(conf: Any, name: str) -> Any:
@@ -166,16 +64,17 @@ def transport_options_for(conf: Any, url: str) -> Any:
     Sentinel).  Only a ``sentinel://`` URL takes any."""
     setting = ("dlock_transport_options" if conf_value(conf, "dlock_url")
                else "broker_transport_options")
-    return topology.transport_options(url, conf_value(conf, setting), setting)
+    return _redis().transport_options(url, conf_value(conf, setting), setting)
 
 
-def client_for_url(url: str, conf: Any = None) -> Any:
+def client_for_url(url: str, conf: Any = None, where: str = "--url") -> Any:
     """A client for a URL given by hand (``celery dlock --url``), with the options
-    every client of the locks gets and the app's transport options."""
-    options = dict(topology.default_client_options())
+    every client of the locks gets and the app's transport options; its errors name
+    ``where`` (InvalidLockConfig, or BackendUnavailable for a dead Cluster)."""
+    options = dict(_redis().default_client_options())
     transport = (conf_value(conf, "dlock_transport_options", {}) if conf is not None
                  else {})
-    return topology.client_from_url(url, options, transport)
+    return _redis().client_from_url(url, options, transport, where)
 
 
 def resolve_url(conf: Any) -> str:
@@ -184,20 +83,20 @@ def resolve_url(conf: Any) -> str:
     naming ``dlock_url``, with every URL masked.  For Redlock, the servers' URLs
     joined by ``;`` (for messages: see :func:`redlock_urls`)."""
     url = conf_value(conf, "dlock_url")
-    redlock = redlock_urls(url) if url else None
+    redlock = _redis().redlock_urls(url) if url else None
     if redlock is not None:
         return ";".join(redlock)
     if url:
-        found = redis_url_of(url)
+        found = _redis().redis_url_of(url)
         if found is None:
             check_known(url, "app.conf.dlock_url")
         return _each_unambiguous(found, "app.conf.dlock_url")
     broker = _conf_value(conf, "broker_url")
-    found = redis_url_of(broker)
+    found = _redis().redis_url_of(broker)
     if found is not None:
         return _each_unambiguous(found, "the broker URL (broker_url)")
     backend = _conf_value(conf, "result_backend")
-    found = redis_url_of(backend)
+    found = _redis().redis_url_of(backend)
     if found is not None:
         return _each_unambiguous(found, "the result backend URL (result_backend)")
     raise InvalidLockConfig(
@@ -242,48 +141,13 @@ def _each_unambiguous(url: str, where: str) -> str:
 def client_options(conf: Any) -> dict[str, Any]:
     """The keyword arguments of ``redis.Redis.from_url``: the defaults above with
     ``app.conf.dlock_redis_options`` merged over them."""
-    options = topology.default_client_options()
+    options = _redis().default_client_options()
     extra = conf_value(conf, "dlock_redis_options", {})
     if not isinstance(extra, dict):
         raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict, got "
                                 f"a {type(extra).__name__}")
     options.update(extra)
     return options
-
-
-def client_from_url(url: str, options: dict[str, Any],
-                    transport: Any = None) -> Any:
-    """A client for ``url``
-    (:func:`celery_dlock.backends.redis.topology.client_from_url`) whose errors name
-    ``dlock_url`` and mask the URL."""
-    try:
-        return topology.client_from_url(url, options, transport)
-    except (ValueError, TypeError) as exc:
-        text = str(exc).replace(url, mask_url(url))
-        raise InvalidLockConfig(f"cannot use the Redis URL {mask_url(url)!r} "
-                                f"(app.conf.dlock_url, or the broker/result backend "
-                                f"it defaults to): {text}") from None
-    except (RedisClusterException, redis.RedisError) as exc:
-        # redis-py's cluster client asks a node for the slots when it is made: no
-        # node answering is Redis being unreachable, like a refused command later.
-        text = str(exc).replace(url, mask_url(url))
-        raise BackendUnavailable(f"Redis unavailable at {mask_url(url)}: {text}") \
-            from None
-
-
-def check_client_options(client: Any) -> None:
-    """Make (not open) one connection of ``client``'s pool, so an unknown keyword in
-    ``dlock_redis_options`` or in the URL's query is found now, not at the first
-    command."""
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or not hasattr(pool, "make_connection"):
-        return
-    try:
-        conn = pool.make_connection()
-    except (TypeError, ValueError, redis.RedisError) as exc:
-        raise InvalidLockConfig(f"app.conf.dlock_redis_options (or the query of the "
-                                f"Redis URL) is refused by redis-py: {exc}") from None
-    conn.disconnect()
 
 
 _clients: dict[tuple[int, str], Any] = {}
@@ -318,7 +182,7 @@ def get_client(app: Any) -> Any:
         pass
     conf = app.conf
     factory = conf_value(conf, "dlock_client")
-    redlock = None if factory else redlock_urls(conf_value(conf, "dlock_url"))
+    redlock = None if factory else _redis().redlock_urls(conf_value(conf, "dlock_url"))
     if factory:
         cache_key = (id(app), "factory")
     elif redlock is not None:
@@ -340,9 +204,9 @@ def get_client(app: Any) -> Any:
                     client = tuple(client)
             elif redlock is not None:
                 options = client_options(conf)
-                client = tuple(client_from_url(u, options) for u in redlock)
+                client = tuple(_redis().client_from_url(u, options) for u in redlock)
             else:
-                client = client_from_url(cache_key[1], client_options(conf),
+                client = _redis().client_from_url(cache_key[1], client_options(conf),
                                          transport_options_for(conf, cache_key[1]))
             _clients[cache_key] = client
         with contextlib.suppress(TypeError):  # an app that takes no weak references

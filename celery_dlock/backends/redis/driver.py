@@ -9,9 +9,12 @@ from typing import Any
 from ...core.protocol import Backend
 from .backend import RedisBackend
 from .redlock.backend import RedlockBackend
-from .topology import client_from_url, default_client_options
+from .topology import default_client_options, is_cluster_url, transport_options
+from .urls import check_client_options, client_from_url, redis_url_of, redlock_urls
 
-__all__ = ["backend_from_url", "backend_of_client"]
+__all__ = ["backend_from_url", "backend_of_client", "check_client_options",
+           "client_from_url", "default_client_options", "is_cluster_url",
+           "redis_url_of", "redlock_urls", "transport_options"]
 
 
 def backend_of_client(client: Any) -> Backend:
@@ -25,4 +28,4 @@ def backend_of_client(client: Any) -> Backend:
 def backend_from_url(url: str) -> Backend:
     """The backend of one Redis URL as redis-py opens it (the Celery face has read
     Celery's spellings and Redlock lists already), with the default client options."""
-    return RedisBackend(client_from_url(url, default_client_options(), None))
+    return RedisBackend(client_from_url(url, default_client_options()))
