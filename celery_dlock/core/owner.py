@@ -4,7 +4,7 @@ An *owner* is an opaque string stored in the lock hash.  Two acquisitions with t
 owner re-enter (the hold count goes up); any other owner contends.  The owner of an
 acquisition is, in order:
 
-1. the ``owner=`` a :class:`~celery_dlock.lock.RedisLock` was given (any string;
+1. the ``owner=`` a :class:`~celery_dlock.RedisLock` was given (any string;
    processes that share it share the hold);
 2. the owner of the current *context*, set with :func:`owner_context`.  ``LockedTask``
    sets a fresh token for every execution attempt, so everything that runs inside one

@@ -12,10 +12,6 @@ Connect like any Celery signal::
 as ``celery dlock ls`` shows it) and ``task_id``.  ``lock_lost`` is sent from the
 scheduler thread.
 
-*Deprecated:* every signal also passes the lock's name as ``key``, its name before
-0.2; "key" now means only a backend's storage key.  Read ``name``: ``key`` will be
-removed in 1.0.
-
 This module imports nothing from the rest of the package.
 """
 
@@ -61,5 +57,5 @@ lock_parked = Signal(name="dlock_lock_parked")
 
 
 def send(signal: Signal, sender: Any, name: str, **arguments: Any) -> Any:
-    """Send ``signal`` about the lock ``name`` (also as the deprecated ``key``)."""
-    return signal.send(sender=sender, name=name, key=name, **arguments)
+    """Send ``signal`` about the lock ``name``."""
+    return signal.send(sender=sender, name=name, **arguments)

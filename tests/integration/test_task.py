@@ -407,7 +407,7 @@ def test_signals_report_acquire_contention_and_release(env):
 
     def record(name: str) -> Any:
         def receiver(sender: Any, **kw: Any) -> None:
-            if kw.get("key") == f"k:{x}":
+            if kw.get("name") == f"k:{x}":
                 seen.append((name, kw))
         return receiver
 
@@ -439,7 +439,7 @@ def test_lost_lock_fires_the_signal_and_ensure_held_raises(env):
     lost: list[dict[str, Any]] = []
 
     def on_lost(sender: Any, **kw: Any) -> None:
-        if kw.get("key") == f"k:{x}":
+        if kw.get("name") == f"k:{x}":
             lost.append(kw)
 
     signals.lock_lost.connect(on_lost, weak=False)

@@ -1,7 +1,7 @@
 """The Redis keys of one lock, what its hash says, and what may stand in for a client.
 
-See :mod:`celery_dlock.redis.scripts` for what each key holds and
-:mod:`celery_dlock.redis.hashtag` for how a name becomes a key.
+See :mod:`celery_dlock.backends.redis.scripts` for what each key holds and
+:mod:`celery_dlock.backends.redis.hashtag` for how a name becomes a key.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ SUFFIXES = {"FENCE_SUFFIX": FENCE_SUFFIX, "QUEUE_SUFFIX": QUEUE_SUFFIX,
 
 class LockKeys(NamedTuple):
     """The Redis keys of one lock; all share one hash tag (see
-    :mod:`celery_dlock.redis.hashtag`)."""
+    :mod:`celery_dlock.backends.redis.hashtag`)."""
 
     lock: str
     fence: str

@@ -1,7 +1,7 @@
 """Why a hold is gone when it was released by force: the marker a force release leaves.
 
-``FORCE_RELEASE`` (:mod:`celery_dlock.redis.scripts`), in the same script that frees
-a hold, writes the hash ``P:{NAME}:released``: the owner and fence of the hold it
+``FORCE_RELEASE`` (:mod:`celery_dlock.backends.redis.scripts`), in the same script that
+frees a hold, writes the hash ``P:{NAME}:released``: the owner and fence of the hold it
 freed, who freed it (``by``), why (``reason``), when (``at``, server ms) and the call's
 operation id.  It lives as long as the freed hold had left (at least a minute, at most
 an hour).  A holder that finds its hold gone (renewal, ``extend``, ``ensure_held``,
@@ -9,9 +9,9 @@ an hour).  A holder that finds its hold gone (renewal, ``extend``, ``ensure_held
 loss reason: ``released by alice@host with celery dlock release --force: disk full``.
 
 The key ends with ``:released``, not ``}``: ``celery dlock ls`` never lists it as a
-lock (see :mod:`celery_dlock.redis.hashtag`).  Its text is given by people: it is made
-one line, capped at :data:`REASON_MAX` characters, and any ``user:password@`` in it is
-masked, both when it is written and when it is read.
+lock (see :mod:`celery_dlock.backends.redis.hashtag`).  Its text is given by people: it
+is made one line, capped at :data:`REASON_MAX` characters, and any ``user:password@`` in
+it is masked, both when it is written and when it is read.
 """
 
 from __future__ import annotations

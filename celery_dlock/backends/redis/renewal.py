@@ -1,5 +1,6 @@
 """Renewal of Redis holds: one :class:`RedisRenewTarget` per client, on its own
-connection (on Redis Cluster, one target per master: :mod:`celery_dlock.redis.cluster`).
+connection (on Redis Cluster, one target per master:
+:mod:`celery_dlock.backends.redis.cluster`).
 
 The scheduler (:mod:`celery_dlock.core.scheduler`) gives each target its own renewer
 thread; this module gives each target its own connection pool, a copy of the client's
@@ -10,8 +11,8 @@ at most :data:`RENEW_SOCKET_TIMEOUT`.
 
 A renewal is one script call per slot.  Only when it finds holds gone does a target
 read, in one more round trip, the markers a force release leaves
-(:mod:`celery_dlock.redis.released`), so that the holder is told who released it and
-why (a :class:`~celery_dlock.core.scheduler.LossNote`).
+(:mod:`celery_dlock.backends.redis.released`), so that the holder is told who released
+it and why (a :class:`~celery_dlock.core.scheduler.LossNote`).
 """
 
 from __future__ import annotations

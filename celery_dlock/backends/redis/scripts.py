@@ -30,7 +30,7 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
                       who it is (``celery dlock release``): the owner and fence of
                       the hold it freed, who freed it, why, when and the call's
                       operation id.  The holder reads it when it finds its hold
-                      gone, to say why (:mod:`celery_dlock.redis.released`).
+                      gone, to say why (:mod:`celery_dlock.backends.redis.released`).
 
 **Idempotence.**  Clients re-send a command when its reply is lost (redis-py's
 ``Retry`` does by default).  Every script that changes a hold takes an operation id

@@ -1,7 +1,8 @@
 """Waking blocked acquirers when a lock is released.
 
-A blocked acquirer joins a FIFO line kept in Redis (see :mod:`celery_dlock.redis.scripts`)
-and sleeps in ``BLPOP`` on its own *doorbell* key.  A release rings the doorbell of the
+A blocked acquirer joins a FIFO line kept in Redis (see
+:mod:`celery_dlock.backends.redis.scripts`) and sleeps in ``BLPOP`` on its own
+*doorbell* key.  A release rings the doorbell of the
 first live waiter only, so a hand-off costs the same number of Redis commands whatever
 the number of waiters, the waiter that has waited longest goes first, and nobody polls.
 

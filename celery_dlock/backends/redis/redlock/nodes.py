@@ -1,8 +1,9 @@
 """The nodes of a Redlock: their checks, bounded clients, concurrent calls and renewal.
 
-Used by :mod:`celery_dlock.redis.redlock`.  Every call to the N nodes goes out at once,
-each from its server's own few worker threads (:mod:`.workers`: a hung server fills
-only its own), on a client of its own with a short socket timeout (``node_timeout``)
+Used by :mod:`celery_dlock.backends.redis.redlock`.  Every call to the N nodes goes out
+at once, each from its server's own few worker threads (:mod:`.workers`: a hung server
+fills only its own), on a client of its own with a short socket timeout
+(``node_timeout``)
 and no client-side re-sends; a call that cannot start in time is not sent, and the
 caller stops waiting as soon as the answers it has decide the question (a quorum
 granted, or a quorum can no longer be reached), so one node that hangs (SIGSTOP, a

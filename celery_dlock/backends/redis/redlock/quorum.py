@@ -1,8 +1,9 @@
 """What the answers of a Redlock's nodes say, and how a failed attempt is undone.
 
 Pure functions over the per-node outcomes of
-:func:`celery_dlock.redis.redlock_nodes.fan_out` (a reply, a :class:`NodeFailed`, or
-None for a node not waited for), used by :mod:`celery_dlock.redis.redlock`.
+:func:`celery_dlock.backends.redis.redlock.nodes.fan_out` (a reply, a
+:class:`NodeFailed`, or None for a node not waited for), used by
+:mod:`celery_dlock.backends.redis.redlock`.
 """
 
 from __future__ import annotations
