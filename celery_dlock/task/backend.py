@@ -25,12 +25,12 @@ from ..core.errors import InvalidLockConfig, NotSupported
 from ..core.lock_args import DEFAULT_PREFIX
 from ..core.process import after_fork
 from ..core.protocol import Backend, Lock
-from ..core.registry import LIMIT, MARKERS, Entry, entry_for, entry_named, redis_driver
+from ..core.registry import LIMIT, MARKERS, Entry, entry_named, redis_driver
 from . import connection
 from .config import check_conf, get_client
 from .markers import MarkerStore
 from .schemes import check_known, url_backend
-from .settings import conf_value
+from .settings import conf_of
 
 __all__ = ["backend_for", "backend_from_url", "backend_of_client",
            "check_limit_supported", "forget_app", "lock_from_url", "markers_for"]
@@ -191,13 +191,12 @@ def forget_app(app: Any) -> None:
 
 
 def check_limit_supported(app: Any, limit: Any, where: str) -> None:
-    """InvalidLockConfig when ``limit`` > 1 (a semaphore) and the backend
-    ``app``'s ``dlock_url`` names keeps no semaphores (its capabilities, from the
-    configuration alone).  (A ``dlock_client`` returning several clients is refused
-    at the first lock.)"""
+    """InvalidLockConfig when ``limit`` > 1 (a semaphore) and the backend ``app``'s
+    settings name keeps no semaphores (its capabilities, from the settings alone).
+    (A ``dlock_client`` returning several clients is refused at the first lock.)"""
     if limit in (None, 1):
         return
-    entry = entry_for(conf_value(app, "dlock_url"))
+    entry = connection.configured_entry(conf_of(app))
     if entry is not None and not entry.can(LIMIT):
         raise InvalidLockConfig(entry.missing(LIMIT, f"{where}: lock_limit={limit!r}"))
 

@@ -31,12 +31,12 @@ from typing import Any
 from ..core import urls
 from ..core.errors import InvalidLockConfig
 from ..core.process import after_fork
-from ..core.registry import ClientDriver, redis_driver
+from ..core.registry import ClientDriver, Entry, entry_for, entry_named, redis_driver
 from .schemes import celery_sql_url, check_known, url_backend
 from .settings import conf_value
 
-__all__ = ["cached_client", "check_unambiguous", "forget_app", "get_client", "mask_url",
-           "resolve_url", "sql_url_of"]
+__all__ = ["cached_client", "check_unambiguous", "configured_entry", "forget_app",
+           "get_client", "mask_url", "resolve_url", "sql_url_of"]
 
 #: ``value`` fit for a message, passwords masked
 #: (:func:`celery_dlock.core.urls.mask_setting`).
@@ -128,6 +128,27 @@ def sql_url_of(conf: Any) -> str | None:
         if found is not None:
             return found
     return None
+
+
+def configured_entry(conf: Any) -> Entry | None:
+    """The backend ``conf``'s settings name, from them alone (no client is made, no
+    server asked): for the checks at declaration and worker start, which ask it
+    about capabilities.  None when the settings cannot say yet (a ``dlock_client``
+    callable, whose clients are known when it is called; no lock store at all,
+    which the first lock reports)."""
+    if conf_value(conf, "dlock_client"):
+        return None
+    url = conf_value(conf, "dlock_url")
+    if url:
+        return entry_for(url)
+    made_from_url = sql_url_of(conf)
+    if made_from_url is not None:
+        return entry_for(made_from_url)
+    try:
+        resolve_url(conf)
+    except InvalidLockConfig:
+        return None
+    return entry_named("redis")  # the broker's or result backend's Redis
 
 
 def _each_unambiguous(url: str, where: str) -> str:

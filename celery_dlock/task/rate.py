@@ -33,11 +33,12 @@ from celery.exceptions import Retry
 from ..core.errors import BackendUnavailable, DLockError, NotSupported
 from ..core.protocol import Lock, RateStore
 from ..core.rates import Rate, RateDecision
-from ..core.registry import RATES, entry_for, entry_named
+from ..core.registry import RATES, entry_named
 from . import signals
 from .backend import backend_for
+from .connection import configured_entry
 from .contention import ACQUIRED
-from .settings import conf_value
+from .settings import conf_of
 
 __all__ = ["SLOT_HEADER", "check_rates_supported", "park_if_over", "rates_for",
            "within_rate"]
@@ -64,10 +65,10 @@ def rates_for(app: Any) -> RateStore:
 
 def check_rates_supported(app: Any, where: str) -> None:
     """At worker start, from the configuration alone (no client is made): refuse
-    ``lock_rate`` when the backend ``dlock_url`` names keeps no rates (its
+    ``lock_rate`` when the backend the app's settings name keeps no rates (its
     capabilities).  (A ``dlock_client`` returning several clients is found out at the
     first call, which fails with the same error.)"""
-    entry = entry_for(conf_value(app, "dlock_url"))
+    entry = configured_entry(conf_of(app))
     if entry is not None and not entry.can(RATES):
         raise NotSupported(f"{where}: {_unsupported(entry.kind)}")
 

@@ -111,3 +111,32 @@ def test_a_missing_capability_names_the_setting_and_who_has_it() -> None:
     text = entry_named("zookeeper").missing(LIMIT, "task 't': lock_limit=3")
     assert text.startswith("task 't': lock_limit=3 needs semaphores")
     assert "zookeeper backend does not keep" in text and "kept by: redis" in text
+
+
+@pytest.mark.parametrize(("settings", "refused"), [
+    ({"dlock_url": "zookeeper://127.0.0.1:1/x"}, "zookeeper"),
+    ({"dlock_url": "mysql://u@127.0.0.1:1/app"}, "mysql"),
+    ({"dlock_url": ["redis://a:1/0", "redis://b:1/0", "redis://c:1/0"]}, "redlock"),
+    # no dlock_url: the locks follow a PostgreSQL broker, and so does the check
+    ({"broker_url": "sqla+postgresql://u@127.0.0.1:1/app"}, "postgres"),
+    ({"broker_url": "redis://127.0.0.1:1/0"}, None),
+    ({"dlock_url": "redis+cluster://127.0.0.1:1"}, None),
+])
+def test_the_checks_at_declaration_ask_the_backend_the_settings_name(
+        settings: dict[str, object], refused: str | None) -> None:
+    from celery import Celery
+
+    from celery_dlock.core.errors import NotSupported
+    from celery_dlock.task.backend import check_limit_supported
+    from celery_dlock.task.rate import check_rates_supported
+
+    app = Celery("registry-check", set_as_current=False)
+    app.conf.update(settings)
+    if refused is None:
+        check_limit_supported(app, 3, "task 't'")
+        check_rates_supported(app, "task 't'")
+        return
+    with pytest.raises(InvalidLockConfig, match=f"the {refused} backend does not keep"):
+        check_limit_supported(app, 3, "task 't'")
+    with pytest.raises(NotSupported, match=f"the {refused} backend does not keep"):
+        check_rates_supported(app, "task 't'")
