@@ -32,12 +32,13 @@ from __future__ import annotations
 import logging
 import time
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .deadline import lease_end
 from .errors import DLockError, LockLost, LockNotAcquired, LockNotOwned
 from .hold_state import HoldState, next_hold_id
 from .lock_args import DEFAULT_PREFIX, RESERVED_INFO, acquire_timeout, check_lock_options
+from .lock_options import LockOptions
 from .max_hold import capped_ms, reached_reason
 from .protocol import GONE, OK, STILL_HELD, Grant, Refused, new_op_id
 from .scheduler import RenewalScheduler
@@ -63,9 +64,25 @@ LOST_HOLD_RELEASES = 1024
 
 
 class Hold(HoldState):
-    """A lock object's hold and every rule about it (see the module text); the
-    parameters are :class:`~celery_dlock.core.hold_state.HoldState`'s.  A backend
-    subclasses it and provides the methods listed there."""
+    """A lock object's hold and every rule about it (see the module text), made
+    with its :class:`~celery_dlock.core.lock_options.LockOptions`.  A backend
+    subclasses it, provides the methods listed in
+    :class:`~celery_dlock.core.hold_state.HoldState` and :meth:`_open`; its public
+    constructor takes the options as keyword arguments and ``with_options`` takes
+    them made already (what ``Backend.lock`` does)."""
+
+    @classmethod
+    def with_options(cls: type[_Self], where: Any, options: LockOptions) -> _Self:
+        """A lock of this kind on ``where`` (its client, its clients, its server or
+        URL) made with ``options``; no server call."""
+        lock = cls.__new__(cls)
+        lock._open(where, options)
+        return lock
+
+    def _open(self, where: Any, options: LockOptions) -> None:
+        """Make this lock on ``where`` with ``options`` (the backend's part, then
+        ``HoldState.__init__(self, options)``)."""
+        raise NotImplementedError
 
     # -- acquire ------------------------------------------------------------------------
 

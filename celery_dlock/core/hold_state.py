@@ -15,12 +15,11 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
 
 from . import owner as _owner
 from .deadline import DRIFT_RATE, margin_of
 from .errors import Holder, LockLost
+from .lock_options import LockOptions
 from .max_hold import capped_ms, check_max_hold, first_lease_ms
 from .protocol import GONE, Grant, Refused
 from .renew_target import RenewTarget
@@ -40,43 +39,35 @@ def next_hold_id() -> int:
 
 
 class HoldState:
-    """A lock object's hold as this process knows it (see the module text).
-
-    :param name: the lock's name.
-    :param ttl: seconds a hold lives after its last acquire, extend or renewal.
-    :param owner: a fixed owner token, or None for the current context's owner.
-    :param on_lost: called once per lost hold with this lock.
-    :param scheduler: the renewal registry (default: this process's).
-    :param auto_renew: renew the hold from the scheduler every ``ttl/3``.
-    :param blocking_timeout: how long ``with lock:`` and a plain ``acquire()`` wait.
-    :param pause_budget: seconds this holder may be frozen at its deadline and still
-        be told first (default: :func:`~celery_dlock.core.deadline.pause_budget`).
-    :param max_hold: seconds after which a hold is no longer renewed and is reported
-        lost ("max hold ... reached"), however often it was renewed, re-entered or
-        extended (None: unbounded; shorter than the ttl, it cuts the first grant; see
-        :mod:`celery_dlock.core.max_hold`).
-    """
+    """A lock object's hold as this process knows it (see the module text), made
+    with its :class:`~celery_dlock.core.lock_options.LockOptions`: a ``max_hold`` is
+    the seconds after which a hold is no longer renewed and is reported lost ("max
+    hold ... reached"), however often it was renewed, re-entered or extended (None:
+    unbounded; shorter than the ttl, it cuts the first grant; see
+    :mod:`celery_dlock.core.max_hold`); a ``pause_budget`` of None is
+    :func:`~celery_dlock.core.deadline.pause_budget`."""
 
     #: Whether :attr:`fence` gives fencing tokens on this kind of lock.
     fences = True
 
-    def __init__(self, name: str, ttl: float, *, owner: str | None,
-                 on_lost: Callable[[Any], object] | None,
-                 scheduler: RenewalScheduler | None, auto_renew: bool,
-                 blocking_timeout: float | None,
-                 pause_budget: float | None = None,
-                 max_hold: float | None = None) -> None:
+    def __init__(self, options: LockOptions) -> None:
+        #: What this lock was made with (checked: :class:`LockOptions`).
+        self.options = options
+        name = options.name
         self.name = name
-        self.on_lost = on_lost
-        self.ttl_ms = _ttl_to_ms(ttl, "ttl", name)
-        self.max_hold = check_max_hold(max_hold, name)
+        self.prefix = options.prefix
+        self.on_lost = options.on_lost
+        self.ttl_ms = _ttl_to_ms(options.ttl, "ttl", name)
+        self.max_hold = check_max_hold(options.max_hold, name)
         #: When the current hold reaches its max hold (scheduler clock; None: never).
         self._bound: float | None = None
-        self.auto_renew = auto_renew
-        self.blocking_timeout = blocking_timeout
-        self.pause_budget = pause_budget
-        self._fixed_owner = owner
-        self._scheduler = scheduler
+        self.auto_renew = options.auto_renew
+        self.blocking_timeout = options.blocking_timeout
+        self.pause_budget = options.pause_budget
+        #: The metadata stored with each hold, as flat field/value arguments.
+        self._info_args = list(options.info_args)
+        self._fixed_owner = options.owner
+        self._scheduler = options.scheduler
         self._state = threading.Lock()
         self._depth = 0
         self._hold_id = 0

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from .errors import Holder
 from .holds import HoldInfo
+from .lock_options import LockOptions
 from .rates import Rate, RateDecision, RateState
 from .store_check import Problem
 
@@ -156,12 +157,8 @@ class Backend(Protocol):
     #: never the URL.
     capabilities: frozenset[str]
 
-    def lock(self, name: str, ttl: float, *, prefix: str,
-             info: Mapping[str, object] | None = None, owner: str | None = None,
-             on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None, limit: int = 1) -> Lock:
-        """A lock object for ``name`` (no server call); ``max_hold``: see
+    def lock(self, options: LockOptions) -> Lock:
+        """A lock object made with ``options`` (no server call); ``max_hold``: see
         :mod:`celery_dlock.core.max_hold`; with ``limit`` > 1 a semaphore: that many
         owners may hold it at once, each hold with the whole surface of a lock (a
         backend that cannot raises InvalidLockConfig)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import BackendUnavailable, DLockError
+from .lock_options import LockOptions
 
 __all__ = ["PROBE_NAME", "PROBE_TTL", "Problem", "probe"]
 
@@ -44,8 +45,9 @@ PROBE_TTL = 5.0
 def probe(backend: Any, prefix: str) -> list[Problem]:
     """Take and release the probe lock on ``backend``; the problems found (one line
     each).  :class:`BackendUnavailable` when the store does not answer."""
-    lock = backend.lock(PROBE_NAME, PROBE_TTL, prefix=prefix, auto_renew=False,
-                        info={"purpose": "celery dlock check"})
+    lock = backend.lock(LockOptions(PROBE_NAME, PROBE_TTL, prefix=prefix,
+                                    auto_renew=False,
+                                    info={"purpose": "celery dlock check"}))
     try:
         taken = lock.acquire(blocking=False)
     except BackendUnavailable:

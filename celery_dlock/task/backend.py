@@ -23,6 +23,7 @@ from typing import Any
 
 from ..core.errors import InvalidLockConfig, NotSupported
 from ..core.lock_args import DEFAULT_PREFIX
+from ..core.lock_options import LockOptions
 from ..core.process import after_fork
 from ..core.protocol import Backend, Lock
 from ..core.registry import LIMIT, MARKERS, Entry, entry_named, redis_driver
@@ -106,16 +107,11 @@ def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
     ``ensure_held``, ``holder``, ``depth``, ``fence``, ``on_lost``, the context
     manager).  ``limit`` > 1 gives a :class:`~celery_dlock.RedisSemaphore` of that
     many slots (a Redis URL only; the others refuse it).  No server call."""
-    lock = backend_from_url(url).lock(name, ttl, prefix=prefix, info=info, owner=owner,
-                                      on_lost=on_lost, auto_renew=auto_renew,
-                                      pause_budget=pause_budget, max_hold=max_hold,
-                                      limit=limit)
-    if blocking_timeout is not None:
-        if isinstance(blocking_timeout, bool) or not isinstance(
-                blocking_timeout, (int, float)) or not blocking_timeout >= 0:
-            raise InvalidLockConfig(f"blocking_timeout must be a number >= 0 or None, "
-                                    f"got {blocking_timeout!r}", lock_name=name)
-        lock.blocking_timeout = blocking_timeout  # type: ignore[attr-defined]
+    options = LockOptions(name, ttl, prefix=prefix, info=info, owner=owner,
+                          on_lost=on_lost, auto_renew=auto_renew,
+                          pause_budget=pause_budget, max_hold=max_hold, limit=limit,
+                          blocking_timeout=blocking_timeout)
+    lock: Lock = backend_from_url(url).lock(options)
     return lock
 
 

@@ -45,6 +45,7 @@ from ..core.errors import (
     LockLost,
     LockNotAcquired,
 )
+from ..core.lock_options import LockOptions
 from ..core.owner import owner_context
 from ..core.protocol import Lock
 from . import enqueue, signals
@@ -250,12 +251,10 @@ class LockedTask(Task):  # type: ignore[misc]
         readable = self.lock_arguments(args, kwargs)
         if readable is not None:
             info["args"] = readable
-        return backend_for(self.app).lock(key, settings["lock_ttl"],
-                                          prefix=settings["lock_prefix"],
-                                          info=info,
-                                          pause_budget=settings["lock_pause_budget"],
-                                          max_hold=settings["lock_max_hold"],
-                                          limit=settings["lock_limit"])
+        return backend_for(self.app).lock(LockOptions(
+            key, settings["lock_ttl"], prefix=settings["lock_prefix"], info=info,
+            pause_budget=settings["lock_pause_budget"],
+            max_hold=settings["lock_max_hold"], limit=settings["lock_limit"]))
 
     # -- running ----------------------------------------------------------------------
 

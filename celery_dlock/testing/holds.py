@@ -19,6 +19,7 @@ from typing import Any
 
 from ..core.errors import DLockError, LockLost, LockNotAcquired
 from ..core.lock_args import DEFAULT_PREFIX
+from ..core.lock_options import LockOptions
 from ..core.protocol import Lock
 from ..task.backend import backend_for
 from ..task.settings import SETTINGS, conf_value
@@ -119,8 +120,8 @@ class Holds:
         owner = f"dlock_hold:{uuid.uuid4().hex}"
         if limit is None:
             limit = self._limit_of(task, app)
-        lock = backend_for(app).lock(name, ttl, prefix=prefix, info=info, owner=owner,
-                                     limit=limit)
+        lock = backend_for(app).lock(LockOptions(name, ttl, prefix=prefix, info=info,
+                                                 owner=owner, limit=limit))
         if timeout > 0:
             acquired = lock.acquire(blocking=True, timeout=timeout)
         else:

@@ -23,6 +23,7 @@ from kombu.exceptions import EncodeError
 from worker_harness import Harness, assert_disjoint, open_harness, wait_for
 
 from celery_dlock import DROPPED, AlreadyQueued, DroppedResult, InvalidLockConfig
+from celery_dlock.core.lock_options import LockOptions
 
 pytestmark = pytest.mark.slow
 
@@ -280,7 +281,7 @@ def test_a_requeue_never_restarts_the_throttle_window(harness: Harness,
     task, name, window = h.app.tasks["pf.rated"], "rated:thw", 3.0
     opts = {"lock_mode": "throttle", "lock_ttl": window, "on_duplicate": "drop",
             "on_contention": "retry"}
-    blocker = backend_for(h.app).lock(name, 10, prefix=h.prefix)
+    blocker = backend_for(h.app).lock(LockOptions(name, 10, prefix=h.prefix))
     t0 = time.monotonic()
     a = task.apply_async(("thw", 1), countdown=1.5, **opts)
     if requeue == "contention":

@@ -28,6 +28,7 @@ from celery_dlock import (
 )
 from celery_dlock.backends.redis.backend import RedisBackend
 from celery_dlock.backends.redis.hashtag import lock_key
+from celery_dlock.core.lock_options import LockOptions
 
 
 def _sem(r, name, prefix, owner, limit=3, ttl=30.0, **kw):
@@ -322,8 +323,8 @@ def test_the_redlock_backend_refuses_a_limit(redlock_servers):
     clients = [redis.Redis.from_url(s.url) for s in redlock_servers]
     backend = RedlockBackend(clients)
     with pytest.raises(InvalidLockConfig, match="lock_limit > 1"):
-        backend.lock("x", 5, prefix="p", limit=2)
-    assert backend.lock("x", 5, prefix="p", limit=1) is not None
+        backend.lock(LockOptions("x", 5, prefix="p", limit=2))
+    assert backend.lock(LockOptions("x", 5, prefix="p", limit=1)) is not None
     for c in clients:
         c.close()
 

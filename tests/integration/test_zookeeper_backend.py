@@ -15,6 +15,7 @@ pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper extra
 from celery_dlock import LockLost
 from celery_dlock.backends.zookeeper import ZooKeeperLock, backend_from_url
 from celery_dlock.core.holds import HoldChanged
+from celery_dlock.core.lock_options import LockOptions
 from celery_dlock.core.protocol import Backend
 
 
@@ -24,10 +25,10 @@ def test_read_holds_and_waiting_show_the_holder_and_its_line(zk_server, prefix, 
     assert as_protocol.kind == "zookeeper"
     assert backend.read(prefix, name) is None
     assert list(backend.holds(prefix)) == []
-    lock = backend.lock(name, 30, prefix=prefix, owner="me",
-                        info={"task_name": "proj.job", "task_id": "t-1", "worker": "w1",
-                              "extra": "x"})
-    other = backend.lock("other", 30, prefix=prefix)
+    lock = backend.lock(LockOptions(
+        name, 30, prefix=prefix, owner="me",
+        info={"task_name": "proj.job", "task_id": "t-1", "worker": "w1", "extra": "x"}))
+    other = backend.lock(LockOptions("other", 30, prefix=prefix))
     with lock, other:
         found = backend.read(prefix, name)
         assert found is not None
@@ -53,7 +54,7 @@ def test_read_holds_and_waiting_show_the_holder_and_its_line(zk_server, prefix, 
 def test_force_release_frees_the_hold_and_the_holder_is_told(zk_server, prefix, name):
     backend = backend_from_url(zk_server.url)
     told: list[object] = []
-    lock = backend.lock(name, 30, prefix=prefix, on_lost=told.append)
+    lock = backend.lock(LockOptions(name, 30, prefix=prefix, on_lost=told.append))
     lock.acquire()
     fence = lock.fence
     assert fence is not None

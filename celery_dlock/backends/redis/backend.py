@@ -3,7 +3,7 @@ behind :class:`~celery_dlock.core.protocol.Backend`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -11,6 +11,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ...core.errors import BackendUnavailable
 from ...core.holds import HoldInfo
+from ...core.lock_options import LockOptions
 from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .inspect import force_release, get_lock, iter_locks, release_matching, waiting_counts
@@ -34,20 +35,10 @@ class RedisBackend:
     def __init__(self, client: Any) -> None:
         self.client = client
 
-    def lock(self, name: str, ttl: float, *, prefix: str,
-             info: Mapping[str, object] | None = None, owner: str | None = None,
-             on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None, limit: int = 1
-             ) -> RedisLock | RedisSemaphore:
-        if limit != 1:
-            return RedisSemaphore(self.client, name, limit, ttl, prefix=prefix,
-                                  info=info, owner=owner, on_lost=on_lost,
-                                  auto_renew=auto_renew, pause_budget=pause_budget,
-                                  max_hold=max_hold)
-        return RedisLock(self.client, name, ttl, prefix=prefix, info=info, owner=owner,
-                         on_lost=on_lost, auto_renew=auto_renew,
-                         pause_budget=pause_budget, max_hold=max_hold)
+    def lock(self, options: LockOptions) -> RedisLock | RedisSemaphore:
+        if options.limit != 1:
+            return RedisSemaphore.with_options(self.client, options)
+        return RedisLock.with_options(self.client, options)
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         return get_lock(self.client, prefix, name)

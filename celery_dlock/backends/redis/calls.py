@@ -52,7 +52,6 @@ class RedisHold(Hold):
     client: Any
     prefix: str
     keys: HoldKeys
-    _info_args: Sequence[str]
 
     def _extra_args(self) -> tuple[Any, ...]:
         """What this kind's scripts take after the operation's own arguments."""

@@ -31,8 +31,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from ...core.errors import DLockError, Holder
-from ...core.lock_args import DEFAULT_PREFIX, acquire_timeout, check_lock_options
+from ...core.errors import DLockError, Holder, InvalidLockConfig
+from ...core.lock_args import DEFAULT_PREFIX, acquire_timeout
+from ...core.lock_options import LockOptions
 from ...core.protocol import new_op_id
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
@@ -99,16 +100,20 @@ class RedisLock(RedisHold):
         pause_budget: float | None = None,
         max_hold: float | None = None,
     ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
-                                       pause_budget)
-        check_client(client, name)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
-                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget, max_hold=max_hold)
-        self.client = client
-        self.prefix = prefix
-        self.keys = LockKeys.for_name(prefix, name)
-        self._info_args = info_args
+        self._open(client, LockOptions(
+            name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
+            blocking_timeout=blocking_timeout, scheduler=scheduler,
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold))
+
+    def _open(self, where: Any, options: LockOptions) -> None:
+        if options.limit != 1:
+            raise InvalidLockConfig(f"a RedisLock has one holder, got limit "
+                                    f"{options.limit!r} (a RedisSemaphore has several)",
+                                    lock_name=options.name)
+        check_client(where, options.name)
+        super().__init__(options)
+        self.client = where
+        self.keys = LockKeys.for_name(options.prefix, options.name)
 
     # -- talking to Redis (the rest: RedisHold) -------------------------------------
 

@@ -25,10 +25,10 @@ from redis.exceptions import RedisError, ResponseError
 from ...core.errors import (
     DLockError,
     Holder,
-    InvalidLockConfig,
     LockKeyConflict,
 )
-from ...core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ...core.lock_args import DEFAULT_PREFIX
+from ...core.lock_options import LockOptions, check_limit
 from ...core.process import after_fork
 from ...core.protocol import new_op_id
 from ...core.scheduler import RenewalScheduler
@@ -62,14 +62,6 @@ from .semaphore_scripts import (
 __all__ = ["RedisSemaphore", "SemaphoreKeys", "check_limit", "read_holders"]
 
 logger = logging.getLogger("celery_dlock.lock")
-
-
-def check_limit(limit: Any, name: str | None = None) -> int:
-    """``limit`` when it is an int >= 1, else InvalidLockConfig."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise InvalidLockConfig(f"a semaphore's limit must be an int >= 1 (how many "
-                                f"holders at once), got {limit!r}", lock_name=name)
-    return limit
 
 
 class SemaphoreKeys(NamedTuple):
@@ -146,17 +138,18 @@ class RedisSemaphore(RedisHold):
         pause_budget: float | None = None,
         max_hold: float | None = None,
     ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
-                                       pause_budget)
-        self.limit = check_limit(limit, name)
-        check_client(client, name)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
-                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget, max_hold=max_hold)
-        self.client = client
-        self.prefix = prefix
-        self.keys = SemaphoreKeys.for_name(prefix, name)
-        self._info_args = info_args
+        self._open(client, LockOptions(
+            name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
+            blocking_timeout=blocking_timeout, scheduler=scheduler,
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold,
+            limit=check_limit(limit, name)))
+
+    def _open(self, where: Any, options: LockOptions) -> None:
+        self.limit = options.limit
+        check_client(where, options.name)
+        super().__init__(options)
+        self.client = where
+        self.keys = SemaphoreKeys.for_name(options.prefix, options.name)
 
     # -- talking to Redis -----------------------------------------------------------
 

@@ -32,8 +32,8 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
     def _server_of(self, url: str | PgServer) -> PgServer:
         return url if isinstance(url, PgServer) else server_for(url)
 
-    def _new_lock(self, name: str, ttl: float, **options: Any) -> PostgresLock:
-        return PostgresLock(self.server, name, ttl, **options)
+    def _lock_class(self) -> type[PostgresLock]:
+        return PostgresLock
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

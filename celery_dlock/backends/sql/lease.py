@@ -22,7 +22,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from ...core.errors import Holder
 from ...core.hold import Hold
 from ...core.holds import HoldInfo
-from ...core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ...core.lock_args import DEFAULT_PREFIX
+from ...core.lock_options import LockOptions
 from ...core.protocol import GONE, OK, STILL_HELD, TAKEN, Grant, Refused, new_op_id
 from ...core.scheduler import RenewalScheduler
 from .released import forced_reason
@@ -133,14 +134,15 @@ class LeaseLock(Hold, Generic[S]):
         pause_budget: float | None = None,
         max_hold: float | None = None,
     ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
-                                       pause_budget)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
-                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget, max_hold=max_hold)
-        self.server = self._server_of(url)
-        self.prefix = prefix
-        self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
+        self._open(url, LockOptions(
+            name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
+            blocking_timeout=blocking_timeout, scheduler=scheduler,
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold))
+
+    def _open(self, where: Any, options: LockOptions) -> None:
+        super().__init__(options)
+        self.server = self._server_of(where)
+        self._info = options.info_fields
         self._prepare()
 
     # -- what a dialect provides --------------------------------------------------------

@@ -8,11 +8,11 @@ No driver is imported here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
+from ...core.lock_options import LockOptions
 from ...core.store_check import Problem, probe
 from .lease import LeaseLock
 
@@ -49,23 +49,17 @@ class LeaseBackend(Generic[S, L]):
         """The dialect's server object of ``url`` (a URL, or that object)."""
         raise NotImplementedError
 
-    def _new_lock(self, name: str, ttl: float, **options: Any) -> L:
-        """The dialect's lock ``name`` on :attr:`server`."""
+    def _lock_class(self) -> type[L]:
+        """The dialect's lock class."""
         raise NotImplementedError
 
-    def lock(self, name: str, ttl: float, *, prefix: str,
-             info: Mapping[str, object] | None = None, owner: str | None = None,
-             on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None, limit: int = 1) -> L:
-        if limit != 1:
+    def lock(self, options: LockOptions) -> L:
+        if options.limit != 1:
             raise InvalidLockConfig(
-                f"lock_limit={limit!r}: the {self.kind} backend keeps locks of one "
-                f"holder; semaphores (lock_limit > 1) need a Redis backend "
-                f"(docs/backends.md)", lock_name=name)
-        return self._new_lock(name, ttl, prefix=prefix, info=info, owner=owner,
-                              on_lost=on_lost, auto_renew=auto_renew,
-                              pause_budget=pause_budget, max_hold=max_hold)
+                f"lock_limit={options.limit!r}: the {self.kind} backend keeps locks of "
+                f"one holder; semaphores (lock_limit > 1) need a Redis backend "
+                f"(docs/backends.md)", lock_name=options.name)
+        return self._lock_class().with_options(self.server, options)
 
     def storage_key(self, prefix: str, name: str) -> str:
         return f"{self.server.table_name}[{prefix}, {name}]"

@@ -40,8 +40,8 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
     def _server_of(self, url: str | MyServer) -> MyServer:
         return url if isinstance(url, MyServer) else server_for(url)
 
-    def _new_lock(self, name: str, ttl: float, **options: Any) -> MySQLLock:
-        return MySQLLock(self.server, name, ttl, **options)
+    def _lock_class(self) -> type[MySQLLock]:
+        return MySQLLock
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

@@ -8,8 +8,9 @@ from typing import Any
 
 from kazoo.exceptions import NoNodeError
 
-from ...core.errors import DLockError, InvalidLockConfig, LockKeyConflict
+from ...core.errors import DLockError, LockKeyConflict
 from ...core.holds import HoldChanged, HoldInfo
+from ...core.lock_options import LockOptions
 from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .lock import ZooKeeperLock
@@ -66,19 +67,8 @@ class ZooKeeperBackend:
         client = session.start(what)
         return session.wait(what, fn(client))
 
-    def lock(self, name: str, ttl: float, *, prefix: str,
-             info: Mapping[str, object] | None = None, owner: str | None = None,
-             on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None, limit: int = 1) -> ZooKeeperLock:
-        if limit != 1:
-            raise InvalidLockConfig(
-                f"lock_limit={limit!r}: the zookeeper backend keeps locks of one holder; "
-                f"semaphores (lock_limit > 1) need a Redis backend (docs/backends.md)",
-                lock_name=name)
-        return ZooKeeperLock(self.spec, name, ttl, prefix=prefix, info=info,
-                             owner=owner, on_lost=on_lost, auto_renew=auto_renew,
-                             pause_budget=pause_budget, max_hold=max_hold)
+    def lock(self, options: LockOptions) -> ZooKeeperLock:
+        return ZooKeeperLock.with_options(self.spec, options)
 
     def _head(self, prefix: str, name: str) -> tuple[str, NodeData, Any] | None:
         """The holder's child of ``name`` (path, data, stat), or None when free."""

@@ -55,7 +55,8 @@ from ...core.errors import (
     NotSupported,
 )
 from ...core.hold import Hold
-from ...core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ...core.lock_args import DEFAULT_PREFIX
+from ...core.lock_options import LockOptions
 from ...core.protocol import GONE, OK, STILL_HELD, Grant, Refused
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
@@ -110,22 +111,29 @@ class ZooKeeperLock(Hold):
         pause_budget: float | None = None,
         max_hold: float | None = None,
     ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
-                                       pause_budget)
-        spec = zk if isinstance(zk, ZkSpec) else parse_url(zk)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
-                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget, max_hold=max_hold)
+        self._open(zk, LockOptions(
+            name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
+            blocking_timeout=blocking_timeout, scheduler=scheduler,
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold))
+
+    def _open(self, where: Any, options: LockOptions) -> None:
+        name = options.name
+        if options.limit != 1:
+            raise InvalidLockConfig(
+                f"lock_limit={options.limit!r}: the zookeeper backend keeps locks of "
+                f"one holder; semaphores (lock_limit > 1) need a Redis backend "
+                f"(docs/backends.md)", lock_name=name)
+        spec = where if isinstance(where, ZkSpec) else parse_url(where)
+        super().__init__(options)
         if self.ttl_ms > MAX_SESSION_MS:
             raise InvalidLockConfig(
                 f"a ZooKeeper hold lives as long as its session, and a session "
                 f"timeout is at most 2**31 - 1 ms (about 24.8 days), got "
-                f"ttl {ttl!r}", lock_name=name)
+                f"ttl {options.ttl!r}", lock_name=name)
         self.spec = spec
-        self.prefix = prefix
         #: The lock node (its children are the holder and the line).
-        self.path = lock_path(prefix, name)
-        self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
+        self.path = lock_path(options.prefix, name)
+        self._info = options.info_fields
         # The session is chosen by the ttl the lock was made with (extend cannot
         # move a hold to another session).
         self._node = LockNode(spec, self.ttl_ms, self.path, name)

@@ -4,14 +4,15 @@ not supported yet (each node would have to be read, and a quorum agreed on)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ....core.errors import BackendUnavailable, InvalidLockConfig, NotSupported
+from ....core.errors import BackendUnavailable, NotSupported
 from ....core.holds import HoldInfo
+from ....core.lock_options import LockOptions
 from ....core.registry import entry_named
 from ....core.store_check import Problem, probe
 from ..inspect import release_matching
@@ -19,22 +20,9 @@ from ..keyspace import LockKeys
 from ..server_checks import server_problems
 from .lock import RedlockLock
 from .nodes import check_nodes
+from .quorum import REDLOCK_NO_SEMAPHORE, check_redlock_limit
 
 __all__ = ["REDLOCK_NO_SEMAPHORE", "RedlockBackend", "check_redlock_limit"]
-
-#: Why a Redlock keeps no semaphore (docs/deployments.md).
-REDLOCK_NO_SEMAPHORE = (
-    "lock_limit > 1 (a semaphore) is not supported with Redlock (several independent "
-    "servers): each node would count the holders on its own, and a quorum of nodes "
-    "can each grant a different set of holders, so more than lock_limit could run at "
-    "once; use one Redis, a Cluster or Sentinel for tasks with lock_limit > 1")
-
-
-def check_redlock_limit(limit: object, name: str | None = None) -> None:
-    """InvalidLockConfig unless ``limit`` is 1: Redlock keeps no semaphores."""
-    if limit != 1:
-        raise InvalidLockConfig(REDLOCK_NO_SEMAPHORE, lock_name=name)
-
 
 class RedlockBackend:
     """The locks held on a quorum of ``clients`` (3 or more independent servers)."""
@@ -48,15 +36,8 @@ class RedlockBackend:
         # or one server given as several nodes.
         self.clients = check_nodes(clients, None)
 
-    def lock(self, name: str, ttl: float, *, prefix: str,
-             info: Mapping[str, object] | None = None, owner: str | None = None,
-             on_lost: Callable[[Any], object] | None = None,
-             auto_renew: bool = True, pause_budget: float | None = None,
-             max_hold: float | None = None, limit: int = 1) -> RedlockLock:
-        check_redlock_limit(limit, name)
-        return RedlockLock(self.clients, name, ttl, prefix=prefix, info=info,
-                           owner=owner, on_lost=on_lost, auto_renew=auto_renew,
-                         pause_budget=pause_budget, max_hold=max_hold)
+    def lock(self, options: LockOptions) -> RedlockLock:
+        return RedlockLock.with_options(self.clients, options)
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         holder = RedlockLock(self.clients, name, prefix=prefix, auto_renew=False).holder()

@@ -37,7 +37,8 @@ from typing import Any
 from ....core.deadline import pause_budget
 from ....core.errors import FencingUnavailable, Holder, InvalidLockConfig
 from ....core.hold import Hold
-from ....core.lock_args import DEFAULT_PREFIX, check_lock_options
+from ....core.lock_args import DEFAULT_PREFIX
+from ....core.lock_options import LockOptions
 from ....core.max_hold import first_lease_ms
 from ....core.protocol import GONE, OK, STILL_HELD, TAKEN, Grant, Refused, new_op_id
 from ....core.renew_target import RenewTarget
@@ -60,6 +61,7 @@ from .quorum import (
     DEFAULT_NODE_TIMEOUT,
     Holds,
     answered,
+    check_redlock_limit,
     check_timing,
     failures,
     give_back,
@@ -127,19 +129,23 @@ class RedlockLock(Hold):
         pause_budget: float | None = None,
         max_hold: float | None = None,
     ) -> None:
-        info_args = check_lock_options(name, prefix, owner, blocking_timeout, info,
-                                       pause_budget)
-        super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
-                         auto_renew=auto_renew, blocking_timeout=blocking_timeout,
-                         pause_budget=pause_budget, max_hold=max_hold)
-        self.clients = check_nodes(clients, name)
+        self._open(clients, LockOptions(
+            name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
+            blocking_timeout=blocking_timeout, scheduler=scheduler,
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold),
+            drift_factor, node_timeout)
+
+    def _open(self, where: Any, options: LockOptions, drift_factor: float = 0.01,
+              node_timeout: float | None = None) -> None:
+        name = options.name
+        check_redlock_limit(options.limit, name)
+        super().__init__(options)
+        self.clients = check_nodes(where, name)
         self.quorum = quorum_of(len(self.clients))
         self.drift_factor, self.node_timeout = check_timing(name, self.ttl, drift_factor,
                                                             node_timeout)
         self._nodes = tuple(node_client(c, self.node_timeout) for c in self.clients)
-        self.prefix = prefix
-        self.keys = LockKeys.for_name(prefix, name)
-        self._info_args = info_args
+        self.keys = LockKeys.for_name(options.prefix, name)
         # Calls of a granted acquire still out to slow nodes: a release waits for them
         # (at most node_timeout), so it never reaches a node before its acquire.
         self._in_flight: dict[int, list[cf.Future[Any]]] = {}

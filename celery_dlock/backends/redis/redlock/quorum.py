@@ -28,8 +28,10 @@ from .workers import NodeBusy, NotSent
 
 __all__ = [
     "DEFAULT_NODE_TIMEOUT",
+    "REDLOCK_NO_SEMAPHORE",
     "Holds",
     "answered",
+    "check_redlock_limit",
     "check_timing",
     "failures",
     "give_back",
@@ -56,6 +58,20 @@ op_id = new_op_id
 
 def answered(reply: Any) -> bool:
     return reply is not None and not isinstance(reply, NodeFailed)
+
+
+#: Why a Redlock keeps no semaphore (docs/deployments.md).
+REDLOCK_NO_SEMAPHORE = (
+    "lock_limit > 1 (a semaphore) is not supported with Redlock (several independent "
+    "servers): each node would count the holders on its own, and a quorum of nodes "
+    "can each grant a different set of holders, so more than lock_limit could run at "
+    "once; use one Redis, a Cluster or Sentinel for tasks with lock_limit > 1")
+
+
+def check_redlock_limit(limit: object, name: str | None = None) -> None:
+    """InvalidLockConfig unless ``limit`` is 1: Redlock keeps no semaphores."""
+    if limit != 1:
+        raise InvalidLockConfig(REDLOCK_NO_SEMAPHORE, lock_name=name)
 
 
 def check_timing(name: str, ttl: float, drift_factor: Any,
