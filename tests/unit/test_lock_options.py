@@ -65,8 +65,7 @@ def test_every_redis_kind_is_made_with_its_options() -> None:
     assert isinstance(semaphore, RedisSemaphore) and semaphore.limit == 3
     quorum = RedlockBackend(_clients(3)).lock(options)
     assert isinstance(quorum, RedlockLock) and quorum.options is options
-    with pytest.raises(InvalidLockConfig, match="each of its independent servers|"
-                                                "not supported with Redlock"):
+    with pytest.raises(InvalidLockConfig, match="not supported with Redlock"):
         RedlockBackend(_clients(3)).lock(options.replace(limit=2))
 
 
