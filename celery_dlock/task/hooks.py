@@ -30,6 +30,7 @@ from typing import Any
 from celery import signals as celery_signals
 from celery.worker import state as worker_state
 
+from ..core import process
 from ..core.errors import DLockError
 from ..core.process import after_fork
 from ..core.scheduler import get_scheduler
@@ -96,17 +97,21 @@ def _on_process_init(**_: Any) -> None:
 
 
 def _on_shutdown(**_: Any) -> None:
-    released = release_process_holds()
-    if released:
-        logger.warning("released %d lock hold(s) still held at shutdown of pid %s",
-                       released, os.getpid())
+    """A warm shutdown (of a worker, or of a pool child): what this process
+    registered to close when it stops (:func:`celery_dlock.core.process.shutdown`),
+    its holds released first."""
+    process.shutdown()
 
 
+@process.at_shutdown
 def release_process_holds() -> int:
     """Release every hold this process's scheduler renews; returns how many."""
     count = 0
     for lock in get_scheduler().held_locks():
         count += lock.release_all()
+    if count:
+        logger.warning("released %d lock hold(s) still held at shutdown of pid %s",
+                       count, os.getpid())
     return count
 
 

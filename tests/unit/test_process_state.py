@@ -51,3 +51,32 @@ def test_the_modules_that_keep_state_are_registered() -> None:
                    "celery_dlock.task.backend", "celery_dlock.task.connection",
                    "celery_dlock.backends.redis.renewal"):
         assert needed in modules, needed
+
+
+def test_shutdown_runs_every_step_in_order_past_one_that_fails() -> None:
+    ran: list[str] = []
+
+    def failing() -> None:
+        ran.append("failing")
+        raise RuntimeError("a step that fails")
+
+    steps = [process.at_shutdown(lambda: ran.append("first") or "one"),
+             process.at_shutdown(failing),
+             process.at_shutdown(lambda: ran.append("last") or "three")]
+    before = len(process.shutdown_steps()) - len(steps)
+    try:
+        results = process.shutdown()
+        assert ran[-3:] == ["first", "failing", "last"]
+        assert results[before:] == ["one", None, "three"]
+    finally:
+        for step in steps:
+            process._shutdown.remove(step)
+
+
+def test_a_process_releases_its_holds_before_it_closes_its_sessions() -> None:
+    import celery_dlock.backends.zookeeper.session  # noqa: F401  (registers its close)
+    from celery_dlock.task import hooks
+
+    names = [getattr(s, "__qualname__", "") for s in process.shutdown_steps()]
+    assert hooks.release_process_holds in process.shutdown_steps()
+    assert names.index("release_process_holds") < names.index("_close_all")

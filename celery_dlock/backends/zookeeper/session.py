@@ -38,7 +38,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
 from ...core.errors import BackendUnavailable, InvalidLockConfig
-from ...core.process import after_fork
+from ...core.process import after_fork, at_shutdown
 from .answers import UNAVAILABLE, error_for, meaning_of
 from .logs import kazoo_logger
 from .url import ZkSpec
@@ -250,6 +250,11 @@ def session_for(spec: ZkSpec, ttl_ms: int) -> ZkSession:
         if found is None:
             found = _sessions[key] = ZkSession(spec, key[1])
         return found
+
+
+@at_shutdown
+def _close_all() -> None:
+    close_sessions()  # after the holds were released: their nodes go with them
 
 
 def close_sessions(host: str | None = None) -> None:
