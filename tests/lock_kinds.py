@@ -323,12 +323,12 @@ class SemaphoreView:
     def _hold_key(self, key: str) -> str | None:
         if self.client.type(key) != b"zset":
             return key
-        from celery_dlock.backends.redis.semaphore import SemaphoreKeys
+        from celery_dlock.backends.redis.keyspace import LockKeys
 
         members = self.client.zrange(key, 0, -1)
         if len(members) != 1:
             return None
-        return SemaphoreKeys(key, "", "", "", "", "").holder(members[0].decode())
+        return LockKeys(key, "", "", "", "", "").holder(members[0].decode())
 
     def hget(self, key: str, field: str) -> Any:
         hold = self._hold_key(key)

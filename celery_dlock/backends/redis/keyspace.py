@@ -46,6 +46,8 @@ DOORBELL_SUFFIX = ":w:"
 RELEASED_SUFFIX = ":released"
 #: A queue marker (enqueue-time uniqueness; :mod:`celery_dlock.backends.redis.markers`).
 MARKER_SUFFIX = ":m"
+#: A semaphore holder's hash (followed by the sha1 of its owner).
+HOLDER_SUFFIX = ":h:"
 #: Every suffix, by the name the Lua scripts know it by.
 SUFFIXES = {"FENCE_SUFFIX": FENCE_SUFFIX, "QUEUE_SUFFIX": QUEUE_SUFFIX,
             "LEASES_SUFFIX": LEASES_SUFFIX, "DOORBELL_SUFFIX": DOORBELL_SUFFIX,
@@ -53,8 +55,8 @@ SUFFIXES = {"FENCE_SUFFIX": FENCE_SUFFIX, "QUEUE_SUFFIX": QUEUE_SUFFIX,
 
 
 class LockKeys(NamedTuple):
-    """The Redis keys of one lock; all share one hash tag (see
-    :mod:`celery_dlock.backends.redis.hashtag`)."""
+    """The Redis keys of one lock or semaphore (one layout for both); all share one
+    hash tag (see :mod:`celery_dlock.backends.redis.hashtag`)."""
 
     lock: str
     fence: str
@@ -71,6 +73,11 @@ class LockKeys(NamedTuple):
 
     def doorbell(self, owner: str) -> str:
         return self.doorbell_prefix + doorbell_suffix(owner)
+
+    def holder(self, owner: str) -> str:
+        """A semaphore's hash of ``owner``'s hold (a lock keeps its one holder in
+        :attr:`lock`)."""
+        return self.lock + HOLDER_SUFFIX + doorbell_suffix(owner)
 
 
 def decode(value: Any) -> str:

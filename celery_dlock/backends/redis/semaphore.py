@@ -13,12 +13,11 @@ FIFO line and are woken by a release (the doorbells of
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -33,13 +32,7 @@ from ...core.process import after_fork
 from ...core.protocol import new_op_id
 from ...core.scheduler import RenewalScheduler
 from .calls import RedisHold
-from .hashtag import lock_key
 from .keyspace import (
-    DOORBELL_SUFFIX,
-    FENCE_SUFFIX,
-    LEASES_SUFFIX,
-    QUEUE_SUFFIX,
-    RELEASED_SUFFIX,
     UNTOUCHED,
     LockKeys,
     check_client,
@@ -49,7 +42,6 @@ from .keyspace import (
 from .released import read_loss_reason
 from .renewal import RedisRenewTarget, shared_by
 from .semaphore_scripts import (
-    HOLDER_SUFFIX,
     SEM_ACQUIRE,
     SEM_EXTEND,
     SEM_LEAVE_QUEUE,
@@ -59,33 +51,9 @@ from .semaphore_scripts import (
     SEM_STATUS,
 )
 
-__all__ = ["RedisSemaphore", "SemaphoreKeys", "check_limit", "read_holders"]
+__all__ = ["RedisSemaphore", "check_limit", "read_holders"]
 
 logger = logging.getLogger("celery_dlock.lock")
-
-
-class SemaphoreKeys(NamedTuple):
-    """The Redis keys of one semaphore; all share one hash tag."""
-
-    lock: str
-    fence: str
-    queue: str
-    leases: str
-    doorbell_prefix: str
-    released: str
-
-    @classmethod
-    def for_name(cls, prefix: str, name: str) -> SemaphoreKeys:
-        base = lock_key(prefix, name)
-        return cls(base, base + FENCE_SUFFIX, base + QUEUE_SUFFIX, base + LEASES_SUFFIX,
-                   base + DOORBELL_SUFFIX, base + RELEASED_SUFFIX)
-
-    def holder(self, owner: str) -> str:
-        """The hash of ``owner``'s hold."""
-        return self.lock + HOLDER_SUFFIX + hashlib.sha1(owner.encode()).hexdigest()
-
-    def doorbell(self, owner: str) -> str:
-        return self.doorbell_prefix + hashlib.sha1(owner.encode()).hexdigest()
 
 
 def _parse_read(reply: Sequence[Any]) -> tuple[int, list[tuple[int, list[Any]]]]:
@@ -117,7 +85,7 @@ class RedisSemaphore(RedisHold):
     its own slot.  Every process that uses one name must give it the same limit.
     """
 
-    keys: SemaphoreKeys
+    keys: LockKeys
     _acquire_script = SEM_ACQUIRE
     _extend_script = SEM_EXTEND
 
@@ -149,7 +117,7 @@ class RedisSemaphore(RedisHold):
         check_client(where, options.name)
         super().__init__(options)
         self.client = where
-        self.keys = SemaphoreKeys.for_name(options.prefix, options.name)
+        self.keys = LockKeys.for_name(options.prefix, options.name)
 
     # -- talking to Redis -----------------------------------------------------------
 
@@ -157,7 +125,7 @@ class RedisSemaphore(RedisHold):
         return (self.limit,)
 
     def _lock_keys(self) -> LockKeys:
-        return LockKeys(*self.keys)
+        return self.keys
 
     def _error(self, exc: RedisError, what: str) -> DLockError:
         if isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc):

@@ -16,9 +16,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ...core.errors import BackendUnavailable
 from ...core.holds import HoldInfo
 from ...core.protocol import new_op_id
-from .keyspace import decode
+from .keyspace import LockKeys, decode
 from .released import clean_text
-from .semaphore import SemaphoreKeys, read_holders
+from .semaphore import read_holders
 from .semaphore_scripts import SEM_FORCE_RELEASE
 
 __all__ = ["force_release_semaphore", "is_semaphore", "read_semaphore",
@@ -114,7 +114,7 @@ def force_release_semaphore(client: Any, prefix: str, name: str, *,
     """Free the holds of semaphore ``name`` that match (``fence``, ``conditions``;
     neither: every holder); the semaphore as it was, with the freed holds as its
     ``holders`` (None: nothing freed).  Waiters are woken for the freed slots."""
-    key = SemaphoreKeys.for_name(prefix, name).lock
+    key = LockKeys.for_name(prefix, name).lock
     args: list[str] = []
     for k, v in (conditions or {}).items():
         args += (k, v)

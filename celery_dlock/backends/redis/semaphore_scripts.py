@@ -37,13 +37,12 @@ the lock's scripts.
 
 from __future__ import annotations
 
+from .keyspace import HOLDER_SUFFIX
 from .lua import COMMON, LuaScript
 
 __all__ = ["HOLDER_SUFFIX", "SEM_ACQUIRE", "SEM_EXTEND", "SEM_FORCE_RELEASE",
            "SEM_LEAVE_QUEUE", "SEM_READ", "SEM_RELEASE", "SEM_RENEW_MANY", "SEM_STATUS"]
 
-#: A holder's hash: the semaphore's key, this suffix, the sha1 of the owner.
-HOLDER_SUFFIX = ":h:"
 #: A final release's marker: the semaphore's key, this suffix, the operation id.
 RELEASE_OP_SUFFIX = ":r:"
 #: How long a final release's marker is kept (ms): a re-send comes right after.
