@@ -73,17 +73,18 @@
  *   REPLACE_STARTED   a replace may replace a started call's re-queued retry
  *   CONFIRM_BLIND     a confirm that finds no record revokes anyway (also a call that
  *                     took the replace back and runs)
+ *   OP_IN_RECORD      an undo that gives a marker back clears the claim record's
+ *                     operation id instead of giving back the one that wrote that
+ *                     marker: 1 claims, its reply is lost, 2 replaces 1 and its publish
+ *                     fails (UNDO gives 1 its marker back): 1's claim, sent again, is
+ *                     told a duplicate of itself, never published (the code before it
+ *                     kept ``pop``)
  * Behaviour of the code as it stands that the model shows wrong (each must produce a
  * counterexample until the code and the model change together; docs/protocol.md):
  *   CLAIM_REPLACED    a claim of a task id in the replaced set may be claimed: a
  *                     re-sent claim whose replace was taken back meanwhile is claimed
  *                     anew and published, and a later failed replace's UNDO removes it
  *                     from the set (the model's CLAIM answers "queued" to such an id)
- *   OP_IN_RECORD      a re-sent claim is known by the claim record's last operation
- *                     id, which a later claim overwrites: 1 claims, its reply is lost,
- *                     2 replaces 1 and its publish fails (UNDO gives 1 its marker back):
- *                     1's claim, sent again, is told a duplicate of itself (the model
- *                     knows the operation that wrote the marker)
  *   NO_PDL_RAISE      a call whose replace is pending and that is re-queued keeps the
  *                     old marker time for the UNDO to give back: the name frees while
  *                     the re-queued message waits (the model's re-queue raises it)
@@ -156,7 +157,8 @@ byte rec_pold = 0;       /*   the call it replaced (the first of a chain of them
 byte rec_pdl = 0;        /*   that call's marker's expiry, */
 byte rec_conf = 0;       /*   the last replace confirmed, */
 byte rec_back = 0;       /*   the last replace taken back by the replaced call's start, */
-byte rec_op = 0;         /*   and the send whose claim wrote it last (its op) */
+byte rec_op = 0;         /*   and the send whose claim wrote it last (its op), */
+byte rec_pop = 0;        /*   the op that wrote the marker a pending replace replaced */
 byte l_k = 0;            /* the runtime lock's holder (a send), 0 free */
 
 /* -- the broker, and the workers' revoke memory -------------------------------- */
@@ -226,12 +228,13 @@ inline expire() {
 }
 
 inline del_rec() {
-  rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0; rec_op = 0
+  rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0; rec_op = 0;
+  rec_pop = 0
 }
 
 /* a claim that writes the record: no replace pending, none confirmed or taken back */
 inline new_rec(k) { rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0;
-                    rec_op = k }
+                    rec_op = k; rec_pop = 0 }
 
 /* the replaced set keeps a task id until then at least */
 inline remember(k, upto) {
@@ -336,6 +339,7 @@ inline claim(k, code, other, ttl) {
 #endif
      rep_by[m_k] = k;
      m_k = k; m_exp = now + ttl; m_st = false;
+     rec_pop = rec_op;                       /* what an undo gives back with it */
      rec_pend = k; rec_conf = 0; rec_back = 0; rec_op = k
      fi
 #else
@@ -391,13 +395,14 @@ inline requeue(k, st) {
           /* OURS: delivered, so its publish went through: its replace is confirmed */
           if
           :: rec_pend == k -> replaced[rec_pold] = true;
-                              rec_pend = 0; rec_pold = 0; rec_pdl = 0
+                              rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0
           :: else -> skip
           fi;
           m_exp = now + RCD + QTTL; m_st = m_st || st;
           put(k, now + RCD, m_exp, st)
        :: m_k != 0 && ID(m_k) != ID(k) -> put(k, now + RCD, FAR, st)  /* left alone */
        :: m_k == 0 -> m_k = k; m_exp = now + RCD + QTTL; m_st = st;
+                      rec_op = 0;            /* the re-queue's own op */
                       put(k, now + RCD, m_exp, st)
        fi
     fi
@@ -471,11 +476,9 @@ proctype Send(byte k) {
        expire();
 #ifndef NO_CLAIM_OP
        if
-#ifdef OP_IN_RECORD
+       /* the marker holds its task id and the record its op (the claim that wrote
+        * the marker: an undo that gave the marker back gave that op back too) */
        :: m_k != 0 && ID(m_k) == ID(k) && rec_op == k ->
-#else
-       :: m_k == k ->                        /* the marker its own claim wrote */
-#endif
           if
           :: rec_pend == k -> code = REPLACED; other = rec_pold
           :: else -> code = CLAIMED; other = 0
@@ -548,7 +551,8 @@ proctype Send(byte k) {
 #endif
        :: rec_conf != k && rec_back != k && rec_pend == k ->
           replaced[rec_pold] = true;
-          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = k; stands = true
+          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0; rec_conf = k;
+          stands = true
        fi;
        if
        :: stands -> replaced[other] = true; assert(!started[other]);
@@ -566,11 +570,15 @@ proctype Send(byte k) {
        expire();
        if
        :: rec_op == k ->
+          i = 0;                             /* (here: the op the record keeps) */
           if
           :: rec_pend == k && rec_pold != 0 ->
              r_until[ID(rec_pold)] = 0; rep_by[rec_pold] = 0;
              if
-             :: m_k == k && rec_pdl > now -> m_k = rec_pold; m_exp = rec_pdl; m_st = false
+             :: m_k == k && rec_pdl > now -> m_k = rec_pold; m_exp = rec_pdl; m_st = false;
+#ifndef OP_IN_RECORD
+                i = rec_pop                  /* and the op that wrote that marker */
+#endif
              :: m_k == k && rec_pdl <= now -> m_k = 0
              :: else -> skip
              fi
@@ -580,7 +588,7 @@ proctype Send(byte k) {
              :: else -> skip
              fi
           fi;
-          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = 0
+          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = i; rec_pop = 0; i = 0
        :: rec_op != k && rec_pold == k -> rec_pold = 0; rec_pdl = 0
        :: else -> skip
        fi;
@@ -648,7 +656,8 @@ inline work(w, k, st) {
     expire();
     if
     :: rec_pend == k -> replaced[rec_pold] = true;      /* it started first: confirmed */
-                        rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = k
+                        rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0;
+                        rec_conf = k
     :: rec_pend != 0 && rec_pend != k && rec_pold == k && CHECKED(st) ->
        /* replaced by a call whose publish is not confirmed: it takes the replace back
         * and runs; the replacing call never does */
@@ -663,6 +672,7 @@ inline work(w, k, st) {
        :: else -> skip
        fi;
        rec_back = rec_pend; rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = 0;
+       rec_pop = 0;
        goto handed
     :: else -> skip
     fi;

@@ -14,7 +14,10 @@ __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_
 # its message could still be delivered) and the claim record (a hash: ``op``, ``code``
 # and ``other`` of the last send's claim that wrote, so a re-sent claim gets its first
 # reply; ``pend``, ``pold`` and ``pdl``: a replace whose publish is not confirmed yet,
-# the call it replaced and that call's marker's deadline in ms; ``conf``: the last
+# the call it replaced and that call's marker's deadline in ms, and ``pop``, ``pcode``
+# and ``pother``: the ``op``, ``code`` and ``other`` of the claim that wrote the
+# replaced call's marker (a failed publish gives them back with the marker, so that
+# claim, re-sent, still gets its first reply); ``conf``: the last
 # replace confirmed; ``back``: the last replace taken back by the replaced call's
 # start; ``x`` and ``xr``: the operation id of the last claim taken back and the
 # take-back's reply (a claim taken back before it ran does nothing when it runs; a
@@ -87,7 +90,9 @@ end
 if current == id then
   if requeue then
     -- It was delivered, so its publish went through: a replace it made is confirmed.
-    if r[4] == id then redis.call('HDEL', rec, 'pend', 'pold', 'pdl') end
+    if r[4] == id then
+      redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
+    end
     redis.call('PEXPIRE', marker, ARGV[2])
     started()
     return {1, id, 0}
@@ -128,9 +133,12 @@ if current then
     if r[4] == current then pold, pdl = r[5], tonumber(r[6]) end
     remember(replaced, current, now + math.max(left, ttl), now)
     redis.call('SET', marker, id, 'PX', ttl)
-    redis.call('HDEL', rec, 'pold', 'pdl', 'conf', 'back')
+    redis.call('HDEL', rec, 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode', 'pother')
     redis.call('HSET', rec, 'op', ARGV[6], 'code', 4, 'other', current, 'pend', id)
     if pold then redis.call('HSET', rec, 'pold', pold, 'pdl', pdl) end
+    if r[1] then  -- the claim that wrote the replaced call's marker, for an undo
+      redis.call('HSET', rec, 'pop', r[1], 'pcode', r[2] or 0, 'pother', r[3] or '')
+    end
     if redis.call('PTTL', rec) < ttl then redis.call('PEXPIRE', rec, ttl) end
     return {4, current, 0}
   end
@@ -142,7 +150,8 @@ if not (r[1] or r[4] or r[5] or r[7] or r[8]) then
   redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
   redis.call('PEXPIRE', rec, ARGV[2])
 else
-  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back')
+  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode',
+             'pother')
   redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
   if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
     redis.call('PEXPIRE', rec, ARGV[2])
@@ -168,7 +177,7 @@ if r[1] ~= ARGV[1] then
   if until_ms and until_ms > now_ms() then return 0 end
   return -1
 end
-redis.call('HDEL', KEYS[1], 'pend', 'pold', 'pdl')
+redis.call('HDEL', KEYS[1], 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
 redis.call('HSET', KEYS[1], 'conf', ARGV[1])
 return 1
 """)
@@ -178,28 +187,36 @@ UNDO = LuaScript("marker_undo", _NOW + """
 -- task id whose publish failed (or whose claim's reply never came), ARGV[2] its
 -- claim's operation id, ARGV[3] ttl (ms) of what is kept of it.  The claim is taken
 -- back: a replace gives the name back to the call queued before it (its marker, with
--- the time it had left, and no longer replaced); a plain claim removes its marker.  A
+-- the time it had left, and no longer replaced, and the record of the claim that
+-- wrote its marker, so that claim re-sent gets its first reply); a plain claim removes
+-- its marker.  A
 -- claim that has not run yet (a stalled server runs it later) does nothing when it
 -- runs (``x``).  1: taken back; 0: nothing of it was left (not run yet, replaced in
 -- turn, or expired).  A re-sent take-back gets the first reply (``xr``).
 local marker, replaced, rec, id, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
 local current = redis.call('GET', marker)
-local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl', 'x', 'xr')
+local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl', 'x', 'xr', 'pop',
+                    'pcode', 'pother')
 redis.call('ZSCORE', replaced, id)
 if r[5] == op then return tonumber(r[6]) end  -- a re-sent take-back
 local undone = 0
 if r[1] == op then
+  local back = false
   if r[2] == id and r[3] then
     redis.call('ZREM', replaced, r[3])
     local left = tonumber(r[4]) - now_ms()
     if current == id then
-      if left > 0 then redis.call('SET', marker, r[3], 'PX', left)
+      if left > 0 then redis.call('SET', marker, r[3], 'PX', left); back = true
       else redis.call('DEL', marker) end
     end
   elseif current == id then
     redis.call('DEL', marker)
   end
-  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl')
+  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
+             'pother')
+  if back and r[7] then  -- the marker given back is known by the claim that wrote it
+    redis.call('HSET', rec, 'op', r[7], 'code', r[8], 'other', r[9])
+  end
   undone = 1
 elseif r[3] == id then
   -- This call, never published, was replaced by one still pending: that one's failed
@@ -227,7 +244,7 @@ local current = redis.call('GET', marker)
 local r = redis.call('HMGET', rec, 'pend', 'pold')
 local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
 if r[1] and r[1] == id then
-  redis.call('HDEL', rec, 'pend', 'pold', 'pdl')
+  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   redis.call('HSET', rec, 'conf', id)
 elseif r[1] and r[2] == id and ARGV[3] == '1' then
   local now = now_ms()
@@ -236,7 +253,8 @@ elseif r[1] and r[2] == id and ARGV[3] == '1' then
   redis.call('ZREM', replaced, id)
   remember(replaced, r[1], now + math.max(left, 1), now)
   if ARGV[2] == '1' and current == r[1] then redis.call('DEL', marker) end
-  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl')
+  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
+             'pother')
   redis.call('HSET', rec, 'back', r[1])
   return {1, ''}
 end

@@ -1,0 +1,39 @@
+"""The counterexamples the marker model (model/markers.pml) found in the code, replayed
+against a real Redis: each test drives the marker scripts (or the send) in the order
+of the model's trace, a lost reply standing for the re-sent claim redis-py makes
+(see docs/protocol.md, "The marker protocol").
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from celery_dlock.backends.redis.markers import RedisMarkers
+from celery_dlock.task.markers import CLAIMED, REPLACED
+
+pytestmark = pytest.mark.slow
+
+
+def claim(m: RedisMarkers, prefix: str, task_id: str, op: str, *,
+          replace: bool = False, ttl: float = 60.0) -> tuple[int, str, float | None]:
+    return m.claim(prefix, "n", task_id, ttl, running_counts=True, replace=replace,
+                   requeue=False, op=op)
+
+
+def start(m: RedisMarkers, prefix: str, task_id: str) -> str | None:
+    return m.hand_over(prefix, "n", task_id, remove=True, replaced_check=True)
+
+
+def test_a_resent_claim_is_known_after_a_failed_replace_gave_its_marker_back(
+        r: redis.Redis, prefix: str) -> None:
+    """(OP_IN_RECORD) 1 claims and its reply is lost; 2 replaces 1, and 2's publish
+    fails: the name goes back to 1.  1's claim, sent again, gets its first reply (the
+    claim stands) and is published, rather than being told a duplicate of itself."""
+    m = RedisMarkers(r)
+    assert claim(m, prefix, "1", "op1")[0] == CLAIMED  # the reply is lost
+    assert claim(m, prefix, "2", "op2", replace=True)[:2] == (REPLACED, "1")
+    assert m.undo(prefix, "n", "2", "op2", 60) is True
+    assert claim(m, prefix, "1", "op1")[:2] == (CLAIMED, "")  # the re-sent claim
+    assert (m.read(prefix, "n") or ("",))[0] == "1"
+    assert start(m, prefix, "1") is None  # it runs
