@@ -73,6 +73,11 @@
  *   REPLACE_STARTED   a replace may replace a started call's re-queued retry
  *   CONFIRM_BLIND     a confirm that finds no record revokes anyway (also a call that
  *                     took the replace back and runs)
+ *   CLAIM_REPLACED    a claim of a task id in the replaced set may be claimed: a
+ *                     re-sent claim whose replace was taken back meanwhile is claimed
+ *                     anew and published, and a later failed replace's UNDO removes it
+ *                     from the set, so it runs after the call that took it back (the
+ *                     code before it answered "queued" to such an id)
  *   OP_IN_RECORD      an undo that gives a marker back clears the claim record's
  *                     operation id instead of giving back the one that wrote that
  *                     marker: 1 claims, its reply is lost, 2 replaces 1 and its publish
@@ -81,10 +86,6 @@
  *                     kept ``pop``)
  * Behaviour of the code as it stands that the model shows wrong (each must produce a
  * counterexample until the code and the model change together; docs/protocol.md):
- *   CLAIM_REPLACED    a claim of a task id in the replaced set may be claimed: a
- *                     re-sent claim whose replace was taken back meanwhile is claimed
- *                     anew and published, and a later failed replace's UNDO removes it
- *                     from the set (the model's CLAIM answers "queued" to such an id)
  *   NO_PDL_RAISE      a call whose replace is pending and that is re-queued keeps the
  *                     old marker time for the UNDO to give back: the name frees while
  *                     the re-queued message waits (the model's re-queue raises it)

@@ -178,7 +178,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         code = QUEUED
     # (A marker naming this very task id is never judged by the result store: a
     # task id sent again may have a result of an earlier run.)
-    if code == QUEUED and not requeue and mode != "throttle" and \
+    if code == QUEUED and not requeue and mode != "throttle" and other and \
             other != task_id and _stale(app, task, other):
         store.clear(prefix, lock_name, other)  # its call ended or was revoked
         code, other, left = claim()
@@ -251,7 +251,8 @@ def _told(task: Any, lock_name: str, task_id: str, other: str, mode: str,
                  existing=other or None, mode=mode,
                  policy="return_existing" if policy == "replace" else policy)
     logger.info("Task %s: call %s is a duplicate of %s (lock %r, %s): %s", task.name,
-                task_id, other or "a holder that is not a task", lock_name, mode,
+                task_id, other or "a call not named (a holder that is not a task, or "
+                "the call that replaced it)", lock_name, mode,
                 policy)
 
 

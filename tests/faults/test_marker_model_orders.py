@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from celery_dlock.backends.redis.markers import RedisMarkers
-from celery_dlock.task.markers import CLAIMED, REPLACED
+from celery_dlock.task.markers import CLAIMED, QUEUED, REPLACED
 
 pytestmark = pytest.mark.slow
 
@@ -37,3 +37,22 @@ def test_a_resent_claim_is_known_after_a_failed_replace_gave_its_marker_back(
     assert claim(m, prefix, "1", "op1")[:2] == (CLAIMED, "")  # the re-sent claim
     assert (m.read(prefix, "n") or ("",))[0] == "1"
     assert start(m, prefix, "1") is None  # it runs
+
+
+def test_a_resent_claim_of_a_replace_taken_back_is_not_claimed_anew(
+        r: redis.Redis, prefix: str) -> None:
+    """(CLAIM_REPLACED) 3 is queued; 2 replaces it and the reply of 2's claim is lost;
+    3 starts and takes the replace back (2 is recorded replaced).  2's claim, sent
+    again, must not claim the free name: it is a duplicate (never published).  Were it
+    published, a later replace whose publish fails would give the name back to 2,
+    which would then run after 3."""
+    m = RedisMarkers(r)
+    assert claim(m, prefix, "3", "op3")[0] == CLAIMED
+    assert claim(m, prefix, "2", "op2", replace=True)[:2] == (REPLACED, "3")  # lost
+    assert start(m, prefix, "3") is None  # 3 runs
+    assert claim(m, prefix, "2", "op2", replace=True)[0] == QUEUED  # re-sent
+    assert m.read(prefix, "n") is None
+    assert claim(m, prefix, "1", "op1", replace=True)[0] == CLAIMED
+    assert m.undo(prefix, "n", "1", "op1", 60) is True  # 1's publish fails
+    assert m.read(prefix, "n") is None
+    assert start(m, prefix, "2") is not None  # 2 never runs

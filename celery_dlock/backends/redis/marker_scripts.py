@@ -58,26 +58,27 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- marker it keeps or takes is never replaced (the record's ``run``): a replace finds
 -- it queued (reply 2), as a replace finds a running call.
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
--- (the lock's holder is it) is a duplicate of that call, in every mode.  A re-queue of
--- a replaced call takes nothing (reply 2) and keeps it replaced for ARGV[2] more.
+-- (the lock's holder is it) is a duplicate of that call, in every mode; so is a send
+-- of a replaced task id (a claim re-sent after its replace was taken back): it never
+-- runs.  A re-queue of a replaced call takes nothing (reply 2) and keeps it replaced
+-- for ARGV[2] more.
 local marker, lock, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
 local requeue = ARGV[5] == '1'
 local current = redis.call('GET', marker)
 local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
                     'run')
 if r[7] == ARGV[6] then return {2, '', 0} end
-if requeue then
+local until_ms, now = tonumber(redis.call('ZSCORE', replaced, id)), nil
+if until_ms then
+  now = now_ms()
+  if until_ms <= now then until_ms = nil end
+end
+if requeue and until_ms then
   -- A replaced call delivered all the same (its revoke lost) and re-queued before its
   -- start (a contention retry, a rate park) takes nothing, and stays replaced as long
   -- as its new message could be delivered.
-  local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
-  if until_ms then
-    local now = now_ms()
-    if until_ms > now then
-      remember(replaced, id, now + tonumber(ARGV[2]), now)
-      return {2, current or '', redis.call('PTTL', marker)}
-    end
-  end
+  remember(replaced, id, now + tonumber(ARGV[2]), now)
+  return {2, current or '', redis.call('PTTL', marker)}
 end
 local function started()  -- a started call's re-queue holds the marker from now on
   if ARGV[7] == '1' then
@@ -99,6 +100,9 @@ if current == id then
   end
   if r[1] == ARGV[6] then return {tonumber(r[2]), r[3], 0} end  -- a re-sent claim
   return {2, id, redis.call('PTTL', marker)}
+end
+if until_ms then  -- replaced (its replace taken back, or its claim re-sent late)
+  return {2, current or '', redis.call('PTTL', marker)}
 end
 if not current and not requeue and (ARGV[3] == '1'
     or redis.call('TYPE', lock)['ok'] == 'hash') then
