@@ -78,6 +78,10 @@
  *                     anew and published, and a later failed replace's UNDO removes it
  *                     from the set, so it runs after the call that took it back (the
  *                     code before it answered "queued" to such an id)
+ *   NO_PDL_RAISE      a call replaced by a pending replace and re-queued (a park)
+ *                     keeps its old marker time for the UNDO to give back: the name
+ *                     frees while the re-queued message waits (the code before its
+ *                     re-queue raised it)
  *   OP_IN_RECORD      an undo that gives a marker back clears the claim record's
  *                     operation id instead of giving back the one that wrote that
  *                     marker: 1 claims, its reply is lost, 2 replaces 1 and its publish
@@ -86,9 +90,6 @@
  *                     kept ``pop``)
  * Behaviour of the code as it stands that the model shows wrong (each must produce a
  * counterexample until the code and the model change together; docs/protocol.md):
- *   NO_PDL_RAISE      a call whose replace is pending and that is re-queued keeps the
- *                     old marker time for the UNDO to give back: the name frees while
- *                     the re-queued message waits (the model's re-queue raises it)
  *   RESULT_STORE_CHECK until_started: "waits for its retry" is read from the result
  *                     store before the claim, and set there after the attempt released
  *                     its lock: a send of the same task id in between is published (the

@@ -6,6 +6,8 @@ of the model's trace, a lost reply standing for the re-sent claim redis-py makes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -56,3 +58,24 @@ def test_a_resent_claim_of_a_replace_taken_back_is_not_claimed_anew(
     assert m.undo(prefix, "n", "1", "op1", 60) is True  # 1's publish fails
     assert m.read(prefix, "n") is None
     assert start(m, prefix, "2") is not None  # 2 never runs
+
+
+def test_an_undo_gives_a_parked_replaced_call_a_marker_as_long_as_its_message(
+        r: redis.Redis, prefix: str) -> None:
+    """(NO_PDL_RAISE) 3 is queued (1 s marker); 2 replaces it, pending; 3 is delivered
+    and parked by the rate (its re-queue waits up to 60 s, and stays replaced); 2's
+    publish fails: the name goes back to 3 for as long as its parked message waits,
+    not for the second its first marker had left (the name then freed while 3 waited,
+    and a third call was accepted beside it)."""
+    m = RedisMarkers(r)
+    assert claim(m, prefix, "3", "op3", ttl=1)[0] == CLAIMED
+    assert claim(m, prefix, "2", "op2", replace=True, ttl=1)[:2] == (REPLACED, "3")
+    code, _, _ = m.claim(prefix, "n", "3", 60, running_counts=True, replace=False,
+                         requeue=True, op="op4")  # the park's re-queue
+    assert code == QUEUED
+    assert m.undo(prefix, "n", "2", "op2", 60) is True  # 2's publish fails
+    task_id, left = m.read(prefix, "n") or ("", None)
+    assert task_id == "3" and left is not None and left > 50
+    time.sleep(1.2)  # past the first marker's time
+    assert claim(m, prefix, "1", "op1")[:2] == (QUEUED, "3")
+    assert start(m, prefix, "3") is None  # the parked call runs

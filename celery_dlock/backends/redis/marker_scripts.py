@@ -76,8 +76,14 @@ end
 if requeue and until_ms then
   -- A replaced call delivered all the same (its revoke lost) and re-queued before its
   -- start (a contention retry, a rate park) takes nothing, and stays replaced as long
-  -- as its new message could be delivered.
-  remember(replaced, id, now + tonumber(ARGV[2]), now)
+  -- as its new message could be delivered.  A pending replace's failed publish gives
+  -- it its marker back: for as long as that message could be delivered too.
+  local ttl = tonumber(ARGV[2])
+  remember(replaced, id, now + ttl, now)
+  if r[4] and r[5] == id and (tonumber(r[6]) or 0) < now + ttl then
+    redis.call('HSET', rec, 'pdl', now + ttl)
+    if redis.call('PTTL', rec) < ttl then redis.call('PEXPIRE', rec, ttl) end
+  end
   return {2, current or '', redis.call('PTTL', marker)}
 end
 local function started()  -- a started call's re-queue holds the marker from now on
