@@ -49,7 +49,8 @@
  *   P6 a call that started is never superseded nor replaced (its retry runs).
  *
  * Mutants (each must produce a counterexample): the defects of issue 31, items 1-6,
- * and of the code on its way to the fix:
+ * and of the code on its way to the fix (the last four the model found in the code
+ * after issue 31 was closed; docs/protocol.md):
  *   SAME_ID_OURS      the claim answers "ours" to a second send of the same task id (1)
  *   ALWAYS_OURS       the claim answers "ours" to every send (1)
  *   NO_CLAIM_OP       a re-sent claim (its reply lost) is not known for the first: the
@@ -76,24 +77,23 @@
  *   CLAIM_REPLACED    a claim of a task id in the replaced set may be claimed: a
  *                     re-sent claim whose replace was taken back meanwhile is claimed
  *                     anew and published, and a later failed replace's UNDO removes it
- *                     from the set, so it runs after the call that took it back (the
- *                     code before it answered "queued" to such an id)
+ *                     from the set, so it runs after the call that took it back (now:
+ *                     such a claim is answered "queued")
  *   NO_PDL_RAISE      a call replaced by a pending replace and re-queued (a park)
  *                     keeps its old marker time for the UNDO to give back: the name
- *                     frees while the re-queued message waits (the code before its
- *                     re-queue raised it)
+ *                     frees while the re-queued message waits (now: the re-queue
+ *                     raises it)
+ *   RESULT_STORE_CHECK until_started: "waits for its retry" read from the result store
+ *                     before the claim, and set there after the attempt released its
+ *                     lock: a send of the same task id in between is published (now:
+ *                     the retry's re-queue leaves the id for the claim to read, in the
+ *                     claim's own step, and the retry's start takes it out)
  *   OP_IN_RECORD      an undo that gives a marker back clears the claim record's
  *                     operation id instead of giving back the one that wrote that
  *                     marker: 1 claims, its reply is lost, 2 replaces 1 and its publish
  *                     fails (UNDO gives 1 its marker back): 1's claim, sent again, is
- *                     told a duplicate of itself, never published (the code before it
- *                     kept ``pop``)
- * Behaviour of the code as it stands that the model shows wrong (each must produce a
- * counterexample until the code and the model change together; docs/protocol.md):
- *   RESULT_STORE_CHECK until_started: "waits for its retry" is read from the result
- *                     store before the claim, and set there after the attempt released
- *                     its lock: a send of the same task id in between is published (the
- *                     model's re-queue leaves the id for the claim to read, atomically)
+ *                     told a duplicate of itself, never published (now: the replace
+ *                     keeps it, pop, and the undo gives it back)
  */
 
 #define UF 1
@@ -162,6 +162,9 @@ byte rec_back = 0;       /*   the last replace taken back by the replaced call's
 byte rec_op = 0;         /*   and the send whose claim wrote it last (its op), */
 byte rec_pop = 0;        /*   the op that wrote the marker a pending replace replaced */
 byte l_k = 0;            /* the runtime lock's holder (a send), 0 free */
+bool rs[NS + 1];         /* P:{N}:mw: its started call's retry waits, holding no marker
+                          * (until_started); RESULT_STORE_CHECK: the result store says
+                          * RETRY */
 
 /* -- the broker, and the workers' revoke memory -------------------------------- */
 byte q_k[NM];            /* the send a message is a call of (0: empty slot) */
@@ -181,7 +184,6 @@ bool lost_budget = true; /* one claim's reply may be lost (-DLOST_REPLY) */
 byte out[NS + 1];
 byte sup_by[NS + 1];     /* the send that superseded it */
 byte dup_of[NS + 1];     /* the send it was told a duplicate of */
-bool rs[NS + 1];         /* the result store says RETRY (a started call's retry waits) */
 byte rep_by[NS + 1];     /* the send that replaced it (0: none, or taken back) */
 bool pub[NS + 1];        /* accepted: its message was published */
 bool replaced[NS + 1];   /* replaced for good: it must never run */
@@ -252,7 +254,10 @@ inline clear(k) {
   if
   :: m_k != 0 && ID(m_k) == ID(k) -> m_k = 0; m_st = false
   :: else -> skip
-  fi
+  fi;
+#ifndef RESULT_STORE_CHECK
+  rs[k] = false                              /* and it no longer waits for a retry */
+#endif
 }
 
 /* P4: no other call of this task id is queued or running */
@@ -372,7 +377,11 @@ inline requeue(k, st) {
     put(k, now + RCD, FAR, st)               /* claims nothing: the window counts on */
 #else
     if
-    :: BARE(st) -> put(k, now + RCD, FAR, st)
+    :: BARE(st) ->
+#ifndef RESULT_STORE_CHECK
+       rs[k] = true;                         /* its task id waits for its retry */
+#endif
+       put(k, now + RCD, FAR, st)
     :: else ->
 #ifndef REQUEUE_REPLACED
        /* a replaced call (or one whose replace is pending) is re-queued as it is,
@@ -652,7 +661,11 @@ inline work(w, k, st) {
     w_dl[w] = FAR;
     sup = 0;
     if
-    :: BARE(st) -> goto handed
+    :: BARE(st) ->
+#ifndef RESULT_STORE_CHECK
+       rs[k] = false;                        /* it started: the lock holds its id */
+#endif
+       goto handed
     :: else -> skip
     fi;
     expire();
@@ -723,7 +736,7 @@ handed:
      rs[k] = true                 /* then the result store says RETRY (after the release) */
 #else
   /* self.retry: re-queued (its task id known to be waiting for its retry), released */
-  :: atomic { requeues < REQUEUES -> requeue(k, true); rs[k] = true; l_k = 0 }
+  :: atomic { requeues < REQUEUES -> requeue(k, true); l_k = 0 }
 #endif
   :: atomic { true -> l_k = 0; ev++; end_ev[k] = ev; out[k] = RAN }
   fi;

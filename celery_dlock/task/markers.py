@@ -66,7 +66,8 @@ class MarkerStore(Protocol):
 
     def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
               running_counts: bool, replace: bool, requeue: bool,
-              op: str = "", started: bool = False) -> tuple[int, str, float | None]: ...
+              op: str = "", started: bool = False,
+              waits: bool = False) -> tuple[int, str, float | None]: ...
 
     def confirm(self, prefix: str, name: str, task_id: str) -> bool: ...
 

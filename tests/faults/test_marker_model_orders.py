@@ -6,13 +6,23 @@ of the model's trace, a lost reply standing for the re-sent claim redis-py makes
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 import pytest
 import redis
+from celery_helpers import test_app
 
+from celery_dlock import LockedTask
 from celery_dlock.backends.redis.markers import RedisMarkers
-from celery_dlock.task.markers import CLAIMED, QUEUED, REPLACED
+from celery_dlock.task.markers import (
+    CLAIMED,
+    MARKER_HEADER,
+    QUEUED,
+    REPLACED,
+    MarkerRecord,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -79,3 +89,41 @@ def test_an_undo_gives_a_parked_replaced_call_a_marker_as_long_as_its_message(
     time.sleep(1.2)  # past the first marker's time
     assert claim(m, prefix, "1", "op1")[:2] == (QUEUED, "3")
     assert start(m, prefix, "3") is None  # the parked call runs
+
+
+def _producer(redis_url: str, prefix: str, queue: str) -> Any:
+    app = test_app("marker-orders", redis_url, queue=queue, prefix=prefix)
+
+    @app.task(shared=False, name="pf.mode", base=LockedTask, lock_key="mode:{key}",
+              lock_ttl=3)
+    def mode(key: str, seconds: float, tag: str) -> str:
+        raise AssertionError("never runs here")
+
+    return app
+
+
+@pytest.mark.parametrize("mode", ("until_started", "queued_and_running"))
+def test_a_task_id_sent_while_its_retry_is_re_queued_is_the_same_call(
+        redis_url: str, r: redis.Redis, prefix: str, mode: str) -> None:
+    """(RESULT_STORE_CHECK) A started call re-queues its retry (it holds no marker in
+    these modes) and has not yet released its lock nor been recorded RETRY by the
+    result store: its task id sent now is still that call, never a second message.
+    Once the retry starts (its hand-over), the task id is the lock's to answer for."""
+    queue = f"q-{prefix}"
+    app = _producer(redis_url, prefix, queue)
+    task, args = app.tasks["pf.mode"], ("k", 0.0, "a")
+    name = task.lock_name(args, {})
+    record = MarkerRecord(name, prefix, mode, "return_existing", "report-r1",
+                          started=True).header()
+    task.apply_async(args, task_id="report-r1", lock_mode=mode,
+                     headers={MARKER_HEADER: record})  # the retry, from its attempt
+    again = task.apply_async(args, task_id="report-r1", lock_mode=mode)
+    assert again.id == "report-r1"
+    queued = [json.loads(raw)["headers"]["id"] for raw in r.lrange(queue, 0, -1)]
+    assert queued == ["report-r1"]
+    m = RedisMarkers(r)
+    assert m.hand_over(prefix, name, "report-r1", remove=False,
+                       replaced_check=False) is None  # the retry starts
+    assert m.claim(prefix, name, "report-r1", 60, running_counts=False, replace=False,
+                   requeue=False, op="op1")[0] == CLAIMED
+    app.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from .scripts import LuaScript
 
 __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_SUFFIX",
-           "UNDO"]
+           "UNDO", "WAITING_SUFFIX"]
 
 # The keys of one lock name's markers, after the marker's own (``P:{NAME}:m``): the
 # replaced calls (a sorted set: task id -> the ms, on the server's clock, until which
@@ -22,9 +22,15 @@ __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_
 # start; ``x`` and ``xr``: the operation id of the last claim taken back and the
 # take-back's reply (a claim taken back before it ran does nothing when it runs; a
 # re-sent take-back gets the first reply); ``run``: the
-# started call whose retry holds the marker, never replaced).
+# started call whose retry holds the marker, never replaced); and the retries waiting
+# (a sorted set: the task id of a started call whose retry holds no marker, in
+# ``until_started`` and ``queued_and_running`` -> the ms until which that retry's
+# message could still be delivered; its start, or its end without running, removes
+# it), so that a send of that task id is a duplicate of the call, read in the claim's
+# own step.
 REPLACED_SUFFIX = "r"
 RECORD_SUFFIX = "c"
+WAITING_SUFFIX = "w"
 
 # The server's clock in ms, for the scripts that read it.
 _NOW = """
@@ -48,7 +54,7 @@ end
 
 CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- KEYS[1] marker, KEYS[2] the lock's hash, KEYS[3] the replaced calls, KEYS[4] the
--- claim record.  ARGV[1] task id, ARGV[2] ttl (ms),
+-- claim record, KEYS[5] the retries waiting.  ARGV[1] task id, ARGV[2] ttl (ms),
 -- ARGV[3] '1': a running holder (another task holding the lock) is a duplicate too,
 -- ARGV[4] '1': replace a queued call, ARGV[5] '1': a re-queue of an accepted call
 -- (never a duplicate: it keeps or takes the marker, unless another call's is there),
@@ -56,18 +62,26 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- claim taken back by UNDO before it ran does nothing: reply 2 naming no call),
 -- ARGV[7] '1': the re-queue (ARGV[5]) of a call that has started (its retry): the
 -- marker it keeps or takes is never replaced (the record's ``run``): a replace finds
--- it queued (reply 2), as a replace finds a running call.
+-- it queued (reply 2), as a replace finds a running call,
+-- ARGV[8] '1': the re-queue of a call that has started and holds no marker in its mode
+-- (until_started, queued_and_running: its retry): it claims nothing, and its task id
+-- is kept among the retries waiting for ARGV[2] (reply 1 naming itself).
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
--- (the lock's holder is it) is a duplicate of that call, in every mode; so is a send
--- of a replaced task id (a claim re-sent after its replace was taken back): it never
--- runs.  A re-queue of a replaced call takes nothing (reply 2) and keeps it replaced
--- for ARGV[2] more.
+-- (the lock's holder is it) or waits for its retry (the retries waiting hold it) is a
+-- duplicate of that call, in every mode; so is a send of a replaced task id (a claim
+-- re-sent after its replace was taken back): it never runs.  A re-queue of a replaced
+-- call takes nothing (reply 2) and keeps it replaced for ARGV[2] more.
 local marker, lock, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
 local requeue = ARGV[5] == '1'
 local current = redis.call('GET', marker)
 local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
                     'run')
 if r[7] == ARGV[6] then return {2, '', 0} end
+if ARGV[8] == '1' then
+  local now = now_ms()
+  remember(KEYS[5], id, now + tonumber(ARGV[2]), now)
+  return {1, id, 0}
+end
 local until_ms, now = tonumber(redis.call('ZSCORE', replaced, id)), nil
 if until_ms then
   now = now_ms()
@@ -106,6 +120,13 @@ if current == id then
   end
   if r[1] == ARGV[6] then return {tonumber(r[2]), r[3], 0} end  -- a re-sent claim
   return {2, id, redis.call('PTTL', marker)}
+end
+if not requeue then  -- a started call waiting for its retry: that call
+  local waits = tonumber(redis.call('ZSCORE', KEYS[5], id))
+  if waits then
+    now = now or now_ms()
+    if waits > now then return {2, id, waits - now} end
+  end
 end
 if until_ms then  -- replaced (its replace taken back, or its claim re-sent late)
   return {2, current or '', redis.call('PTTL', marker)}
@@ -241,7 +262,8 @@ return undone
 """)
 
 HAND_OVER = LuaScript("marker_hand_over", _NOW + _REMEMBER + """
--- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record.  ARGV[1] the
+-- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record, KEYS[4] the
+-- retries waiting (the starting call's task id leaves them).  ARGV[1] the
 -- starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1': another task
 -- id in the marker means this call was replaced.
 -- 1: go on; 0: this call was replaced (element 2: by which task id, or 'a later
@@ -253,6 +275,7 @@ local marker, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local current = redis.call('GET', marker)
 local r = redis.call('HMGET', rec, 'pend', 'pold')
 local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
+redis.call('ZREM', KEYS[4], id)
 if r[1] and r[1] == id then
   redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   redis.call('HSET', rec, 'conf', id)
@@ -280,8 +303,12 @@ return {1, ''}
 """)
 
 CLEAR = LuaScript("marker_clear", """
--- KEYS[1] marker, ARGV[1] task id: remove the marker if it is this call's.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+-- KEYS[1] marker, KEYS[2] the retries waiting.  ARGV[1] task id: the call ends
+-- without running (or ended): remove the marker if it is this call's, and the task id
+-- from the retries waiting.  1: the marker was removed.
+local current = redis.call('GET', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if current == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0

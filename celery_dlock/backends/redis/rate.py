@@ -1,14 +1,14 @@
 """Per-name rates on Redis (``lock_rate``): GCRA in one script, on the server's clock.
 
 The rule is :mod:`celery_dlock.core.rates`.  ``P:{NAME}:rate`` is a hash beside the
-lock's, sharing its hash tag (one Cluster slot): ``tat`` (the theoretical arrival
-time), ``interval`` and ``tau`` (``(burst - 1) * interval``), all in server
-microseconds, and ``ops``: the last few calls' operation ids with their answers, so a
-call the client re-sends (a lost reply, a request the server ran late) takes one
-slot, not two; and ``slots``: the slots reserved for parked calls and not yet claimed,
-so that each is claimed once.  It expires one second after ``tat``: a name with no calls lately keeps
-nothing.  It is a hash with none of a hold's fields, so ``celery dlock ls`` (which
-lists the lock hashes) never shows it as a lock.
+lock's, sharing its hash tag (one Cluster slot): ``tat`` (the theoretical arrival time),
+``interval`` and ``tau`` (``(burst - 1) * interval``), all in server microseconds, and
+``ops``: the last few calls' operation ids with their answers, so a call the client
+re-sends (a lost reply, a request the server ran late) takes one slot, not two; and
+``slots``: the slots reserved for parked calls and not yet claimed, so that each is
+claimed once.  It expires one second after ``tat``: a name with no calls lately keeps
+nothing.  It is a hash with none of a hold's fields, so ``celery dlock ls`` (which lists
+the lock hashes) never shows it as a lock.
 """
 
 from __future__ import annotations
