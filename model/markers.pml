@@ -49,7 +49,8 @@
  *   P6 a call that started is never superseded nor replaced (its retry runs).
  *
  * Mutants (each must produce a counterexample): the defects of issue 31, items 1-6,
- * and of the code on its way to the fix:
+ * and of the code on its way to the fix (the last four the model found in the code
+ * after issue 31 was closed; docs/protocol.md):
  *   SAME_ID_OURS      the claim answers "ours" to a second send of the same task id (1)
  *   ALWAYS_OURS       the claim answers "ours" to every send (1)
  *   NO_CLAIM_OP       a re-sent claim (its reply lost) is not known for the first: the
@@ -73,24 +74,26 @@
  *   REPLACE_STARTED   a replace may replace a started call's re-queued retry
  *   CONFIRM_BLIND     a confirm that finds no record revokes anyway (also a call that
  *                     took the replace back and runs)
- * Behaviour of the code as it stands that the model shows wrong (each must produce a
- * counterexample until the code and the model change together; docs/protocol.md):
  *   CLAIM_REPLACED    a claim of a task id in the replaced set may be claimed: a
  *                     re-sent claim whose replace was taken back meanwhile is claimed
  *                     anew and published, and a later failed replace's UNDO removes it
- *                     from the set (the model's CLAIM answers "queued" to such an id)
- *   OP_IN_RECORD      a re-sent claim is known by the claim record's last operation
- *                     id, which a later claim overwrites: 1 claims, its reply is lost,
- *                     2 replaces 1 and its publish fails (UNDO gives 1 its marker back):
- *                     1's claim, sent again, is told a duplicate of itself (the model
- *                     knows the operation that wrote the marker)
- *   NO_PDL_RAISE      a call whose replace is pending and that is re-queued keeps the
- *                     old marker time for the UNDO to give back: the name frees while
- *                     the re-queued message waits (the model's re-queue raises it)
- *   RESULT_STORE_CHECK until_started: "waits for its retry" is read from the result
- *                     store before the claim, and set there after the attempt released
- *                     its lock: a send of the same task id in between is published (the
- *                     model's re-queue leaves the id for the claim to read, atomically)
+ *                     from the set, so it runs after the call that took it back (now:
+ *                     such a claim is answered "queued")
+ *   NO_PDL_RAISE      a call replaced by a pending replace and re-queued (a park)
+ *                     keeps its old marker time for the UNDO to give back: the name
+ *                     frees while the re-queued message waits (now: the re-queue
+ *                     raises it)
+ *   RESULT_STORE_CHECK until_started: "waits for its retry" read from the result store
+ *                     before the claim, and set there after the attempt released its
+ *                     lock: a send of the same task id in between is published (now:
+ *                     the retry's re-queue leaves the id for the claim to read, in the
+ *                     claim's own step, and the retry's start takes it out)
+ *   OP_IN_RECORD      an undo that gives a marker back clears the claim record's
+ *                     operation id instead of giving back the one that wrote that
+ *                     marker: 1 claims, its reply is lost, 2 replaces 1 and its publish
+ *                     fails (UNDO gives 1 its marker back): 1's claim, sent again, is
+ *                     told a duplicate of itself, never published (now: the replace
+ *                     keeps it, pop, and the undo gives it back)
  */
 
 #define UF 1
@@ -156,8 +159,12 @@ byte rec_pold = 0;       /*   the call it replaced (the first of a chain of them
 byte rec_pdl = 0;        /*   that call's marker's expiry, */
 byte rec_conf = 0;       /*   the last replace confirmed, */
 byte rec_back = 0;       /*   the last replace taken back by the replaced call's start, */
-byte rec_op = 0;         /*   and the send whose claim wrote it last (its op) */
+byte rec_op = 0;         /*   and the send whose claim wrote it last (its op), */
+byte rec_pop = 0;        /*   the op that wrote the marker a pending replace replaced */
 byte l_k = 0;            /* the runtime lock's holder (a send), 0 free */
+bool rs[NS + 1];         /* P:{N}:mw: its started call's retry waits, holding no marker
+                          * (until_started); RESULT_STORE_CHECK: the result store says
+                          * RETRY */
 
 /* -- the broker, and the workers' revoke memory -------------------------------- */
 byte q_k[NM];            /* the send a message is a call of (0: empty slot) */
@@ -177,7 +184,6 @@ bool lost_budget = true; /* one claim's reply may be lost (-DLOST_REPLY) */
 byte out[NS + 1];
 byte sup_by[NS + 1];     /* the send that superseded it */
 byte dup_of[NS + 1];     /* the send it was told a duplicate of */
-bool rs[NS + 1];         /* the result store says RETRY (a started call's retry waits) */
 byte rep_by[NS + 1];     /* the send that replaced it (0: none, or taken back) */
 bool pub[NS + 1];        /* accepted: its message was published */
 bool replaced[NS + 1];   /* replaced for good: it must never run */
@@ -226,12 +232,13 @@ inline expire() {
 }
 
 inline del_rec() {
-  rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0; rec_op = 0
+  rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0; rec_op = 0;
+  rec_pop = 0
 }
 
 /* a claim that writes the record: no replace pending, none confirmed or taken back */
 inline new_rec(k) { rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = 0; rec_back = 0;
-                    rec_op = k }
+                    rec_op = k; rec_pop = 0 }
 
 /* the replaced set keeps a task id until then at least */
 inline remember(k, upto) {
@@ -247,7 +254,10 @@ inline clear(k) {
   if
   :: m_k != 0 && ID(m_k) == ID(k) -> m_k = 0; m_st = false
   :: else -> skip
-  fi
+  fi;
+#ifndef RESULT_STORE_CHECK
+  rs[k] = false                              /* and it no longer waits for a retry */
+#endif
 }
 
 /* P4: no other call of this task id is queued or running */
@@ -336,6 +346,7 @@ inline claim(k, code, other, ttl) {
 #endif
      rep_by[m_k] = k;
      m_k = k; m_exp = now + ttl; m_st = false;
+     rec_pop = rec_op;                       /* what an undo gives back with it */
      rec_pend = k; rec_conf = 0; rec_back = 0; rec_op = k
      fi
 #else
@@ -366,7 +377,11 @@ inline requeue(k, st) {
     put(k, now + RCD, FAR, st)               /* claims nothing: the window counts on */
 #else
     if
-    :: BARE(st) -> put(k, now + RCD, FAR, st)
+    :: BARE(st) ->
+#ifndef RESULT_STORE_CHECK
+       rs[k] = true;                         /* its task id waits for its retry */
+#endif
+       put(k, now + RCD, FAR, st)
     :: else ->
 #ifndef REQUEUE_REPLACED
        /* a replaced call (or one whose replace is pending) is re-queued as it is,
@@ -391,13 +406,14 @@ inline requeue(k, st) {
           /* OURS: delivered, so its publish went through: its replace is confirmed */
           if
           :: rec_pend == k -> replaced[rec_pold] = true;
-                              rec_pend = 0; rec_pold = 0; rec_pdl = 0
+                              rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0
           :: else -> skip
           fi;
           m_exp = now + RCD + QTTL; m_st = m_st || st;
           put(k, now + RCD, m_exp, st)
        :: m_k != 0 && ID(m_k) != ID(k) -> put(k, now + RCD, FAR, st)  /* left alone */
        :: m_k == 0 -> m_k = k; m_exp = now + RCD + QTTL; m_st = st;
+                      rec_op = 0;            /* the re-queue's own op */
                       put(k, now + RCD, m_exp, st)
        fi
     fi
@@ -471,11 +487,9 @@ proctype Send(byte k) {
        expire();
 #ifndef NO_CLAIM_OP
        if
-#ifdef OP_IN_RECORD
+       /* the marker holds its task id and the record its op (the claim that wrote
+        * the marker: an undo that gave the marker back gave that op back too) */
        :: m_k != 0 && ID(m_k) == ID(k) && rec_op == k ->
-#else
-       :: m_k == k ->                        /* the marker its own claim wrote */
-#endif
           if
           :: rec_pend == k -> code = REPLACED; other = rec_pold
           :: else -> code = CLAIMED; other = 0
@@ -548,7 +562,8 @@ proctype Send(byte k) {
 #endif
        :: rec_conf != k && rec_back != k && rec_pend == k ->
           replaced[rec_pold] = true;
-          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = k; stands = true
+          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0; rec_conf = k;
+          stands = true
        fi;
        if
        :: stands -> replaced[other] = true; assert(!started[other]);
@@ -566,11 +581,15 @@ proctype Send(byte k) {
        expire();
        if
        :: rec_op == k ->
+          i = 0;                             /* (here: the op the record keeps) */
           if
           :: rec_pend == k && rec_pold != 0 ->
              r_until[ID(rec_pold)] = 0; rep_by[rec_pold] = 0;
              if
-             :: m_k == k && rec_pdl > now -> m_k = rec_pold; m_exp = rec_pdl; m_st = false
+             :: m_k == k && rec_pdl > now -> m_k = rec_pold; m_exp = rec_pdl; m_st = false;
+#ifndef OP_IN_RECORD
+                i = rec_pop                  /* and the op that wrote that marker */
+#endif
              :: m_k == k && rec_pdl <= now -> m_k = 0
              :: else -> skip
              fi
@@ -580,7 +599,7 @@ proctype Send(byte k) {
              :: else -> skip
              fi
           fi;
-          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = 0
+          rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = i; rec_pop = 0; i = 0
        :: rec_op != k && rec_pold == k -> rec_pold = 0; rec_pdl = 0
        :: else -> skip
        fi;
@@ -642,13 +661,18 @@ inline work(w, k, st) {
     w_dl[w] = FAR;
     sup = 0;
     if
-    :: BARE(st) -> goto handed
+    :: BARE(st) ->
+#ifndef RESULT_STORE_CHECK
+       rs[k] = false;                        /* it started: the lock holds its id */
+#endif
+       goto handed
     :: else -> skip
     fi;
     expire();
     if
     :: rec_pend == k -> replaced[rec_pold] = true;      /* it started first: confirmed */
-                        rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_conf = k
+                        rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0;
+                        rec_conf = k
     :: rec_pend != 0 && rec_pend != k && rec_pold == k && CHECKED(st) ->
        /* replaced by a call whose publish is not confirmed: it takes the replace back
         * and runs; the replacing call never does */
@@ -663,6 +687,7 @@ inline work(w, k, st) {
        :: else -> skip
        fi;
        rec_back = rec_pend; rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = 0;
+       rec_pop = 0;
        goto handed
     :: else -> skip
     fi;
@@ -711,7 +736,7 @@ handed:
      rs[k] = true                 /* then the result store says RETRY (after the release) */
 #else
   /* self.retry: re-queued (its task id known to be waiting for its retry), released */
-  :: atomic { requeues < REQUEUES -> requeue(k, true); rs[k] = true; l_k = 0 }
+  :: atomic { requeues < REQUEUES -> requeue(k, true); l_k = 0 }
 #endif
   :: atomic { true -> l_k = 0; ev++; end_ev[k] = ev; out[k] = RAN }
   fi;

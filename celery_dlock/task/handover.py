@@ -40,17 +40,18 @@ def hand_over(task: Any, request: Any, lock: Lock) -> None:
     runs.
 
     The retry of a call that started (its record says ``started``) is never
-    superseded: it removes the marker only if it took it again (``until_finished``).
+    superseded: it removes the marker only if it took it again (``until_finished``);
+    in the other modes it claimed none, and its task id leaves the retries waiting
+    (held by the lock from here on).
     Every other call, once handed over, is marked ``started`` on its request, so that
     a retry it asks for carries the mark."""
     record = _own_record(request)
     if record is None or not record.removed_at_start:
         return
-    if record.started and record.mode != "until_finished":
-        return  # its retry claimed nothing: there is nothing to hand over
+    bare = record.started and record.mode != "until_finished"  # no marker of its own
     try:
         replaced_by = markers_for(task.app).hand_over(
-            record.prefix, record.name, record.task_id, remove=True,
+            record.prefix, record.name, record.task_id, remove=not bare,
             replaced_check=not record.started)
     except DLockError as exc:
         logger.warning("Task %s[%s]: could not hand its queue marker of %r over (it "

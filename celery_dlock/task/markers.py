@@ -30,7 +30,8 @@ from the accepted enqueue.  A call that started and retries (``self.retry()``,
 ``autoretry_for``) carries ``started`` in its record: in ``until_finished`` it takes
 the marker again (the name stays held between its attempts), in ``until_started`` and
 ``queued_and_running`` it claims nothing (the name freed at its start, and a call
-queued meanwhile stays queued); its start is never taken for a superseded call's.
+queued meanwhile stays queued) but keeps its task id as waiting until it starts (a
+send of that id is a duplicate); its start is never taken for a superseded call's.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class MarkerStore(Protocol):
 
     def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
               running_counts: bool, replace: bool, requeue: bool,
-              op: str = "", started: bool = False) -> tuple[int, str, float | None]: ...
+              op: str = "", started: bool = False,
+              waits: bool = False) -> tuple[int, str, float | None]: ...
 
     def confirm(self, prefix: str, name: str, task_id: str) -> bool: ...
 

@@ -29,11 +29,11 @@ mode                   a second call is a duplicate while ...      the name free
   stands once its publish went through (the claim, the publish, then a confirm); a
   failed publish takes it back: the queued call keeps its marker and runs.
 
-A send of a task id already queued or running is a duplicate of that call (in every
-mode; ``replace`` acts as ``return_existing`` then): only the call's own re-queue
-takes the marker again.  Each send's claim carries an operation id, so a claim
-re-sent after a lost reply gets its first answer; a claim that got no reply is taken
-back (nothing was published).
+A send of a task id already queued, running or waiting for its retry is a duplicate
+of that call (in every mode; ``replace`` acts as ``return_existing`` then), and so is
+a send of a replaced task id: only the call's own re-queue takes the marker again.
+Each send's claim carries an operation id, so a claim re-sent after a lost reply gets
+its first answer; a claim that got no reply is taken back (nothing was published).
 
 A duplicate inside a canvas (a group or chord member, a chain's link, a call with
 callbacks) is sent as a follower instead, so that its own task id gets an outcome
@@ -95,15 +95,6 @@ PENDING_WAIT = 2.0
 PENDING_STEP = 0.02
 
 
-def _retrying(task: Any, task_id: str) -> bool:
-    """Whether the result store says ``task_id`` waits for its retry (False when it
-    cannot tell, or keeps no results)."""
-    try:
-        return bool(task.AsyncResult(task_id).state == states.RETRY)
-    except Exception:
-        return False
-
-
 def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any,
          kwargs: Any, options: dict[str, Any], per_call: Mapping[str, Any]) -> Any:
     """Send one call of a task with an enqueue-time mode (see the module's table)."""
@@ -117,7 +108,6 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
     check_limit_mode(f"call of {name!r}", mode, settings["lock_limit"])
     lock_name = task.lock_name(tuple(args or ()), kwargs or {})
     prefix = settings["lock_prefix"]
-    chosen_id = bool(options.get("task_id"))  # the caller's own: it may be sent again
     task_id = options.get("task_id") or uuid()
     options["task_id"] = task_id
     headers = dict(options.get("headers") or {})
@@ -128,24 +118,23 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
     # retry, a duplicate delivery's copy) is never a duplicate of anything.
     requeue = record is not None and record.task_id == task_id
     started = requeue and record is not None and record.started
-    if requeue and (mode == "throttle" or (started and mode != "until_finished")):
+    if requeue and mode == "throttle":
         # A throttle call's re-queue leaves its window as it is (it counts from the
-        # accepted enqueue); the retry of a started call holds no name in
-        # until_started and queued_and_running (it freed when the call started):
-        # either is published as it is, claiming nothing.
+        # accepted enqueue): published as it is, claiming nothing.
         headers[MARKER_HEADER] = MarkerRecord(lock_name, prefix, mode, policy,
                                               task_id, started).header()
         options["headers"] = headers
         return original(name, args, kwargs, **options)
-    if chosen_id and not requeue and mode in ("until_started", "queued_and_running") \
-            and _retrying(task, task_id):
-        # A started call waiting for its retry holds no marker in these modes (the
-        # name freed when it started): its task id sent again is still that call.
-        return _duplicate(app, task, lock_name, task_id, task_id, None, mode, policy,
-                          running=False,
-                          arguments=task.lock_arguments(tuple(args or ()), kwargs or {}))
     store = markers_for(app)
     ttl = marker_ttl(mode, settings, options)
+    if started and mode != "until_finished":
+        # The retry of a started call holds no name in until_started and
+        # queued_and_running (it freed when the call started): it claims nothing, but
+        # its task id is kept as waiting for its retry (before this attempt releases
+        # its lock), so that a send of it is a duplicate of this call.
+        return _retry_waits(store, original, task, prefix, lock_name, task_id, ttl,
+                            (name, args, kwargs), options, headers,
+                            MarkerRecord(lock_name, prefix, mode, policy, task_id, True))
 
     op = uuid()  # the same for a re-sent claim (its reply lost), new for each send
 
@@ -178,7 +167,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         code = QUEUED
     # (A marker naming this very task id is never judged by the result store: a
     # task id sent again may have a result of an earlier run.)
-    if code == QUEUED and not requeue and mode != "throttle" and \
+    if code == QUEUED and not requeue and mode != "throttle" and other and \
             other != task_id and _stale(app, task, other):
         store.clear(prefix, lock_name, other)  # its call ended or was revoked
         code, other, left = claim()
@@ -206,6 +195,31 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
     return _duplicate(app, task, lock_name, task_id, other, left, mode, policy,
                       running=code == RUNNING,
                       arguments=task.lock_arguments(tuple(args or ()), kwargs or {}))
+
+
+def _retry_waits(store: MarkerStore, original: Callable[..., Any], task: Any,
+                 prefix: str, lock_name: str, task_id: str, ttl: float,
+                 call: tuple[Any, Any, Any], options: dict[str, Any],
+                 headers: dict[str, Any], record: MarkerRecord) -> Any:
+    """Publish the retry of a started call that holds no marker, its task id kept
+    as waiting meanwhile (published all the same when Redis cannot be reached)."""
+    try:
+        store.claim(prefix, lock_name, task_id, ttl, running_counts=False,
+                    replace=False, requeue=True, op=uuid(), started=True, waits=True)
+    except BackendUnavailable as exc:
+        logger.warning("Task %s[%s] is re-queued without its record of %r as a retry "
+                       "waiting (a send of its task id meanwhile is not caught): %s",
+                       task.name, task_id, lock_name, exc)
+    headers[MARKER_HEADER] = record.header()
+    options["headers"] = headers
+    try:
+        return original(*call, **options)
+    except BaseException:
+        try:  # nothing waits: its task id is free again
+            store.clear(prefix, lock_name, task_id)
+        except DLockError:
+            pass  # it expires within its ttl
+        raise
 
 
 def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str, op: str,
@@ -251,7 +265,8 @@ def _told(task: Any, lock_name: str, task_id: str, other: str, mode: str,
                  existing=other or None, mode=mode,
                  policy="return_existing" if policy == "replace" else policy)
     logger.info("Task %s: call %s is a duplicate of %s (lock %r, %s): %s", task.name,
-                task_id, other or "a holder that is not a task", lock_name, mode,
+                task_id, other or "a call not named (a holder that is not a task, or "
+                "the call that replaced it)", lock_name, mode,
                 policy)
 
 

@@ -7,21 +7,30 @@ from __future__ import annotations
 from .scripts import LuaScript
 
 __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_SUFFIX",
-           "UNDO"]
+           "UNDO", "WAITING_SUFFIX"]
 
 # The keys of one lock name's markers, after the marker's own (``P:{NAME}:m``): the
 # replaced calls (a sorted set: task id -> the ms, on the server's clock, until which
 # its message could still be delivered) and the claim record (a hash: ``op``, ``code``
 # and ``other`` of the last send's claim that wrote, so a re-sent claim gets its first
 # reply; ``pend``, ``pold`` and ``pdl``: a replace whose publish is not confirmed yet,
-# the call it replaced and that call's marker's deadline in ms; ``conf``: the last
+# the call it replaced and that call's marker's deadline in ms, and ``pop``, ``pcode``
+# and ``pother``: the ``op``, ``code`` and ``other`` of the claim that wrote the
+# replaced call's marker (a failed publish gives them back with the marker, so that
+# claim, re-sent, still gets its first reply); ``conf``: the last
 # replace confirmed; ``back``: the last replace taken back by the replaced call's
 # start; ``x`` and ``xr``: the operation id of the last claim taken back and the
 # take-back's reply (a claim taken back before it ran does nothing when it runs; a
 # re-sent take-back gets the first reply); ``run``: the
-# started call whose retry holds the marker, never replaced).
+# started call whose retry holds the marker, never replaced); and the retries waiting
+# (a sorted set: the task id of a started call whose retry holds no marker, in
+# ``until_started`` and ``queued_and_running`` -> the ms until which that retry's
+# message could still be delivered; its start, or its end without running, removes
+# it), so that a send of that task id is a duplicate of the call, read in the claim's
+# own step.
 REPLACED_SUFFIX = "r"
 RECORD_SUFFIX = "c"
+WAITING_SUFFIX = "w"
 
 # The server's clock in ms, for the scripts that read it.
 _NOW = """
@@ -45,7 +54,7 @@ end
 
 CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- KEYS[1] marker, KEYS[2] the lock's hash, KEYS[3] the replaced calls, KEYS[4] the
--- claim record.  ARGV[1] task id, ARGV[2] ttl (ms),
+-- claim record, KEYS[5] the retries waiting.  ARGV[1] task id, ARGV[2] ttl (ms),
 -- ARGV[3] '1': a running holder (another task holding the lock) is a duplicate too,
 -- ARGV[4] '1': replace a queued call, ARGV[5] '1': a re-queue of an accepted call
 -- (never a duplicate: it keeps or takes the marker, unless another call's is there),
@@ -53,28 +62,43 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- claim taken back by UNDO before it ran does nothing: reply 2 naming no call),
 -- ARGV[7] '1': the re-queue (ARGV[5]) of a call that has started (its retry): the
 -- marker it keeps or takes is never replaced (the record's ``run``): a replace finds
--- it queued (reply 2), as a replace finds a running call.
+-- it queued (reply 2), as a replace finds a running call,
+-- ARGV[8] '1': the re-queue of a call that has started and holds no marker in its mode
+-- (until_started, queued_and_running: its retry): it claims nothing, and its task id
+-- is kept among the retries waiting for ARGV[2] (reply 1 naming itself).
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
--- (the lock's holder is it) is a duplicate of that call, in every mode.  A re-queue of
--- a replaced call takes nothing (reply 2) and keeps it replaced for ARGV[2] more.
+-- (the lock's holder is it) or waits for its retry (the retries waiting hold it) is a
+-- duplicate of that call, in every mode; so is a send of a replaced task id (a claim
+-- re-sent after its replace was taken back): it never runs.  A re-queue of a replaced
+-- call takes nothing (reply 2) and keeps it replaced for ARGV[2] more.
 local marker, lock, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
 local requeue = ARGV[5] == '1'
 local current = redis.call('GET', marker)
 local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
                     'run')
 if r[7] == ARGV[6] then return {2, '', 0} end
-if requeue then
+if ARGV[8] == '1' then
+  local now = now_ms()
+  remember(KEYS[5], id, now + tonumber(ARGV[2]), now)
+  return {1, id, 0}
+end
+local until_ms, now = tonumber(redis.call('ZSCORE', replaced, id)), nil
+if until_ms then
+  now = now_ms()
+  if until_ms <= now then until_ms = nil end
+end
+if requeue and until_ms then
   -- A replaced call delivered all the same (its revoke lost) and re-queued before its
   -- start (a contention retry, a rate park) takes nothing, and stays replaced as long
-  -- as its new message could be delivered.
-  local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
-  if until_ms then
-    local now = now_ms()
-    if until_ms > now then
-      remember(replaced, id, now + tonumber(ARGV[2]), now)
-      return {2, current or '', redis.call('PTTL', marker)}
-    end
+  -- as its new message could be delivered.  A pending replace's failed publish gives
+  -- it its marker back: for as long as that message could be delivered too.
+  local ttl = tonumber(ARGV[2])
+  remember(replaced, id, now + ttl, now)
+  if r[4] and r[5] == id and (tonumber(r[6]) or 0) < now + ttl then
+    redis.call('HSET', rec, 'pdl', now + ttl)
+    if redis.call('PTTL', rec) < ttl then redis.call('PEXPIRE', rec, ttl) end
   end
+  return {2, current or '', redis.call('PTTL', marker)}
 end
 local function started()  -- a started call's re-queue holds the marker from now on
   if ARGV[7] == '1' then
@@ -87,13 +111,25 @@ end
 if current == id then
   if requeue then
     -- It was delivered, so its publish went through: a replace it made is confirmed.
-    if r[4] == id then redis.call('HDEL', rec, 'pend', 'pold', 'pdl') end
+    if r[4] == id then
+      redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
+    end
     redis.call('PEXPIRE', marker, ARGV[2])
     started()
     return {1, id, 0}
   end
   if r[1] == ARGV[6] then return {tonumber(r[2]), r[3], 0} end  -- a re-sent claim
   return {2, id, redis.call('PTTL', marker)}
+end
+if not requeue then  -- a started call waiting for its retry: that call
+  local waits = tonumber(redis.call('ZSCORE', KEYS[5], id))
+  if waits then
+    now = now or now_ms()
+    if waits > now then return {2, id, waits - now} end
+  end
+end
+if until_ms then  -- replaced (its replace taken back, or its claim re-sent late)
+  return {2, current or '', redis.call('PTTL', marker)}
 end
 if not current and not requeue and (ARGV[3] == '1'
     or redis.call('TYPE', lock)['ok'] == 'hash') then
@@ -128,9 +164,12 @@ if current then
     if r[4] == current then pold, pdl = r[5], tonumber(r[6]) end
     remember(replaced, current, now + math.max(left, ttl), now)
     redis.call('SET', marker, id, 'PX', ttl)
-    redis.call('HDEL', rec, 'pold', 'pdl', 'conf', 'back')
+    redis.call('HDEL', rec, 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode', 'pother')
     redis.call('HSET', rec, 'op', ARGV[6], 'code', 4, 'other', current, 'pend', id)
     if pold then redis.call('HSET', rec, 'pold', pold, 'pdl', pdl) end
+    if r[1] then  -- the claim that wrote the replaced call's marker, for an undo
+      redis.call('HSET', rec, 'pop', r[1], 'pcode', r[2] or 0, 'pother', r[3] or '')
+    end
     if redis.call('PTTL', rec) < ttl then redis.call('PEXPIRE', rec, ttl) end
     return {4, current, 0}
   end
@@ -142,7 +181,8 @@ if not (r[1] or r[4] or r[5] or r[7] or r[8]) then
   redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
   redis.call('PEXPIRE', rec, ARGV[2])
 else
-  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back')
+  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode',
+             'pother')
   redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
   if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
     redis.call('PEXPIRE', rec, ARGV[2])
@@ -168,7 +208,7 @@ if r[1] ~= ARGV[1] then
   if until_ms and until_ms > now_ms() then return 0 end
   return -1
 end
-redis.call('HDEL', KEYS[1], 'pend', 'pold', 'pdl')
+redis.call('HDEL', KEYS[1], 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
 redis.call('HSET', KEYS[1], 'conf', ARGV[1])
 return 1
 """)
@@ -178,28 +218,36 @@ UNDO = LuaScript("marker_undo", _NOW + """
 -- task id whose publish failed (or whose claim's reply never came), ARGV[2] its
 -- claim's operation id, ARGV[3] ttl (ms) of what is kept of it.  The claim is taken
 -- back: a replace gives the name back to the call queued before it (its marker, with
--- the time it had left, and no longer replaced); a plain claim removes its marker.  A
+-- the time it had left, and no longer replaced, and the record of the claim that
+-- wrote its marker, so that claim re-sent gets its first reply); a plain claim removes
+-- its marker.  A
 -- claim that has not run yet (a stalled server runs it later) does nothing when it
 -- runs (``x``).  1: taken back; 0: nothing of it was left (not run yet, replaced in
 -- turn, or expired).  A re-sent take-back gets the first reply (``xr``).
 local marker, replaced, rec, id, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
 local current = redis.call('GET', marker)
-local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl', 'x', 'xr')
+local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl', 'x', 'xr', 'pop',
+                    'pcode', 'pother')
 redis.call('ZSCORE', replaced, id)
 if r[5] == op then return tonumber(r[6]) end  -- a re-sent take-back
 local undone = 0
 if r[1] == op then
+  local back = false
   if r[2] == id and r[3] then
     redis.call('ZREM', replaced, r[3])
     local left = tonumber(r[4]) - now_ms()
     if current == id then
-      if left > 0 then redis.call('SET', marker, r[3], 'PX', left)
+      if left > 0 then redis.call('SET', marker, r[3], 'PX', left); back = true
       else redis.call('DEL', marker) end
     end
   elseif current == id then
     redis.call('DEL', marker)
   end
-  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl')
+  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
+             'pother')
+  if back and r[7] then  -- the marker given back is known by the claim that wrote it
+    redis.call('HSET', rec, 'op', r[7], 'code', r[8], 'other', r[9])
+  end
   undone = 1
 elseif r[3] == id then
   -- This call, never published, was replaced by one still pending: that one's failed
@@ -214,7 +262,8 @@ return undone
 """)
 
 HAND_OVER = LuaScript("marker_hand_over", _NOW + _REMEMBER + """
--- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record.  ARGV[1] the
+-- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record, KEYS[4] the
+-- retries waiting (the starting call's task id leaves them).  ARGV[1] the
 -- starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1': another task
 -- id in the marker means this call was replaced.
 -- 1: go on; 0: this call was replaced (element 2: by which task id, or 'a later
@@ -226,8 +275,9 @@ local marker, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local current = redis.call('GET', marker)
 local r = redis.call('HMGET', rec, 'pend', 'pold')
 local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
+redis.call('ZREM', KEYS[4], id)
 if r[1] and r[1] == id then
-  redis.call('HDEL', rec, 'pend', 'pold', 'pdl')
+  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   redis.call('HSET', rec, 'conf', id)
 elseif r[1] and r[2] == id and ARGV[3] == '1' then
   local now = now_ms()
@@ -236,7 +286,8 @@ elseif r[1] and r[2] == id and ARGV[3] == '1' then
   redis.call('ZREM', replaced, id)
   remember(replaced, r[1], now + math.max(left, 1), now)
   if ARGV[2] == '1' and current == r[1] then redis.call('DEL', marker) end
-  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl')
+  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
+             'pother')
   redis.call('HSET', rec, 'back', r[1])
   return {1, ''}
 end
@@ -252,8 +303,12 @@ return {1, ''}
 """)
 
 CLEAR = LuaScript("marker_clear", """
--- KEYS[1] marker, ARGV[1] task id: remove the marker if it is this call's.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+-- KEYS[1] marker, KEYS[2] the retries waiting.  ARGV[1] task id: the call ends
+-- without running (or ended): remove the marker if it is this call's, and the task id
+-- from the retries waiting.  1: the marker was removed.
+local current = redis.call('GET', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if current == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0

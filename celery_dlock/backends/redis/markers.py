@@ -1,22 +1,25 @@
 """Queue markers on Redis: the enqueue-time record that a call of a lock name is
 queued (:mod:`celery_dlock.task.markers` says what they mean to the Celery face).
 
-``P:{NAME}:m`` is a string holding the task id of the queued call, with an expiry
-(the caller's queue ttl); ``P:{NAME}:mr`` the calls replaced by a later one
+``P:{NAME}:m`` is a string holding the task id of the queued call, with an expiry (the
+caller's queue ttl); ``P:{NAME}:mr`` the calls replaced by a later one
 (``on_duplicate="replace"``), a sorted set whose scores are the ms (server clock) until
 which each one's message could still be delivered (its own marker's time, and at least
-the new marker's), so that a replaced call never runs, also when the call that
-replaced it has started and a worker restart lost the revoke; ``P:{NAME}:mc`` the
-claim record (see :data:`CLAIM`): the reply of the last send's claim, so a re-sent
-claim (its reply lost) gets its first answer and not "a duplicate of itself", and a
-replace pending until its publish is confirmed (:data:`CONFIRM`) or taken back
-(:data:`UNDO`).  They share the lock's hash tag, so one script reads the marker and
-the lock's hash together, also on a cluster.  Every script here reads a
+the new marker's), so that a replaced call never runs, also when the call that replaced
+it has started and a worker restart lost the revoke; ``P:{NAME}:mc`` the claim record
+(see :data:`CLAIM`): the reply of the last send's claim, so a re-sent claim (its reply
+lost) gets its first answer and not "a duplicate of itself", and a replace pending until
+its publish is confirmed (:data:`CONFIRM`) or taken back (:data:`UNDO`); ``P:{NAME}:mw``
+the retries waiting: the task ids of started calls whose retry holds no marker
+(``until_started``, ``queued_and_running``), so that a send of one is a duplicate of
+that call, in the claim's own step.  They share the lock's hash tag, so one script reads
+the marker and the lock's hash together, also on a cluster.  Every script here reads a
 key before it writes one, so another application's data at the marker's key
 (``WRONGTYPE``) stops it before any write: :class:`LockKeyConflict`.
 
-A send of a task id already queued or running is a duplicate of that call (reply 2
-or 3 naming its own id); only a re-queue (``requeue``: a message carrying its own
+A send of a task id already queued, running or waiting for its retry is a duplicate
+of that call (reply 2 or 3 naming its own id), and a send of a replaced task id is a
+duplicate too (reply 2); only a re-queue (``requeue``: a message carrying its own
 marker record) takes the marker again.  A replace is done in three steps: the claim
 (the marker names the new call at once, the old one is recorded replaced), the
 publish, then :data:`CONFIRM`; a failed publish runs :data:`UNDO` instead, which
@@ -60,6 +63,7 @@ from .marker_scripts import (
     RECORD_SUFFIX,
     REPLACED_SUFFIX,
     UNDO,
+    WAITING_SUFFIX,
 )
 from .scripts import LuaScript
 
@@ -94,18 +98,22 @@ class RedisMarkers:
 
     def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
               running_counts: bool, replace: bool, requeue: bool,
-              op: str = "", started: bool = False) -> tuple[int, str, float | None]:
+              op: str = "", started: bool = False,
+              waits: bool = False) -> tuple[int, str, float | None]:
         """Claim the marker of ``name`` for ``task_id`` (see the module's reply
         codes): ``(code, other task id, its seconds left or None)``.  ``op``: the
         send's operation id (a re-sent claim gets the first reply); ``started``: a
-        re-queue of a call that has started (its marker is never replaced)."""
+        re-queue of a call that has started (its marker is never replaced);
+        ``waits``: the re-queue of a started call that holds no marker in its mode
+        (its retry): nothing is claimed, its task id is kept as waiting for ``ttl``
+        (a send of it is a duplicate until the retry starts or ends)."""
         lock = LockKeys.for_name(prefix, name).lock
         marker = lock + MARKER_SUFFIX
         reply = self._run(CLAIM, (marker, lock, marker + REPLACED_SUFFIX,
-                                  marker + RECORD_SUFFIX),
+                                  marker + RECORD_SUFFIX, marker + WAITING_SUFFIX),
                           (task_id, max(1, int(ttl * 1000)), _flag(running_counts),
                            _flag(replace), _flag(requeue), op or task_id,
-                           _flag(started)), name)
+                           _flag(started), _flag(waits)), name)
         left = int(reply[2])
         return int(reply[0]), decode(reply[1]), (left / 1000.0 if left > 0 else None)
 
@@ -133,13 +141,16 @@ class RedisMarkers:
         id that replaced it, or None to go on."""
         marker = self.key(prefix, name)
         reply = self._run(HAND_OVER, (marker, marker + REPLACED_SUFFIX,
-                                      marker + RECORD_SUFFIX),
+                                      marker + RECORD_SUFFIX, marker + WAITING_SUFFIX),
                           (task_id, _flag(remove), _flag(replaced_check)), name)
         return None if int(reply[0]) == 1 else decode(reply[1])
 
     def clear(self, prefix: str, name: str, task_id: str) -> bool:
-        """Remove the marker of ``name`` if it is ``task_id``'s."""
-        return bool(self._run(CLEAR, (self.key(prefix, name),), (task_id,), name))
+        """Remove the marker of ``name`` if it is ``task_id``'s (and ``task_id``
+        from the retries waiting: the call ended, or ends without running)."""
+        marker = self.key(prefix, name)
+        return bool(self._run(CLEAR, (marker, marker + WAITING_SUFFIX), (task_id,),
+                              name))
 
     def read(self, prefix: str, name: str) -> tuple[str, float | None] | None:
         """The marker of ``name``: ``(task id, seconds left)``, or None."""
