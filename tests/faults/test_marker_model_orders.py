@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery_helpers import test_app
+from celery_helpers import close_app, test_app
 
 from celery_dlock import LockedTask
 from celery_dlock.backends.redis.markers import RedisMarkers
@@ -21,6 +21,7 @@ from celery_dlock.task.markers import (
     MARKER_HEADER,
     QUEUED,
     REPLACED,
+    RUNNING,
     MarkerRecord,
 )
 
@@ -111,19 +112,45 @@ def test_a_task_id_sent_while_its_retry_is_re_queued_is_the_same_call(
     Once the retry starts (its hand-over), the task id is the lock's to answer for."""
     queue = f"q-{prefix}"
     app = _producer(redis_url, prefix, queue)
-    task, args = app.tasks["pf.mode"], ("k", 0.0, "a")
-    name = task.lock_name(args, {})
-    record = MarkerRecord(name, prefix, mode, "return_existing", "report-r1",
-                          started=True).header()
-    task.apply_async(args, task_id="report-r1", lock_mode=mode,
-                     headers={MARKER_HEADER: record})  # the retry, from its attempt
-    again = task.apply_async(args, task_id="report-r1", lock_mode=mode)
-    assert again.id == "report-r1"
-    queued = [json.loads(raw)["headers"]["id"] for raw in r.lrange(queue, 0, -1)]
-    assert queued == ["report-r1"]
+    try:
+        task, args = app.tasks["pf.mode"], ("k", 0.0, "a")
+        name = task.lock_name(args, {})
+        record = MarkerRecord(name, prefix, mode, "return_existing", "report-r1",
+                              started=True).header()
+        task.apply_async(args, task_id="report-r1", lock_mode=mode,
+                         headers={MARKER_HEADER: record})  # the retry, from its attempt
+        again = task.apply_async(args, task_id="report-r1", lock_mode=mode)
+        assert again.id == "report-r1"
+        queued = [json.loads(raw)["headers"]["id"] for raw in r.lrange(queue, 0, -1)]
+        assert queued == ["report-r1"]
+        m = RedisMarkers(r)
+        assert m.hand_over(prefix, name, "report-r1", remove=False,
+                           replaced_check=False) is None  # the retry starts
+        assert m.claim(prefix, name, "report-r1", 60, running_counts=False, replace=False,
+                       requeue=False, op="op1")[0] == CLAIMED
+    finally:
+        close_app(app)
+
+
+def test_a_replace_sent_with_the_running_calls_id_is_that_call(
+        r: redis.Redis, prefix: str) -> None:
+    """(until_started) 1 started (its marker gone, its lock held) and 2 is queued: a
+    replace sent with 1's task id is a duplicate of the running call 1, never a second
+    message of 1 that would replace 2 and run 1's body again."""
+    from celery_dlock import RedisLock
+
     m = RedisMarkers(r)
-    assert m.hand_over(prefix, name, "report-r1", remove=False,
-                       replaced_check=False) is None  # the retry starts
-    assert m.claim(prefix, name, "report-r1", 60, running_counts=False, replace=False,
+    assert m.claim(prefix, "n", "1", 60, running_counts=False, replace=False,
                    requeue=False, op="op1")[0] == CLAIMED
-    app.close()
+    assert start(m, prefix, "1") is None
+    running = RedisLock(r, "n", 30, prefix=prefix, info={"task_id": "1"})
+    assert running.acquire(blocking=False)
+    try:
+        assert m.claim(prefix, "n", "2", 60, running_counts=False, replace=False,
+                       requeue=False, op="op2")[0] == CLAIMED
+        code, other, _ = m.claim(prefix, "n", "1", 60, running_counts=False,
+                                 replace=True, requeue=False, op="op3")
+        assert (code, other) == (RUNNING, "1")
+        assert (m.read(prefix, "n") or ("",))[0] == "2", "2 stays queued"
+    finally:
+        running.release()

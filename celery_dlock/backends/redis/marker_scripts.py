@@ -67,7 +67,8 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- (until_started, queued_and_running: its retry): it claims nothing, and its task id
 -- is kept among the retries waiting for ARGV[2] (reply 1 naming itself).
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
--- (the lock's holder is it) or waits for its retry (the retries waiting hold it) is a
+-- (the lock's holder is it, whether or not another call is queued) or waits for its
+-- retry (the retries waiting hold it) is a
 -- duplicate of that call, in every mode; so is a send of a replaced task id (a claim
 -- re-sent after its replace was taken back): it never runs.  A re-queue of a replaced
 -- call takes nothing (reply 2) and keeps it replaced for ARGV[2] more.
@@ -131,11 +132,13 @@ end
 if until_ms then  -- replaced (its replace taken back, or its claim re-sent late)
   return {2, current or '', redis.call('PTTL', marker)}
 end
-if not current and not requeue and (ARGV[3] == '1'
+-- The running call: a send of its own task id is that call, also while another call
+-- is queued (a replace must not publish the running call's id a second time).
+if not requeue and ((not current and ARGV[3] == '1')
     or redis.call('TYPE', lock)['ok'] == 'hash') then
   if redis.call('EXISTS', lock) == 1 then
     local holder = redis.call('HGET', lock, 'task_id')
-    if ARGV[3] == '1' or holder == id then
+    if holder == id or (ARGV[3] == '1' and not current) then
       return {3, holder or '', redis.call('PTTL', lock)}
     end
   end
