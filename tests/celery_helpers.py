@@ -29,14 +29,33 @@ def close_app(app: Any) -> None:
 
     AsyncResult objects unsubscribe when collected; collected after the session's
     server stopped, they would try to reconnect.  Collect them now (see
-    :func:`collect_garbage`), then close.
+    :func:`collect_garbage`), then close, the lock's clients of the app too.
     """
     collect_garbage()
     backend = app.backend
     consumer = getattr(backend, "result_consumer", None)
     if consumer is not None:
         consumer.stop()
+    close_lock_clients(app)
     app.close()
+
+
+def close_lock_clients(app: Any) -> None:
+    """Close the clients this process made for ``app``'s locks and forget them (a
+    test's app is not used again): their sockets are closed now, not whenever the
+    collector finds them, maybe while another test runs."""
+    from celery_dlock.task import connection
+    from celery_dlock.task.backend import forget_app
+
+    client = connection.cached_client(app)
+    forget_app(app)
+    for one in client if isinstance(client, tuple) else (client,):
+        close = getattr(one, "close", None)
+        if close is not None:
+            close()
+    with connection._clients_lock:
+        for key in [k for k in connection._clients if k[0] == id(app)]:
+            connection._clients.pop(key, None)
 
 
 def _celery_version() -> tuple[int, ...]:

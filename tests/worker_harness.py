@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery_helpers import close_lock_clients
 from dlock_helpers import release_marker
 from prefork_app import ENV_NODE, ENV_PREFIX, ENV_QUEUE, ENV_URL, data_prefix, make_app
 
@@ -186,6 +187,7 @@ class Harness:
         if consumer is not None:
             consumer.stop()
             getattr(consumer, "subscribed_to", set()).clear()
+        close_lock_clients(self.app)
         self.app.close()
 
     # -- locks and records --------------------------------------------------------------

@@ -121,6 +121,7 @@ def test_a_task_id_sent_while_its_retry_is_re_queued_is_the_same_call(
                          headers={MARKER_HEADER: record})  # the retry, from its attempt
         again = task.apply_async(args, task_id="report-r1", lock_mode=mode)
         assert again.id == "report-r1"
+        del again  # its result consumer goes with the app, below
         queued = [json.loads(raw)["headers"]["id"] for raw in r.lrange(queue, 0, -1)]
         assert queued == ["report-r1"]
         m = RedisMarkers(r)
