@@ -54,8 +54,8 @@ def test_no_backend_reads_other_urls(url: object) -> None:
 def _backend_classes() -> dict[str, type]:
     from celery_dlock.backends.redis.backend import RedisBackend
     from celery_dlock.backends.redis.redlock.backend import RedlockBackend
-    from celery_dlock.backends.sql.backend import PostgresBackend
-    from celery_dlock.backends.sql.my_backend import MySQLBackend
+    from celery_dlock.backends.sql.mysql.backend import MySQLBackend
+    from celery_dlock.backends.sql.postgres.backend import PostgresBackend
     from celery_dlock.backends.zookeeper.backend import ZooKeeperBackend
     return {"redis": RedisBackend, "redlock": RedlockBackend, "postgres": PostgresBackend,
             "mysql": MySQLBackend, "zookeeper": ZooKeeperBackend}

@@ -3,8 +3,8 @@
 A lease row per lock name (docs/backends.md): the holder's owner, its count of
 acquires, the name's fence counter (kept past release), an expiry on the server's
 clock, the latest operation ids and the last force release's note.  How a row is read
-and written is the dialect's (PostgreSQL: :mod:`.postgres`, MySQL/MariaDB:
-:mod:`.mysql`): a few ``_try_*`` methods, each one operation on one row, idempotent
+and written is the dialect's (PostgreSQL: :mod:`.postgres.lock`, MySQL/MariaDB:
+:mod:`.mysql.lock`): a few ``_try_*`` methods, each one operation on one row, idempotent
 under its operation id.  What the answers mean (granted, refused, gone, taken, a
 re-sent release already applied, who released a hold by force) is decided here once,
 for every dialect; the bookkeeping is :class:`~celery_dlock.core.hold.Hold`'s.
@@ -36,7 +36,7 @@ logger = logging.getLogger("celery_dlock.lock")
 S = TypeVar("S")
 
 #: The field of a row's ``info`` that keeps the lock's name when the row's key is
-#: not the name itself (PostgreSQL's digested names, :mod:`.pg_keys`).
+#: not the name itself (PostgreSQL's digested names, :mod:`.postgres.keys`).
 NAME_FIELD = "dlock_name"
 
 

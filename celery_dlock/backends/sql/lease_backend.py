@@ -1,7 +1,7 @@
 """What every SQL dialect's backend shares: :class:`LeaseBackend`, the place that
 keeps lease-row locks behind :class:`~celery_dlock.core.protocol.Backend`
-(PostgreSQL: :mod:`.backend`, MySQL/MariaDB: :mod:`.my_backend`).  How a hold is read,
-listed and freed by force is the dialect's.
+(PostgreSQL: :mod:`.postgres.backend`, MySQL/MariaDB: :mod:`.mysql.backend`).  How
+a hold is read, listed and freed by force is the dialect's.
 
 No driver is imported here.
 """

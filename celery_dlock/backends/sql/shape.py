@@ -1,7 +1,7 @@
 """What the lease and line tables of every SQL dialect share: the lease row's
 columns, the GRANTs a user who may not create tables needs, and the refusal of a
-table of another shape at their names (PostgreSQL: :mod:`.schema`, MySQL/MariaDB:
-:mod:`.my_schema`).
+table of another shape at their names (PostgreSQL: :mod:`.postgres.schema`, MySQL/MariaDB:
+:mod:`.mysql.schema`).
 
 No driver is imported here.
 """
@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from ...core.errors import LockKeyConflict
 
-__all__ = ["GRANTS", "LEASE_COLUMNS", "check_shape", "lease_columns"]
+__all__ = ["DEFAULT_TABLE", "GRANTS", "LEASE_COLUMNS", "LINE_SUFFIX", "check_shape",
+           "lease_columns", "line_table_of"]
+
+#: The table's name unless told otherwise (``?dlock_table=`` in the URL).
+DEFAULT_TABLE = "dlock_locks"
+
+#: The line table's name is the lease table's and this.
+LINE_SUFFIX = "_waiters"
 
 #: The lease row's columns, in the dialects' order.
 LEASE_COLUMNS = ("prefix", "name", "owner", "count", "fence", "acquired_at",
@@ -20,6 +27,12 @@ LEASE_COLUMNS = ("prefix", "name", "owner", "count", "fence", "acquired_at",
 #: (``{table}`` the lease table, ``{line}`` its line).
 GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
           "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
+
+
+def line_table_of(table: str) -> str:
+    """The line table's name beside the lease table ``table`` (``schema.table``
+    keeps its schema)."""
+    return table + LINE_SUFFIX
 
 
 def lease_columns(*types: str) -> dict[str, str]:

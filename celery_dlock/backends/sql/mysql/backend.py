@@ -6,15 +6,15 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ...core.holds import HoldInfo
-from ...core.registry import entry_named
-from ...core.text import clean_text
-from .lease import hold_info
-from .lease_backend import LeaseBackend
-from .my_schema import lock_id
-from .my_server import MyServer, server_for
-from .my_statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
-from .mysql import MySQLLock
+from ....core.holds import HoldInfo
+from ....core.registry import entry_named
+from ....core.text import clean_text
+from ..lease import hold_info
+from ..lease_backend import LeaseBackend
+from .lock import MySQLLock
+from .schema import lock_id
+from .server import MyServer, server_for
+from .statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
 
 __all__ = ["MYSQL_SCHEMES", "MySQLBackend"]
 

@@ -9,7 +9,7 @@ A server is named by its URL (``mysql://`` or ``mariadb://``); each process keep
 * the lease table and its line of waiters checked (or created) once.
 
 Every call is either one autocommitted statement or one short transaction (a locked
-read of one row and one write: :mod:`.mysql`).  A call that fails on a connection
+read of one row and one write: :mod:`.lock`).  A call that fails on a connection
 that was already open is sent once more on a fresh one (every operation is idempotent
 under its operation id; a transaction cut short is rolled back by the server): a
 server restart costs the caller nothing but that round trip.
@@ -37,14 +37,16 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import pymysql
 from pymysql.constants import CLIENT
 
-from ...core.errors import (
+from ....core.errors import (
     BackendUnavailable,
     DLockError,
     InvalidLockConfig,
     LockKeyConflict,
 )
-from ...core.urls import mask_url
-from .my_schema import (
+from ....core.urls import mask_url
+from ..registry import PerUrl
+from ..shape import DEFAULT_TABLE, check_shape, line_table_of
+from .schema import (
     COLUMNS,
     GRANTS,
     LINE_COLUMNS,
@@ -53,9 +55,6 @@ from .my_schema import (
     missing_columns,
     quote_table,
 )
-from .registry import PerUrl
-from .schema import DEFAULT_TABLE, line_table_of
-from .shape import check_shape
 
 __all__ = ["CONNECT_TIMEOUT", "READ_TIMEOUT", "MyServer", "server_for"]
 

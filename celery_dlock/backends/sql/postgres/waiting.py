@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .pg_server import PgServer
+from .server import PgServer
 
 __all__ = ["QUEUE_LEASE", "QUEUE_LEASE_MS", "WAIT_SLICE", "Listener", "channel_of"]
 

@@ -2,12 +2,12 @@
 definitions, the check that a table found at their names is ours, and the words of a
 refusal (docs/backends.md, MySQL / MariaDB).
 
-The lease table's columns are PostgreSQL's (:mod:`.schema`) in MySQL's types, and one
-more: the primary key ``lock_id`` is the SHA-256 of prefix and name (hex), so a name
-of any length is one short key and is compared byte for byte (``prefix``, ``name``
-and ``owner`` are ``BLOB``: no collation folds case or trailing blanks).  The line
-table (the lease table's name and ``_waiters``) has a row per blocked acquirer:
-``lock_id``, ``owner_id`` (:func:`owner_id`, the SHA-256 of the owner) and
+The lease table's columns are the shared ones (:mod:`..shape`) in MySQL's types, and
+one more: the primary key ``lock_id`` is the SHA-256 of prefix and name (hex), so a
+name of any length is one short key and is compared byte for byte (``prefix``,
+``name`` and ``owner`` are ``BLOB``: no collation folds case or trailing blanks).
+The line table (the lease table's name and ``_waiters``) has a row per blocked
+acquirer: ``lock_id``, ``owner_id`` (:func:`owner_id`, the SHA-256 of the owner) and
 ``owner``, ``arrived_at`` (its order) and ``expires_at`` (its lease).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from .shape import GRANTS, lease_columns
+from ..shape import GRANTS, lease_columns
 
 __all__ = ["BLOB_MAX_BYTES", "COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS",
            "create_line_sql", "create_sql", "lock_id", "missing_columns", "owner_id",

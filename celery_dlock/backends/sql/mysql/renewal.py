@@ -8,7 +8,7 @@ statement read why (taken by another owner, or gone; released by force: who and 
 a :class:`~celery_dlock.core.renew_target.LossNote`).
 
 The target has its own connection (the locks' calls never wait behind it), bounded by
-the socket timeouts of :mod:`.my_server`; a failed call is retried by the scheduler
+the socket timeouts of :mod:`.server`; a failed call is retried by the scheduler
 on a fresh connection.
 """
 
@@ -18,14 +18,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ...core.protocol import GONE, OK, TAKEN
-from ...core.renew_target import LossNote
-from .lease import split_key
-from .my_schema import lock_id
-from .my_server import MyServer
-from .my_statements import renew_many, status_many
-from .registry import PerUrl
-from .released import forced_reason
+from ....core.protocol import GONE, OK, TAKEN
+from ....core.renew_target import LossNote
+from ..lease import split_key
+from ..registry import PerUrl
+from ..released import forced_reason
+from .schema import lock_id
+from .server import MyServer
+from .statements import renew_many, status_many
 
 __all__ = ["MyRenewTarget", "renew_target"]
 

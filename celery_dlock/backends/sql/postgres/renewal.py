@@ -7,7 +7,7 @@ second statement read why (taken by another owner, or gone; released by force: w
 why, a :class:`~celery_dlock.core.renew_target.LossNote`).
 
 The target has its own connection (the locks' calls never wait behind it), bounded by
-the statement and TCP timeouts of :mod:`.pg_server`; a failed call is retried by the
+the statement and TCP timeouts of :mod:`.server`; a failed call is retried by the
 scheduler on a fresh connection.
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 
 import psycopg
 
-from ...core.protocol import GONE, OK, TAKEN
-from ...core.renew_target import LossNote
-from .lease import renew_key, split_key
-from .pg_server import PgServer
-from .registry import PerUrl
-from .released import forced_reason
+from ....core.protocol import GONE, OK, TAKEN
+from ....core.renew_target import LossNote
+from ..lease import renew_key, split_key
+from ..registry import PerUrl
+from ..released import forced_reason
+from .server import PgServer
 from .statements import RENEW_MANY, STATUS_MANY
 
 __all__ = ["PgRenewTarget", "renew_key", "renew_target", "split_key"]

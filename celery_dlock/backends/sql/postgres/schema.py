@@ -26,21 +26,15 @@ Beside it, the line of waiters (:func:`line_table_of`: the lease table's name an
 
 from __future__ import annotations
 
-from .shape import GRANTS, lease_columns
+from ..shape import DEFAULT_TABLE, GRANTS, LINE_SUFFIX, lease_columns, line_table_of
 
 __all__ = ["COLUMNS", "DEFAULT_TABLE", "GRANTS", "LINE_COLUMNS", "LINE_SUFFIX",
            "create_line_sql", "create_sql", "line_table_of", "missing_columns"]
-
-#: The table's name unless told otherwise (``?dlock_table=`` in the URL).
-DEFAULT_TABLE = "dlock_locks"
 
 #: Each column and the type PostgreSQL reports for it (``format_type``).
 COLUMNS: dict[str, str] = lease_columns(
     "text", "text", "text", "integer", "bigint", "timestamp with time zone",
     "timestamp with time zone", "bigint", "jsonb", "text[]", "jsonb")
-
-#: The line table's name is the lease table's and this.
-LINE_SUFFIX = "_waiters"
 
 #: The line table's columns, as :data:`COLUMNS`.
 LINE_COLUMNS: dict[str, str] = {
@@ -50,13 +44,6 @@ LINE_COLUMNS: dict[str, str] = {
     "arrived_at": "timestamp with time zone",
     "expires_at": "timestamp with time zone",
 }
-
-
-
-def line_table_of(table: str) -> str:
-    """The line table's name beside the lease table ``table`` (``schema.table``
-    keeps its schema)."""
-    return table + LINE_SUFFIX
 
 
 def create_sql(table: str) -> str:

@@ -31,14 +31,15 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ...core.errors import (
+from ....core.errors import (
     BackendUnavailable,
     DLockError,
     InvalidLockConfig,
     LockKeyConflict,
 )
-from ...core.urls import mask_url
-from .registry import PerUrl
+from ....core.urls import mask_url
+from ..registry import PerUrl
+from ..shape import check_shape
 from .schema import (
     COLUMNS,
     DEFAULT_TABLE,
@@ -50,7 +51,6 @@ from .schema import (
     line_table_of,
     missing_columns,
 )
-from .shape import check_shape
 
 __all__ = ["CONNECT_TIMEOUT", "STATEMENT_TIMEOUT_MS", "PgServer", "server_for"]
 

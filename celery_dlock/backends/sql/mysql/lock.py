@@ -1,21 +1,21 @@
 """``MySQLLock``: a reentrant, renewed, owner-checked lock kept in a MySQL or MariaDB
 lease table (docs/backends.md, MySQL / MariaDB).
 
-One InnoDB row per lock name (:mod:`.my_schema`), on the server's clock.  Acquire,
+One InnoDB row per lock name (:mod:`.schema`), on the server's clock.  Acquire,
 re-entry and release are each one short transaction: the row read ``FOR UPDATE``,
-the answer decided on it, one write (:mod:`.my_statements` says why one statement
+the answer decided on it, one write (:mod:`.statements` says why one statement
 cannot); extend and renewal are one autocommitted ``UPDATE``.  A call re-sent after a
 lost reply (with the same operation id) is answered as the first; fences are a
 per-name counter kept in the row past release.  Blocked acquirers stand in a FIFO line
-table beside it (:mod:`.my_schema`), each with a lease it renews by trying again: a
+table beside it (:mod:`.schema`), each with a lease it renews by trying again: a
 free lock goes to the first live waiter in line (or to anyone when the line is
 empty), and a non-blocking acquire never overtakes a waiter.  MySQL cannot wake a
 waiter: a blocked acquirer polls, more often the nearer it stands to the front of the
 line (only the first in line can take a freed lock): every :data:`POLL_FIRST` times
 its place (1 for the first), at most :data:`POLL_MAX` apart, and never past the
 holder's remaining ttl.  The process's scheduler renews every hold of a server with
-one statement per interval (:mod:`.my_renewal`).  What the answers mean is
-:class:`~.lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
+one statement per interval (:mod:`.renewal`).  What the answers mean is
+:class:`~..lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
 :class:`~celery_dlock.core.hold.Hold`'s.
 """
 
@@ -28,13 +28,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ...core.errors import InvalidLockConfig
-from ...core.renew_target import RenewTarget
-from .lease import LeaseLock, Status
-from .my_renewal import renew_target
-from .my_schema import BLOB_MAX_BYTES, lock_id, owner_id
-from .my_server import MyServer, server_for
-from .my_statements import (
+from ....core.errors import InvalidLockConfig
+from ....core.renew_target import RenewTarget
+from ..lease import LeaseLock, Status
+from .renewal import renew_target
+from .schema import BLOB_MAX_BYTES, lock_id, owner_id
+from .server import MyServer, server_for
+from .statements import (
     AHEAD,
     EXTEND,
     HEAD,
@@ -73,7 +73,7 @@ class MySQLLock(LeaseLock[MyServer]):
 
     :param url: the server's ``mysql://user:password@host:port/database`` (or
         ``mariadb://``) URL (``?dlock_table=`` names another table than
-        ``dlock_locks``), or a :class:`~.my_server.MyServer`.
+        ``dlock_locks``), or a :class:`~.server.MyServer`.
     Every other parameter is :class:`~celery_dlock.RedisLock`'s.
 
     A server that cannot be reached is :class:`BackendUnavailable`; a table of

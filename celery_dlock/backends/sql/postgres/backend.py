@@ -6,14 +6,14 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ...core.holds import HoldInfo
-from ...core.registry import entry_named
-from ...core.text import clean_text
-from .lease import hold_info as _info
-from .lease_backend import LeaseBackend
-from .pg_keys import row_key, row_part
-from .pg_server import PgServer, server_for
-from .postgres import PostgresLock
+from ....core.holds import HoldInfo
+from ....core.registry import entry_named
+from ....core.text import clean_text
+from ..lease import hold_info as _info
+from ..lease_backend import LeaseBackend
+from .keys import row_key, row_part
+from .lock import PostgresLock
+from .server import PgServer, server_for
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
 from .waiting import channel_of
 
