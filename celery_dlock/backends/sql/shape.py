@@ -8,10 +8,14 @@ No driver is imported here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from ...core.errors import LockKeyConflict
 
-__all__ = ["DEFAULT_TABLE", "GRANTS", "LEASE_COLUMNS", "LINE_SUFFIX", "check_shape",
-           "lease_columns", "line_table_of"]
+__all__ = ["DEFAULT_TABLE", "GRANTS", "LEASE_COLUMNS", "LINE_SUFFIX", "Tables",
+           "check_shape", "create_table", "lease_columns", "line_table_of",
+           "missing_columns"]
 
 #: The table's name unless told otherwise (``?dlock_table=`` in the URL).
 DEFAULT_TABLE = "dlock_locks"
@@ -39,6 +43,30 @@ def lease_columns(*types: str) -> dict[str, str]:
     """Each of :data:`LEASE_COLUMNS` and its type in a dialect (``types`` in their
     order)."""
     return dict(zip(LEASE_COLUMNS, types, strict=True))
+
+
+@dataclass(frozen=True)
+class Tables:
+    """A dialect's two tables: each one's columns (name and the type the server
+    reports for it) and its ``CREATE TABLE`` (given the quoted name)."""
+
+    columns: dict[str, str]
+    create: Callable[[str], str]
+    line_columns: dict[str, str]
+    create_line: Callable[[str], str]
+
+
+def create_table(table: str, columns: str, options: str = "") -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for ``table`` (an already quoted name) with
+    ``columns`` (their definitions and keys) and the dialect's table ``options``."""
+    return f"CREATE TABLE IF NOT EXISTS {table} ({columns}){options}"
+
+
+def missing_columns(found: dict[str, str], wanted: dict[str, str]) -> list[str]:
+    """The columns (``name type``) of ``wanted`` a table with columns ``found``
+    lacks (types compared as the server reports them, in lower case)."""
+    return [f"{col} {kind}" for col, kind in wanted.items()
+            if found.get(col, "").lower() != kind]
 
 
 def check_shape(shown: str, name: str, what: str, missing: list[str],

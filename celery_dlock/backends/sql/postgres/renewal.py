@@ -1,14 +1,10 @@
-"""Renewal of PostgreSQL holds: one :class:`PgRenewTarget` per server and process.
+"""Renewal of PostgreSQL holds: one :class:`PgRenewTarget` per server and process
+(what the rows say is :class:`~..renewal.LeaseRenewTarget`'s, shared).
 
-The scheduler (:mod:`celery_dlock.core.scheduler`) hands a target every hold due, as
-one batch: one ``UPDATE ... FROM unnest(...)`` renews them all, whatever their number
-(one round trip per server per interval).  Only when some were not renewed does a
-second statement read why (taken by another owner, or gone; released by force: who and
-why, a :class:`~celery_dlock.core.renew_target.LossNote`).
-
-The target has its own connection (the locks' calls never wait behind it), bounded by
-the statement and TCP timeouts of :mod:`.server`; a failed call is retried by the
-scheduler on a fresh connection.
+One ``UPDATE ... FROM unnest(...)`` renews every hold due, whatever their number (one
+round trip per server per interval); its ``RETURNING`` names the holds renewed.  Only
+when some were not does a second statement read why.  The target's connection is
+bounded by the statement and TCP timeouts of :mod:`.server`.
 """
 
 from __future__ import annotations
@@ -18,69 +14,47 @@ from typing import Any
 
 import psycopg
 
-from ....core.protocol import GONE, OK, TAKEN
-from ....core.renew_target import LossNote
-from ..lease import renew_key, split_key
+from ....core.errors import DLockError
+from ..lease import split_key
 from ..registry import PerUrl
-from ..released import forced_reason
+from ..renewal import LeaseRenewTarget, Seen, target_of
 from .server import PgServer
 from .statements import RENEW_MANY, STATUS_MANY
 
-__all__ = ["PgRenewTarget", "renew_key", "renew_target", "split_key"]
+__all__ = ["PgRenewTarget", "renew_target"]
 
 
-class PgRenewTarget:
+class PgRenewTarget(LeaseRenewTarget[PgServer]):
     """Renews the holds of one server."""
 
-    def __init__(self, server: PgServer) -> None:
-        self.server = server
-        self._conn: psycopg.Connection[Any] | None = None
+    def _usable(self, conn: psycopg.Connection[Any]) -> bool:
+        return not conn.closed and not conn.broken
 
-    def _connection(self) -> psycopg.Connection[Any]:
-        conn = self._conn
-        if conn is None or conn.closed or conn.broken:
-            conn = self._conn = self.server.connect()
-        return conn
+    def _failed(self, exc: BaseException) -> DLockError:
+        return self.server.unavailable(exc, "renewal")
 
-    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int | LossNote]:
-        self.server.ensure_table()
+    def _renew(self, conn: psycopg.Connection[Any],
+               items: Sequence[tuple[str, str, int]]) -> list[Seen | None]:
         # A stable order: two renewals touching the same rows lock them alike.
         order = sorted(range(len(items)), key=lambda i: (items[i][0], items[i][1]))
         keys = [split_key(items[i][0]) for i in order]
-        conn = self._connection()
-        try:
-            rows = conn.execute(RENEW_MANY.format(t=self.server.table), (
-                [k[0] for k in keys], [k[1] for k in keys],
-                [items[i][1] for i in order], [items[i][2] for i in order])).fetchall()
-            renewed = {(str(p), str(n), str(o)) for p, n, o in rows}
-            out: list[int | LossNote] = [
-                OK if (*split_key(key), owner) in renewed else GONE
-                for key, owner, _ in items]
-            missed = [i for i, code in enumerate(out) if code != OK]
-            if not missed:
-                return out
-            gone = [split_key(items[i][0]) for i in missed]
-            found = {(str(p), str(n)): (owner, bool(live), forced)
-                     for p, n, owner, live, forced in conn.execute(
-                         STATUS_MANY.format(t=self.server.table),
-                         ([g[0] for g in gone], [g[1] for g in gone])).fetchall()}
-        except psycopg.Error as exc:
-            self.close()
-            raise self.server.unavailable(exc, "renewal") from None
+        rows = conn.execute(RENEW_MANY.format(t=self.server.table), (
+            [k[0] for k in keys], [k[1] for k in keys],
+            [items[i][1] for i in order], [items[i][2] for i in order])).fetchall()
+        renewed = {(str(p), str(n), str(o)) for p, n, o in rows}
+        missed = [i for i, (key, owner, _) in enumerate(items)
+                  if (*split_key(key), owner) not in renewed]
+        seen: list[Seen | None] = [None] * len(items)
+        if not missed:
+            return seen
+        gone = [split_key(items[i][0]) for i in missed]
+        found = {(str(p), str(n)): Seen(owner, bool(live), forced)
+                 for p, n, owner, live, forced in conn.execute(
+                     STATUS_MANY.format(t=self.server.table),
+                     ([g[0] for g in gone], [g[1] for g in gone])).fetchall()}
         for i in missed:
-            owner, live, forced = found.get(split_key(items[i][0]), (None, False, None))
-            code = TAKEN if owner is not None and live and owner != items[i][1] else GONE
-            note = forced_reason(forced, items[i][1])
-            out[i] = LossNote(code, note[0], note[1]) if note is not None else code
-        return out
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except psycopg.Error:
-                pass
+            seen[i] = found.get(split_key(items[i][0]), Seen(None, False, None))
+        return seen
 
 
 _targets: PerUrl[PgRenewTarget] = PerUrl()
@@ -88,5 +62,4 @@ _targets: PerUrl[PgRenewTarget] = PerUrl()
 
 def renew_target(server: PgServer) -> PgRenewTarget:
     """This process's renew target of ``server``."""
-    return _targets.get(server.url, lambda: PgRenewTarget(server),
-                        keep=lambda target: target.server is server)
+    return target_of(_targets, server, PgRenewTarget)
