@@ -112,6 +112,11 @@ class LeaseLock(Hold, Generic[S]):
 
     :param url: the server's URL, or the dialect's server object (``S``).
     Every other parameter is :class:`~celery_dlock.RedisLock`'s.
+
+    A server that cannot be reached is :class:`BackendUnavailable`; a table of
+    another application at the lease table's name :class:`LockKeyConflict`; a user
+    who may not create the table (or write it) :class:`InvalidLockConfig` naming the
+    GRANTs it needs.
     """
 
     prefix: str

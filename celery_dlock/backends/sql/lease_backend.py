@@ -13,6 +13,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
+from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .lease import LeaseLock
 
@@ -36,11 +37,16 @@ L = TypeVar("L", bound=LeaseLock[Any])
 class LeaseBackend(Generic[S, L]):
     """The locks kept in one SQL server's lease table (the dialect subclasses it)."""
 
+    #: The dialect's name in the backend registry (:mod:`celery_dlock.core.registry`).
     kind = ""
     fences = True
-    #: What it can do (:mod:`celery_dlock.core.registry`); each dialect sets it.
+    #: What it can do: its registry entry's capabilities, read once per dialect.
     capabilities: frozenset[str] = frozenset()
     server: S
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.capabilities = entry_named(cls.kind).capabilities
 
     def __init__(self, url: str | S) -> None:
         self.server = self._server_of(url)
@@ -49,9 +55,12 @@ class LeaseBackend(Generic[S, L]):
         """The dialect's server object of ``url`` (a URL, or that object)."""
         raise NotImplementedError
 
+    #: The dialect's lock class.
+    lock_class: type[L]
+
     def _new_lock(self, name: str, ttl: float, **options: Any) -> L:
         """The dialect's lock ``name`` on :attr:`server`."""
-        raise NotImplementedError
+        return self.lock_class(self.server, name, ttl, **options)
 
     def lock(self, name: str, ttl: float, *, prefix: str,
              info: Mapping[str, object] | None = None, owner: str | None = None,

@@ -7,7 +7,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ....core.holds import HoldInfo
-from ....core.registry import entry_named
 from ....core.text import clean_text
 from ..lease import hold_info
 from ..lease_backend import LeaseBackend
@@ -35,13 +34,10 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
     """The locks kept in one MySQL or MariaDB server's lease table."""
 
     kind = "mysql"
-    capabilities = entry_named("mysql").capabilities
+    lock_class = MySQLLock
 
     def _server_of(self, url: str | MyServer) -> MyServer:
-        return url if isinstance(url, MyServer) else server_for(url)
-
-    def _new_lock(self, name: str, ttl: float, **options: Any) -> MySQLLock:
-        return MySQLLock(self.server, name, ttl, **options)
+        return server_for(url)
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

@@ -74,18 +74,13 @@ class MySQLLock(LeaseLock[MyServer]):
     :param url: the server's ``mysql://user:password@host:port/database`` (or
         ``mariadb://``) URL (``?dlock_table=`` names another table than
         ``dlock_locks``), or a :class:`~.server.MyServer`.
-    Every other parameter is :class:`~celery_dlock.RedisLock`'s.
-
-    A server that cannot be reached is :class:`BackendUnavailable`; a table of
-    another application at the lease table's name :class:`LockKeyConflict`; a user
-    who may not create the table (or write it) :class:`InvalidLockConfig` naming the
-    GRANT it needs.
+    Every other parameter, and every error, is :class:`~..lease.LeaseLock`'s.
     """
 
     wait_slice = POLL_MAX
 
     def _server_of(self, url: str | MyServer) -> MyServer:
-        return url if isinstance(url, MyServer) else server_for(url)
+        return server_for(url)
 
     def _prepare(self) -> None:
         self._check_sizes()

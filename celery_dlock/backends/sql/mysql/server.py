@@ -305,9 +305,9 @@ class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
 _servers: PerUrl[MyServer] = PerUrl()
 
 
-def server_for(url: str) -> MyServer:
-    """This process's :class:`MyServer` for ``url``."""
-    return _servers.get(url, lambda: MyServer(url))
+def server_for(url: str | MyServer) -> MyServer:
+    """This process's :class:`MyServer` for ``url`` (a server given: itself)."""
+    return url if isinstance(url, MyServer) else _servers.get(url, lambda: MyServer(url))
 
 
 def servers() -> Sequence[MyServer]:

@@ -7,7 +7,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ....core.holds import HoldInfo
-from ....core.registry import entry_named
 from ....core.text import clean_text
 from ..lease import hold_info as _info
 from ..lease_backend import LeaseBackend
@@ -27,13 +26,10 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
     """The locks kept in one PostgreSQL server's lease table."""
 
     kind = "postgres"
-    capabilities = entry_named("postgres").capabilities
+    lock_class = PostgresLock
 
     def _server_of(self, url: str | PgServer) -> PgServer:
-        return url if isinstance(url, PgServer) else server_for(url)
-
-    def _new_lock(self, name: str, ttl: float, **options: Any) -> PostgresLock:
-        return PostgresLock(self.server, name, ttl, **options)
+        return server_for(url)
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

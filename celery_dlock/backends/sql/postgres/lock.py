@@ -49,18 +49,13 @@ class PostgresLock(LeaseLock[PgServer]):
 
     :param url: the server's ``postgresql://`` URL (``?dlock_table=`` names another
         table than ``dlock_locks``), or a :class:`~.server.PgServer`.
-    Every other parameter is :class:`~celery_dlock.RedisLock`'s.
-
-    A server that cannot be reached is :class:`BackendUnavailable`; a table of
-    another application at the lease table's name :class:`LockKeyConflict`; a user
-    who may not create the table (or write it) :class:`InvalidLockConfig` naming the
-    GRANTs it needs.
+    Every other parameter, and every error, is :class:`~..lease.LeaseLock`'s.
     """
 
     wait_slice = WAIT_SLICE
 
     def _server_of(self, url: str | PgServer) -> PgServer:
-        return url if isinstance(url, PgServer) else server_for(url)
+        return server_for(url)
 
     def _prepare(self) -> None:
         self.channel = channel_of(self.prefix, self.name)

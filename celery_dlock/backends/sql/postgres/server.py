@@ -270,9 +270,9 @@ class PgServer(LeaseServer["psycopg.Connection[Any]"]):
 _servers: PerUrl[PgServer] = PerUrl()
 
 
-def server_for(url: str) -> PgServer:
-    """This process's :class:`PgServer` for ``url``."""
-    return _servers.get(url, lambda: PgServer(url))
+def server_for(url: str | PgServer) -> PgServer:
+    """This process's :class:`PgServer` for ``url`` (a server given: itself)."""
+    return url if isinstance(url, PgServer) else _servers.get(url, lambda: PgServer(url))
 
 
 def servers() -> Sequence[PgServer]:
