@@ -190,11 +190,10 @@ class LeaseLock(Hold, Generic[S]):
         """The live hold's row (see :func:`holder_of`), or None."""
         raise NotImplementedError
 
-    def _line_wait(self, owner: str) -> float:
-        """The lock is free but was refused to ``owner``: how long the first waiter
-        in line (another owner) keeps its place, in seconds; 0.0 when nobody else
-        is first (or the dialect keeps no line)."""
-        return 0.0
+    def _head(self, owner: str) -> tuple[str | None, float] | None:
+        """The first live waiter in line and the seconds its place has left; None
+        when nobody waits (or the dialect keeps no line)."""
+        return None
 
     def _try_leave(self, owner: str) -> None:
         """Take ``owner`` out of the line of waiters (a dialect without one: nothing
@@ -212,6 +211,15 @@ class LeaseLock(Hold, Generic[S]):
         """The acquire ended: let go of what waiting took."""
 
     # -- the lease row's answers -------------------------------------------------------
+
+    def _line_wait(self, owner: str) -> float:
+        """The lock is free but was refused to ``owner``: how long the first waiter
+        in line (another owner) keeps its place, in seconds; 0.0 when nobody else
+        is first."""
+        head = self._head(owner)
+        if head is None or head[0] == owner:
+            return 0.0
+        return max(0.0, head[1]) + 0.001
 
     def _status(self, owner: str, op: str = "") -> tuple[int, bool, Any]:
         """``OK``/``GONE``/``TAKEN`` for ``owner``, whether ``op`` was applied, and

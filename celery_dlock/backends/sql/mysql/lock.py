@@ -118,6 +118,13 @@ class MySQLLock(LeaseLock[MyServer]):
             return None if row is None else tuple(row)
         return self.server.run(work, what, self.name)
 
+    def _locked_row(self, cur: Any, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """The lease row, locked until the transaction ends (:data:`ROW`'s columns,
+        the owner as text)."""
+        cur.execute(self._sql(ROW), params)
+        row = cur.fetchone()
+        return None if row is None else (_text(row[0]), *row[1:])
+
     def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:
         info = json.dumps({**self._info, "pid": str(os.getpid())})
@@ -133,11 +140,9 @@ class MySQLLock(LeaseLock[MyServer]):
                 self._ahead = int(cur.fetchone()[0])
 
         def work(cur: Any) -> tuple[int, int] | None:
-            cur.execute(self._sql(ROW), params)  # the lease row locked from here
-            row = cur.fetchone()
+            row = self._locked_row(cur, params)
             if row is not None:
                 holder, count, fence, live, applied, _ = row
-                holder = _text(holder)
                 if holder == owner and live:  # the owner's own hold: a re-entry
                     add = 0 if applied else 1
                     cur.execute(self._sql(REENTER), {**params, "add": add})
@@ -164,11 +169,9 @@ class MySQLLock(LeaseLock[MyServer]):
 
         return self.server.run(work, "acquire", self.name, transaction=True)
 
-    def _line_wait(self, owner: str) -> float:
+    def _head(self, owner: str) -> tuple[str | None, float] | None:
         head = self._one(HEAD, self._params(owner), "a read")
-        if head is None or _text(head[0]) == owner:
-            return 0.0
-        return max(0.0, float(head[1])) + 0.001
+        return None if head is None else (_text(head[0]), float(head[1]))
 
     def _try_leave(self, owner: str) -> None:
         params = self._params(owner, owner_id=owner_id(owner))
@@ -190,12 +193,11 @@ class MySQLLock(LeaseLock[MyServer]):
         params = self._params(owner, op=op, ttl=ttl_ms, ttl_us=ttl_ms * 1000)
 
         def work(cur: Any) -> int | None:
-            cur.execute(self._sql(ROW), params)
-            row = cur.fetchone()
+            row = self._locked_row(cur, params)
             if row is None:
                 return None
             holder, _, found, live, applied, _ = row
-            if _text(holder) != owner or not live or \
+            if holder != owner or not live or \
                     (fence is not None and int(found) != fence):
                 return None
             cur.execute(self._sql(REENTER), {**params, "add": 0 if applied else 1})
@@ -207,12 +209,11 @@ class MySQLLock(LeaseLock[MyServer]):
         params = self._params(owner, op=op)
 
         def work(cur: Any) -> int | None:
-            cur.execute(self._sql(ROW), params)
-            row = cur.fetchone()
+            row = self._locked_row(cur, params)
             if row is None:
                 return None
             holder, count, _, live, applied, _ = row
-            if _text(holder) != owner or not live or applied:
+            if holder != owner or not live or applied:
                 return None
             left = max(0, int(count) - 1)
             cur.execute(self._sql(RELEASE), {**params, "count": left})

@@ -89,11 +89,9 @@ class PostgresLock(LeaseLock[PgServer]):
             "acquire")
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
-    def _line_wait(self, owner: str) -> float:
+    def _head(self, owner: str) -> tuple[str | None, float] | None:
         rows = self._run(HEAD, self._params(owner), "a read")
-        if not rows or rows[0][0] == owner:
-            return 0.0
-        return max(0.0, float(rows[0][1])) + 0.001
+        return (rows[0][0], float(rows[0][1])) if rows else None
 
     def _try_leave(self, owner: str) -> None:
         self._run(LEAVE, self._params(owner, channel=self.channel), "leaving the line")
