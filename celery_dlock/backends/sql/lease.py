@@ -143,15 +143,17 @@ class LeaseLock(Hold, Generic[S]):
         super().__init__(name, ttl, owner=owner, on_lost=on_lost, scheduler=scheduler,
                          auto_renew=auto_renew, blocking_timeout=blocking_timeout,
                          pause_budget=pause_budget, max_hold=max_hold)
-        self.server = self._server_of(url)
+        self.server = self.server_of(url)
         self.prefix = prefix
         self._info = dict(zip(info_args[::2], info_args[1::2], strict=True))
         self._prepare()
 
     # -- what a dialect provides --------------------------------------------------------
 
-    def _server_of(self, url: str | S) -> S:
-        """The dialect's server object of ``url`` (a URL, or that object)."""
+    @classmethod
+    def server_of(cls, url: str | S) -> S:
+        """The dialect's server object of ``url`` (a URL, or that object): this
+        process's one for that URL."""
         raise NotImplementedError
 
     def _prepare(self) -> None:

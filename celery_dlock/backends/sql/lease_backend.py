@@ -9,7 +9,7 @@ No driver is imported here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
@@ -49,13 +49,9 @@ class LeaseBackend(Generic[S, L]):
         cls.capabilities = entry_named(cls.kind).capabilities
 
     def __init__(self, url: str | S) -> None:
-        self.server = self._server_of(url)
+        self.server = cast(S, self.lock_class.server_of(url))
 
-    def _server_of(self, url: str | S) -> S:
-        """The dialect's server object of ``url`` (a URL, or that object)."""
-        raise NotImplementedError
-
-    #: The dialect's lock class.
+    #: The dialect's lock class (it knows the dialect's server objects).
     lock_class: type[L]
 
     def _new_lock(self, name: str, ttl: float, **options: Any) -> L:

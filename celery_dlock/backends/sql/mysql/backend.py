@@ -12,7 +12,7 @@ from ..lease import hold_info
 from ..lease_backend import LeaseBackend
 from .lock import MySQLLock
 from .schema import lock_id
-from .server import MyServer, server_for
+from .server import MyServer
 from .statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
 
 __all__ = ["MYSQL_SCHEMES", "MySQLBackend"]
@@ -35,9 +35,6 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
 
     kind = "mysql"
     lock_class = MySQLLock
-
-    def _server_of(self, url: str | MyServer) -> MyServer:
-        return server_for(url)
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

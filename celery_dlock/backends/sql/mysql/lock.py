@@ -79,8 +79,7 @@ class MySQLLock(LeaseLock[MyServer]):
 
     wait_slice = POLL_MAX
 
-    def _server_of(self, url: str | MyServer) -> MyServer:
-        return server_for(url)
+    server_of = staticmethod(server_for)
 
     def _prepare(self) -> None:
         self._check_sizes()

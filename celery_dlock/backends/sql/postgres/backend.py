@@ -12,7 +12,7 @@ from ..lease import hold_info as _info
 from ..lease_backend import LeaseBackend
 from .keys import row_key, row_part
 from .lock import PostgresLock
-from .server import PgServer, server_for
+from .server import PgServer
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
 from .waiting import channel_of
 
@@ -27,9 +27,6 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
 
     kind = "postgres"
     lock_class = PostgresLock
-
-    def _server_of(self, url: str | PgServer) -> PgServer:
-        return server_for(url)
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

@@ -54,8 +54,7 @@ class PostgresLock(LeaseLock[PgServer]):
 
     wait_slice = WAIT_SLICE
 
-    def _server_of(self, url: str | PgServer) -> PgServer:
-        return server_for(url)
+    server_of = staticmethod(server_for)
 
     def _prepare(self) -> None:
         self.channel = channel_of(self.prefix, self.name)
