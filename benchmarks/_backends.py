@@ -274,7 +274,7 @@ def server_versions(urls: dict[str, str]) -> dict[str, str | None]:
             elif backend == "mysql":
                 import pymysql
 
-                from celery_dlock.backends.sql.my_server import connect_args
+                from celery_dlock.backends.sql.mysql.server import connect_args
                 with contextlib.closing(pymysql.connect(**connect_args(url)[0])) \
                         as conn, conn.cursor() as cur:
                     cur.execute("SELECT VERSION()")

@@ -176,7 +176,7 @@ class PgKeys:
 
 class PgView(SqlView):
     """:class:`~sql_view.SqlView` on the PostgreSQL tables (a row keyed by prefix and
-    name, or their digests: celery_dlock/backends/sql/pg_keys.py)."""
+    name, or their digests: celery_dlock/backends/sql/postgres/keys.py)."""
 
     def __init__(self, url: str) -> None:
         import psycopg
@@ -187,7 +187,7 @@ class PgView(SqlView):
     @staticmethod
     def _row(prefix: str, name: str) -> tuple[str, str]:
         # a name PostgreSQL cannot index as it is is keyed by its digest
-        from celery_dlock.backends.sql.pg_keys import row_key
+        from celery_dlock.backends.sql.postgres.keys import row_key
 
         return row_key(prefix, name)
 
@@ -259,7 +259,7 @@ class PgKind(LockKind):
         self.clients[0].lose(lock.keys.lock)  # type: ignore[attr-defined]
 
     def force_release(self, lock_name: str, prefix: str = "dlock") -> None:
-        from celery_dlock.backends.sql.backend import PostgresBackend
+        from celery_dlock.backends.sql.postgres.backend import PostgresBackend
 
         PostgresBackend(self.urls[0]).force_release(prefix, lock_name)
 
@@ -417,7 +417,7 @@ def postgres_server() -> Iterator[Any]:
 
 def make_lock_postgres(url: str, name: str, ttl: float, **options: Any) -> Any:
     """A PostgreSQL lock with the ``keys`` the tests read it by."""
-    from celery_dlock.backends.sql.postgres import PostgresLock
+    from celery_dlock.backends.sql.postgres.lock import PostgresLock
 
     lock = PostgresLock(url, name, ttl, **options)
     lock.keys = PgKeys.for_name(lock.prefix, name)  # type: ignore[attr-defined]

@@ -12,9 +12,9 @@ from lock_kinds import LockKind, PgKeys
 from mariadb_server import connect_args
 from sql_view import SqlView
 
-from celery_dlock.backends.sql.my_backend import MySQLBackend
-from celery_dlock.backends.sql.my_schema import lock_id
-from celery_dlock.backends.sql.mysql import MySQLLock
+from celery_dlock.backends.sql.mysql.backend import MySQLBackend
+from celery_dlock.backends.sql.mysql.lock import MySQLLock
+from celery_dlock.backends.sql.mysql.schema import lock_id
 
 __all__ = ["MyKind", "MyView", "make_my_kind", "my_lock"]
 

@@ -140,7 +140,7 @@ class PostgresLockServer:
         import psycopg
         from pg_server import PostgresServer
 
-        from celery_dlock.backends.sql.schema import create_sql
+        from celery_dlock.backends.sql.postgres.schema import create_sql
 
         self.server = PostgresServer(durable=True).start()
         self.port = self.server.port

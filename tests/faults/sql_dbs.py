@@ -131,7 +131,7 @@ class PostgresDb(SqlDb):
     own_reads = 3
 
     def __init__(self, server: Any) -> None:
-        from celery_dlock.backends.sql import schema
+        from celery_dlock.backends.sql.postgres import schema
 
         super().__init__(server)
         self.schema = schema
@@ -192,7 +192,7 @@ class MySQLDb(SqlDb):
     restart_limit = 30.0
 
     def __init__(self, server: MariaDBServer) -> None:
-        from celery_dlock.backends.sql import my_schema
+        from celery_dlock.backends.sql.mysql import schema as my_schema
 
         super().__init__(server)
         self.schema = my_schema

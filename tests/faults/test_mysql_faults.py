@@ -63,8 +63,8 @@ def test_a_user_who_may_read_but_not_write_is_told_the_grant_it_lacks(my_db):
 def test_first_acquires_of_a_new_name_at_once_give_one_holder(my_db):
     """Several processes' first acquires of a name race to insert its row: one gets
     it, the others are refused (none fails), and the fence is given once."""
-    from celery_dlock.backends.sql.my_server import MyServer
-    from celery_dlock.backends.sql.mysql import MySQLLock
+    from celery_dlock.backends.sql.mysql.lock import MySQLLock
+    from celery_dlock.backends.sql.mysql.server import MyServer
 
     name = _name()
     locks = [MySQLLock(MyServer(my_db.url), name, ttl=10, owner=f"o{i}")
@@ -108,7 +108,7 @@ def test_the_first_waiter_takes_a_freed_lock_within_its_short_poll(my_db):
     """Only the first in line can take a freed lock, so it polls every POLL_FIRST
     however long it has waited (a waiter further back, less often, up to POLL_MAX):
     a hand-off costs tens of ms, not the half second of a backoff run out."""
-    from celery_dlock.backends.sql.mysql import POLL_FIRST, POLL_MAX
+    from celery_dlock.backends.sql.mysql.lock import POLL_FIRST, POLL_MAX
 
     name = _name()
     holder = lock_from_url(my_db.url, name, ttl=30, owner="holder")
@@ -142,7 +142,7 @@ def test_the_first_waiter_takes_a_freed_lock_within_its_short_poll(my_db):
 def test_waiters_poll_more_often_the_nearer_they_are_to_the_front(my_db):
     """A waiter's sleep between tries is POLL_FIRST times its place in line, at most
     POLL_MAX: the first polls fast, the ones behind it less and less often."""
-    from celery_dlock.backends.sql.mysql import POLL_FIRST, POLL_MAX, MySQLLock
+    from celery_dlock.backends.sql.mysql.lock import POLL_FIRST, POLL_MAX, MySQLLock
 
     name = _name()
     holder = lock_from_url(my_db.url, name, ttl=30, owner="holder")

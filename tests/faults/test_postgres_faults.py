@@ -34,7 +34,7 @@ def _name() -> str:
 def test_processes_making_the_table_at_once_all_get_it(own_pg):
     """``CREATE TABLE IF NOT EXISTS`` run at the same moment by several connections
     can fail in one of them (PostgreSQL's catalog); none of the locks may."""
-    from celery_dlock.backends.sql.pg_server import PgServer
+    from celery_dlock.backends.sql.postgres.server import PgServer
 
     url = own_pg.url + "?dlock_table=made_at_once"
     servers = [PgServer(url) for _ in range(8)]

@@ -62,11 +62,11 @@ def _lease_bounds(kind: str) -> tuple[float, float]:
     """How long a waiter of ``kind`` keeps its place without trying again, and the
     longest it sleeps between two tries (seconds)."""
     if kind == "postgres":
-        from celery_dlock.backends.sql import waiting
+        from celery_dlock.backends.sql.postgres import waiting
 
         return waiting.QUEUE_LEASE, waiting.WAIT_SLICE
     if kind == "mysql":
-        from celery_dlock.backends.sql import mysql
+        from celery_dlock.backends.sql.mysql import lock as mysql
 
         return mysql.QUEUE_LEASE, mysql.POLL_MAX
     return QUEUE_LEASE, WAIT_SLICE

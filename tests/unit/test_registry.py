@@ -5,6 +5,8 @@ docs/backends.md's table say the same."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,8 +56,8 @@ def test_no_backend_reads_other_urls(url: object) -> None:
 def _backend_classes() -> dict[str, type]:
     from celery_dlock.backends.redis.backend import RedisBackend
     from celery_dlock.backends.redis.redlock.backend import RedlockBackend
-    from celery_dlock.backends.sql.backend import PostgresBackend
-    from celery_dlock.backends.sql.my_backend import MySQLBackend
+    from celery_dlock.backends.sql.mysql.backend import MySQLBackend
+    from celery_dlock.backends.sql.postgres.backend import PostgresBackend
     from celery_dlock.backends.zookeeper.backend import ZooKeeperBackend
     return {"redis": RedisBackend, "redlock": RedlockBackend, "postgres": PostgresBackend,
             "mysql": MySQLBackend, "zookeeper": ZooKeeperBackend}
@@ -99,6 +101,26 @@ def test_a_backend_whose_driver_is_missing_names_the_extra() -> None:
                        match=r"nodriver:// locks need a driver: pip install "
                              r"'celery-dlock\[nodriver\]'"):
         entry.driver()
+
+
+@pytest.mark.parametrize(("kind", "driver", "extra"), [
+    ("postgres", "psycopg", "postgres"), ("mysql", "pymysql", "mysql")])
+def test_a_sql_dialects_package_without_its_driver_names_the_extra(
+        kind: str, driver: str, extra: str) -> None:
+    """Each SQL dialect's package imports its driver when imported (its modules need
+    it), so the registry names the extra; the shared SQL modules need no driver."""
+    code = (f"import sys\nsys.modules[{driver!r}] = None\n"
+            "import celery_dlock.backends.sql.lease, celery_dlock.backends.sql.server\n"
+            "from celery_dlock.core.registry import entry_named\n"
+            "try:\n"
+            f"    entry_named({kind!r}).driver()\n"
+            "except Exception as exc:\n"
+            "    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("InvalidLockConfig "), out.stdout
+    assert f"pip install 'celery-dlock[{extra}]'" in out.stdout
 
 
 def test_a_driver_is_imported_once() -> None:

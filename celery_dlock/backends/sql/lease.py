@@ -3,8 +3,8 @@
 A lease row per lock name (docs/backends.md): the holder's owner, its count of
 acquires, the name's fence counter (kept past release), an expiry on the server's
 clock, the latest operation ids and the last force release's note.  How a row is read
-and written is the dialect's (PostgreSQL: :mod:`.postgres`, MySQL/MariaDB:
-:mod:`.mysql`): a few ``_try_*`` methods, each one operation on one row, idempotent
+and written is the dialect's (PostgreSQL: :mod:`.postgres.lock`, MySQL/MariaDB:
+:mod:`.mysql.lock`): a few ``_try_*`` methods, each one operation on one row, idempotent
 under its operation id.  What the answers mean (granted, refused, gone, taken, a
 re-sent release already applied, who released a hold by force) is decided here once,
 for every dialect; the bookkeeping is :class:`~celery_dlock.core.hold.Hold`'s.
@@ -37,7 +37,7 @@ logger = logging.getLogger("celery_dlock.lock")
 S = TypeVar("S")
 
 #: The field of a row's ``info`` that keeps the lock's name when the row's key is
-#: not the name itself (PostgreSQL's digested names, :mod:`.pg_keys`).
+#: not the name itself (PostgreSQL's digested names, :mod:`.postgres.keys`).
 NAME_FIELD = "dlock_name"
 
 
@@ -113,6 +113,11 @@ class LeaseLock(Hold, Generic[S]):
 
     :param url: the server's URL, or the dialect's server object (``S``).
     Every other parameter is :class:`~celery_dlock.RedisLock`'s.
+
+    A server that cannot be reached is :class:`BackendUnavailable`; a table of
+    another application at the lease table's name :class:`LockKeyConflict`; a user
+    who may not create the table (or write it) :class:`InvalidLockConfig` naming the
+    GRANTs it needs.
     """
 
     prefix: str
@@ -141,14 +146,16 @@ class LeaseLock(Hold, Generic[S]):
 
     def _open(self, where: Any, options: LockOptions) -> None:
         super().__init__(options)
-        self.server = self._server_of(where)
+        self.server = self.server_of(where)
         self._info = options.info_fields
         self._prepare()
 
     # -- what a dialect provides --------------------------------------------------------
 
-    def _server_of(self, url: str | S) -> S:
-        """The dialect's server object of ``url`` (a URL, or that object)."""
+    @classmethod
+    def server_of(cls, url: str | S) -> S:
+        """The dialect's server object of ``url`` (a URL, or that object): this
+        process's one for that URL."""
         raise NotImplementedError
 
     def _prepare(self) -> None:
@@ -187,11 +194,10 @@ class LeaseLock(Hold, Generic[S]):
         """The live hold's row (see :func:`holder_of`), or None."""
         raise NotImplementedError
 
-    def _line_wait(self, owner: str) -> float:
-        """The lock is free but was refused to ``owner``: how long the first waiter
-        in line (another owner) keeps its place, in seconds; 0.0 when nobody else
-        is first (or the dialect keeps no line)."""
-        return 0.0
+    def _head(self, owner: str) -> tuple[str | None, float] | None:
+        """The first live waiter in line and the seconds its place has left; None
+        when nobody waits (or the dialect keeps no line)."""
+        return None
 
     def _try_leave(self, owner: str) -> None:
         """Take ``owner`` out of the line of waiters (a dialect without one: nothing
@@ -209,6 +215,15 @@ class LeaseLock(Hold, Generic[S]):
         """The acquire ended: let go of what waiting took."""
 
     # -- the lease row's answers -------------------------------------------------------
+
+    def _line_wait(self, owner: str) -> float:
+        """The lock is free but was refused to ``owner``: how long the first waiter
+        in line (another owner) keeps its place, in seconds; 0.0 when nobody else
+        is first."""
+        head = self._head(owner)
+        if head is None or head[0] == owner:
+            return 0.0
+        return max(0.0, head[1]) + 0.001
 
     def _status(self, owner: str, op: str = "") -> tuple[int, bool, Any]:
         """``OK``/``GONE``/``TAKEN`` for ``owner``, whether ``op`` was applied, and

@@ -1,18 +1,19 @@
 """What every SQL dialect's backend shares: :class:`LeaseBackend`, the place that
 keeps lease-row locks behind :class:`~celery_dlock.core.protocol.Backend`
-(PostgreSQL: :mod:`.backend`, MySQL/MariaDB: :mod:`.my_backend`).  How a hold is read,
-listed and freed by force is the dialect's.
+(PostgreSQL: :mod:`.postgres.backend`, MySQL/MariaDB: :mod:`.mysql.backend`).  How
+a hold is read, listed and freed by force is the dialect's.
 
 No driver is imported here.
 """
 
 from __future__ import annotations
 
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
 from ...core.lock_options import LockOptions
+from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .lease import LeaseLock
 
@@ -36,22 +37,23 @@ L = TypeVar("L", bound=LeaseLock[Any])
 class LeaseBackend(Generic[S, L]):
     """The locks kept in one SQL server's lease table (the dialect subclasses it)."""
 
+    #: The dialect's name in the backend registry (:mod:`celery_dlock.core.registry`).
     kind = ""
     fences = True
-    #: What it can do (:mod:`celery_dlock.core.registry`); each dialect sets it.
+    #: What it can do: its registry entry's capabilities, read once per dialect.
     capabilities: frozenset[str] = frozenset()
     server: S
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.capabilities = entry_named(cls.kind).capabilities
+
     def __init__(self, url: str | S) -> None:
-        self.server = self._server_of(url)
+        self.server = cast(S, self.lock_class.server_of(url))
 
-    def _server_of(self, url: str | S) -> S:
-        """The dialect's server object of ``url`` (a URL, or that object)."""
-        raise NotImplementedError
+    #: The dialect's lock class (it knows the dialect's server objects).
+    lock_class: type[L]
 
-    def _lock_class(self) -> type[L]:
-        """The dialect's lock class."""
-        raise NotImplementedError
 
     def lock(self, options: LockOptions) -> L:
         if options.limit != 1:
@@ -59,7 +61,7 @@ class LeaseBackend(Generic[S, L]):
                 f"lock_limit={options.limit!r}: the {self.kind} backend keeps locks of "
                 f"one holder; semaphores (lock_limit > 1) need a Redis backend "
                 f"(docs/backends.md)", lock_name=options.name)
-        return self._lock_class().with_options(self.server, options)
+        return self.lock_class.with_options(self.server, options)
 
     def storage_key(self, prefix: str, name: str) -> str:
         return f"{self.server.table_name}[{prefix}, {name}]"

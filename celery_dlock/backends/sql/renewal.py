@@ -1,92 +1,116 @@
-"""Renewal of PostgreSQL holds: one :class:`PgRenewTarget` per server and process.
+"""What every SQL dialect's renewal shares: :class:`LeaseRenewTarget`, one per server
+and process.
 
 The scheduler (:mod:`celery_dlock.core.scheduler`) hands a target every hold due, as
-one batch: one ``UPDATE ... FROM unnest(...)`` renews them all, whatever their number
-(one round trip per server per interval).  Only when some were not renewed does a
-second statement read why (taken by another owner, or gone; released by force: who and
-why, a :class:`~celery_dlock.core.renew_target.LossNote`).
+one batch; the dialect renews them all in one statement per server per interval and,
+only when some were not renewed, reads why (PostgreSQL: :mod:`.postgres.renewal`,
+MySQL/MariaDB: :mod:`.mysql.renewal`).  What the rows it read say (renewed, taken by
+another owner, gone; released by force: who and why, a
+:class:`~celery_dlock.core.renew_target.LossNote`) is decided here, once.
 
 The target has its own connection (the locks' calls never wait behind it), bounded by
-the statement and TCP timeouts of :mod:`.pg_server`; a failed call is retried by the
-scheduler on a fresh connection.
+the dialect's timeouts; a failed call closes it and is retried by the scheduler on a
+fresh one.
+
+No driver is imported here.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, NamedTuple, TypeVar
 
-import psycopg
-
+from ...core.errors import DLockError
 from ...core.protocol import GONE, OK, TAKEN
 from ...core.renew_target import LossNote
-from .lease import renew_key, split_key
-from .pg_server import PgServer
 from .registry import PerUrl
 from .released import forced_reason
-from .statements import RENEW_MANY, STATUS_MANY
+from .server import LeaseServer, close_quietly
 
-__all__ = ["PgRenewTarget", "renew_key", "renew_target", "split_key"]
+__all__ = ["LeaseRenewTarget", "Seen", "target_of"]
+
+S = TypeVar("S", bound=LeaseServer[Any])
+T = TypeVar("T", bound="LeaseRenewTarget[Any]")
 
 
-class PgRenewTarget:
-    """Renews the holds of one server."""
+class Seen(NamedTuple):
+    """A hold's row as a renewal that missed it read it: its owner (None: free or no
+    row), whether that hold is live, the last force release's note."""
 
-    def __init__(self, server: PgServer) -> None:
+    owner: str | None
+    live: bool
+    forced: Any
+
+
+def _forced(value: Any) -> Any:
+    """The ``forced`` note as a mapping (a driver may give it as JSON text)."""
+    if isinstance(value, (str, bytes, bytearray)):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return None
+    return value
+
+
+class LeaseRenewTarget(Generic[S]):
+    """Renews the holds of one server (the dialect subclasses it)."""
+
+    def __init__(self, server: S) -> None:
         self.server = server
-        self._conn: psycopg.Connection[Any] | None = None
+        self._conn: Any = None
 
-    def _connection(self) -> psycopg.Connection[Any]:
+    # -- what a dialect provides --------------------------------------------------------
+
+    def _usable(self, conn: Any) -> bool:
+        """Whether the target's connection may be used again."""
+        raise NotImplementedError
+
+    def _renew(self, conn: Any, items: Sequence[tuple[str, str, int]]
+               ) -> list[Seen | None]:
+        """Renew ``items`` (renew key, owner, ttl ms) on ``conn``: for each, None
+        when it was renewed, else its row as read afterwards."""
+        raise NotImplementedError
+
+    def _failed(self, exc: BaseException) -> DLockError:
+        """The DLockError for the driver's error ``exc``."""
+        return self.server.error(exc, "renewal")
+
+    # -- what every dialect shares ------------------------------------------------------
+
+    def _connection(self) -> Any:
         conn = self._conn
-        if conn is None or conn.closed or conn.broken:
+        if conn is None or not self._usable(conn):
             conn = self._conn = self.server.connect()
         return conn
 
     def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int | LossNote]:
         self.server.ensure_table()
-        # A stable order: two renewals touching the same rows lock them alike.
-        order = sorted(range(len(items)), key=lambda i: (items[i][0], items[i][1]))
-        keys = [split_key(items[i][0]) for i in order]
         conn = self._connection()
         try:
-            rows = conn.execute(RENEW_MANY.format(t=self.server.table), (
-                [k[0] for k in keys], [k[1] for k in keys],
-                [items[i][1] for i in order], [items[i][2] for i in order])).fetchall()
-            renewed = {(str(p), str(n), str(o)) for p, n, o in rows}
-            out: list[int | LossNote] = [
-                OK if (*split_key(key), owner) in renewed else GONE
-                for key, owner, _ in items]
-            missed = [i for i, code in enumerate(out) if code != OK]
-            if not missed:
-                return out
-            gone = [split_key(items[i][0]) for i in missed]
-            found = {(str(p), str(n)): (owner, bool(live), forced)
-                     for p, n, owner, live, forced in conn.execute(
-                         STATUS_MANY.format(t=self.server.table),
-                         ([g[0] for g in gone], [g[1] for g in gone])).fetchall()}
-        except psycopg.Error as exc:
+            seen = self._renew(conn, items)
+        except self.server.driver_errors as exc:
             self.close()
-            raise self.server.unavailable(exc, "renewal") from None
-        for i in missed:
-            owner, live, forced = found.get(split_key(items[i][0]), (None, False, None))
-            code = TAKEN if owner is not None and live and owner != items[i][1] else GONE
-            note = forced_reason(forced, items[i][1])
-            out[i] = LossNote(code, note[0], note[1]) if note is not None else code
+            raise self._failed(exc) from None
+        out: list[int | LossNote] = []
+        for (_, owner, _), row in zip(items, seen, strict=True):
+            if row is None:
+                out.append(OK)
+                continue
+            code = TAKEN if row.owner is not None and row.live and \
+                row.owner != owner else GONE
+            note = forced_reason(_forced(row.forced), owner)
+            out.append(LossNote(code, note[0], note[1]) if note is not None else code)
         return out
 
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.close()
-            except psycopg.Error:
-                pass
+            close_quietly(conn, self.server.driver_errors)
 
 
-_targets: PerUrl[PgRenewTarget] = PerUrl()
-
-
-def renew_target(server: PgServer) -> PgRenewTarget:
-    """This process's renew target of ``server``."""
-    return _targets.get(server.url, lambda: PgRenewTarget(server),
-                        keep=lambda target: target.server is server)
+def target_of(targets: PerUrl[T], server: Any, make: type[T]) -> T:
+    """This process's renew target of ``server`` in ``targets`` (``make`` makes
+    one)."""
+    return targets.get(server.url, lambda: make(server),
+                       keep=lambda target: target.server is server)

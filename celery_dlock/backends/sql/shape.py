@@ -1,16 +1,27 @@
 """What the lease and line tables of every SQL dialect share: the lease row's
 columns, the GRANTs a user who may not create tables needs, and the refusal of a
-table of another shape at their names (PostgreSQL: :mod:`.schema`, MySQL/MariaDB:
-:mod:`.my_schema`).
+table of another shape at their names (PostgreSQL: :mod:`.postgres.schema`, MySQL/MariaDB:
+:mod:`.mysql.schema`).
 
 No driver is imported here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from ...core.errors import LockKeyConflict
 
-__all__ = ["GRANTS", "LEASE_COLUMNS", "check_shape", "lease_columns"]
+__all__ = ["DEFAULT_TABLE", "GRANTS", "LEASE_COLUMNS", "LINE_SUFFIX", "Tables",
+           "check_shape", "create_table", "lease_columns", "line_table_of",
+           "missing_columns"]
+
+#: The table's name unless told otherwise (``?dlock_table=`` in the URL).
+DEFAULT_TABLE = "dlock_locks"
+
+#: The line table's name is the lease table's and this.
+LINE_SUFFIX = "_waiters"
 
 #: The lease row's columns, in the dialects' order.
 LEASE_COLUMNS = ("prefix", "name", "owner", "count", "fence", "acquired_at",
@@ -22,10 +33,40 @@ GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
           "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
 
 
+def line_table_of(table: str) -> str:
+    """The line table's name beside the lease table ``table`` (``schema.table``
+    keeps its schema)."""
+    return table + LINE_SUFFIX
+
+
 def lease_columns(*types: str) -> dict[str, str]:
     """Each of :data:`LEASE_COLUMNS` and its type in a dialect (``types`` in their
     order)."""
     return dict(zip(LEASE_COLUMNS, types, strict=True))
+
+
+@dataclass(frozen=True)
+class Tables:
+    """A dialect's two tables: each one's columns (name and the type the server
+    reports for it) and its ``CREATE TABLE`` (given the quoted name)."""
+
+    columns: dict[str, str]
+    create: Callable[[str], str]
+    line_columns: dict[str, str]
+    create_line: Callable[[str], str]
+
+
+def create_table(table: str, columns: str, options: str = "") -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for ``table`` (an already quoted name) with
+    ``columns`` (their definitions and keys) and the dialect's table ``options``."""
+    return f"CREATE TABLE IF NOT EXISTS {table} ({columns}){options}"
+
+
+def missing_columns(found: dict[str, str], wanted: dict[str, str]) -> list[str]:
+    """The columns (``name type``) of ``wanted`` a table with columns ``found``
+    lacks (types compared as the server reports them, in lower case)."""
+    return [f"{col} {kind}" for col, kind in wanted.items()
+            if found.get(col, "").lower() != kind]
 
 
 def check_shape(shown: str, name: str, what: str, missing: list[str],

@@ -21,9 +21,8 @@ write it, is :class:`InvalidLockConfig` naming the GRANTs it needs (docs/backend
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import psycopg
@@ -31,26 +30,15 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ...core.errors import (
-    BackendUnavailable,
+from ....core.errors import (
     DLockError,
     InvalidLockConfig,
-    LockKeyConflict,
 )
-from ...core.urls import mask_url
-from .registry import PerUrl
-from .schema import (
-    COLUMNS,
-    DEFAULT_TABLE,
-    GRANTS,
-    LINE_COLUMNS,
-    LINE_SUFFIX,
-    create_line_sql,
-    create_sql,
-    line_table_of,
-    missing_columns,
-)
-from .shape import check_shape
+from ....core.urls import mask_url
+from ..registry import PerUrl
+from ..server import LeaseServer, close_quietly
+from ..shape import DEFAULT_TABLE, LINE_SUFFIX, line_table_of
+from .schema import TABLES
 
 __all__ = ["CONNECT_TIMEOUT", "STATEMENT_TIMEOUT_MS", "PgServer", "server_for"]
 
@@ -146,21 +134,19 @@ def is_unavailable(exc: BaseException) -> bool:
         not _content_refused(exc)
 
 
-class PgServer:
+class PgServer(LeaseServer["psycopg.Connection[Any]"]):
     """One server's connection and table, shared by the locks of a process."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.shown = mask_url(url)
+    label = "PostgreSQL"
+    tables = TABLES
+    driver_errors = (psycopg.Error,)
+
+    def _read_url(self, url: str) -> str:
         self.conninfo, table_name = _conninfo(url)
-        self.table_name = table_name
-        self.table = sql.Identifier(*table_name.split("."))
-        self.line_table_name = line_table_of(table_name)
-        self.line_table = sql.Identifier(*self.line_table_name.split("."))
-        self._lock = threading.Lock()
-        self._conn: psycopg.Connection[Any] | None = None
-        self._pid = os.getpid()
-        self._checked = False
+        return table_name
+
+    def _quoted(self, table_name: str) -> sql.Identifier:
+        return sql.Identifier(*table_name.split("."))
 
     # -- connections ----------------------------------------------------------------
 
@@ -173,20 +159,15 @@ class PgServer:
         except psycopg.Error as exc:
             raise self.unavailable(exc, "connect") from None
 
-    def unavailable(self, exc: BaseException, what: str,
-                    lock_name: str | None = None) -> DLockError:
+    def _message(self, exc: BaseException) -> str:
         lines = str(exc).strip().splitlines()
-        text = lines[0] if lines else type(exc).__name__
-        return BackendUnavailable(f"PostgreSQL unavailable at {self.shown} during "
-                                  f"{what}: {text.replace(self.url, self.shown)}",
-                                  lock_name=lock_name)
+        return lines[0] if lines else type(exc).__name__
 
     def _connection(self) -> tuple[psycopg.Connection[Any], bool]:
         """The shared connection, and whether it was just opened."""
-        if self._pid != os.getpid():
-            # A forked child: the parent's connection is not its own (psycopg leaves
-            # it open for the parent when it is collected here).
-            self._pid, self._conn, self._lock = os.getpid(), None, threading.Lock()
+        # A forked child: the parent's connection is not its own (psycopg leaves it
+        # open for the parent when it is collected here).
+        self._forget_if_forked()
         with self._lock:
             conn = self._conn
             if conn is not None and not conn.closed and not conn.broken:
@@ -198,15 +179,7 @@ class PgServer:
         with self._lock:
             if self._conn is conn:
                 self._conn = None
-        try:
-            conn.close()
-        except psycopg.Error:
-            pass
-
-    @property
-    def grants(self) -> str:
-        """The GRANTs a user of these tables needs."""
-        return GRANTS.format(table=self.table_name, line=self.line_table_name)
+        close_quietly(conn, psycopg.Error)
 
     def run(self, query: sql.Composed, params: Any, what: str,
             lock_name: str | None = None, *, fetch: bool = True) -> list[tuple[Any, ...]]:
@@ -233,21 +206,20 @@ class PgServer:
                     raise self.unavailable(exc, what, lock_name) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def error(self, exc: BaseException, what: str,
+              lock_name: str | None = None) -> DLockError:
+        if isinstance(exc, psycopg.Error) and not is_unavailable(exc):
+            return self.refused(exc, what, lock_name)
+        return self.unavailable(exc, what, lock_name)
+
     def refused(self, exc: psycopg.Error, what: str,
                 lock_name: str | None = None) -> DLockError:
         """The DLockError for a statement the server refused."""
         if isinstance(exc, pg_errors.InsufficientPrivilege):
-            return InvalidLockConfig(
-                f"PostgreSQL at {self.shown} refused {what}: {exc.diag.message_primary}; "
-                f"the user needs {self.grants} "
-                f"(docs/backends.md, least-privilege setup)", lock_name=lock_name)
+            return self.denied(what, str(exc.diag.message_primary), lock_name)
         if isinstance(exc, (pg_errors.InvalidColumnReference, pg_errors.UndefinedColumn,
                             pg_errors.DatatypeMismatch, pg_errors.NotNullViolation)):
-            return LockKeyConflict(
-                f"the table {self.table_name} (or {self.line_table_name}) at "
-                f"{self.shown} is not celery-dlock's ({exc.diag.message_primary}); "
-                f"nothing was changed: name another with ?dlock_table=",
-                lock_name=lock_name)
+            return self.foreign(str(exc.diag.message_primary), lock_name)
         message = exc.diag.message_primary or \
             (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         if isinstance(exc, pg_errors.InvalidSchemaName):
@@ -260,56 +232,31 @@ class PgServer:
                 f"PostgreSQL at {self.shown} refused {what} for what it holds "
                 f"(SQLSTATE {exc.sqlstate or 'none, refused by psycopg'}: {message}); "
                 f"the same call would be refused again", lock_name=lock_name)
-        return BackendUnavailable(f"PostgreSQL at {self.shown} refused {what}: "
-                                  f"{message}", lock_name=lock_name)
+        return self.refused_now(what, message, lock_name)
 
     # -- the table ------------------------------------------------------------------
 
-    def _columns(self, conn: psycopg.Connection[Any],
-                 table: sql.Identifier) -> dict[str, str] | None:
-        row = conn.execute("SELECT to_regclass(%s)::oid", (table.as_string(conn),)
-                           ).fetchone()
+    def _reader(self, conn: psycopg.Connection[Any]
+                ) -> AbstractContextManager[psycopg.Connection[Any]]:
+        return nullcontext(conn)
+
+    def _columns(self, reader: psycopg.Connection[Any], name: str,
+                 quoted: sql.Identifier) -> dict[str, str] | None:
+        row = reader.execute("SELECT to_regclass(%s)::oid", (quoted.as_string(reader),)
+                             ).fetchone()
         if row is None or row[0] is None:
             return None
-        rows = conn.execute(
+        rows = reader.execute(
             "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", (row[0],)
         ).fetchall()
-        return {str(name): str(kind) for name, kind in rows}
+        return {str(col): str(kind) for col, kind in rows}
 
-    def ensure_table(self, lock_name: str | None = None) -> None:
-        """Check the lease table and its line once per process (create them when
-        missing): :class:`LockKeyConflict`, and nothing made, when a table of another
-        shape is at either name."""
-        if self._checked:
-            return
-        tables = ((self.table_name, self.table, "lease table", create_sql, COLUMNS),
-                  (self.line_table_name, self.line_table, "line of waiters",
-                   create_line_sql, LINE_COLUMNS))
-        conn = self.connect()
+    def _create(self, reader: psycopg.Connection[Any], name: str,
+                quoted: sql.Identifier, what: str, create: Callable[[str], str],
+                lock_name: str | None) -> None:
         try:
-            found = [self._columns(conn, table) for _, table, *_ in tables]
-            for (name, _, what, _, wanted), columns in zip(tables, found, strict=True):
-                if columns is not None:
-                    self._check_shape(name, what, columns, wanted, lock_name)
-            for (name, table, what, create, wanted), columns in zip(tables, found,
-                                                                    strict=True):
-                if columns is None:
-                    self._create(conn, name, table, what, create, lock_name)
-                    self._check_shape(name, what, self._columns(conn, table) or {},
-                                      wanted, lock_name)
-        except psycopg.Error as exc:
-            if is_unavailable(exc):
-                raise self.unavailable(exc, "the table check", lock_name) from None
-            raise self.refused(exc, "the table check", lock_name) from None
-        finally:
-            conn.close()
-        self._checked = True
-
-    def _create(self, conn: psycopg.Connection[Any], name: str, table: sql.Identifier,
-                what: str, create: Callable[[str], str], lock_name: str | None) -> None:
-        try:
-            conn.execute(create(table.as_string(conn)))
+            reader.execute(create(quoted.as_string(reader)))
         except (pg_errors.UniqueViolation, pg_errors.DuplicateTable,
                 pg_errors.DuplicateObject):
             pass  # another process made it at the same moment: read it
@@ -319,23 +266,13 @@ class PgServer:
                 f"not create it ({exc.diag.message_primary}): create it once as in "
                 f"docs/backends.md and {self.grants}", lock_name=lock_name) from None
 
-    def _check_shape(self, name: str, what: str, found: dict[str, str],
-                     wanted: dict[str, str], lock_name: str | None) -> None:
-        check_shape(self.shown, name, what, missing_columns(found, wanted), lock_name)
-
-    def close(self) -> None:
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
 
 _servers: PerUrl[PgServer] = PerUrl()
 
 
-def server_for(url: str) -> PgServer:
-    """This process's :class:`PgServer` for ``url``."""
-    return _servers.get(url, lambda: PgServer(url))
+def server_for(url: str | PgServer) -> PgServer:
+    """This process's :class:`PgServer` for ``url`` (a server given: itself)."""
+    return url if isinstance(url, PgServer) else _servers.get(url, lambda: PgServer(url))
 
 
 def servers() -> Sequence[PgServer]:

@@ -6,14 +6,13 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ...core.holds import HoldInfo
-from ...core.registry import entry_named
-from ...core.text import clean_text
-from .lease import hold_info as _info
-from .lease_backend import LeaseBackend
-from .pg_keys import row_key, row_part
-from .pg_server import PgServer, server_for
-from .postgres import PostgresLock
+from ....core.holds import HoldInfo
+from ....core.text import clean_text
+from ..lease import hold_info as _info
+from ..lease_backend import LeaseBackend
+from .keys import row_key, row_part
+from .lock import PostgresLock
+from .server import PgServer
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
 from .waiting import channel_of
 
@@ -27,13 +26,7 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
     """The locks kept in one PostgreSQL server's lease table."""
 
     kind = "postgres"
-    capabilities = entry_named("postgres").capabilities
-
-    def _server_of(self, url: str | PgServer) -> PgServer:
-        return url if isinstance(url, PgServer) else server_for(url)
-
-    def _lock_class(self) -> type[PostgresLock]:
-        return PostgresLock
+    lock_class = PostgresLock
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

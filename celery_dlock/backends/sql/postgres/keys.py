@@ -10,7 +10,7 @@ kept it, so a rolling deploy finds the same rows.  A name that itself begins wit
 :data:`DIGEST_MARK` is digested too: no name can pass for another's digest.
 
 The digested name itself is kept beside the key, in the row's ``info``
-(:data:`~.lease.NAME_FIELD`), for ``celery dlock ls`` (a NUL there is shown as
+(:data:`~..lease.NAME_FIELD`), for ``celery dlock ls`` (a NUL there is shown as
 ``\\0``: ``jsonb`` cannot hold one either).
 
 No driver is imported here.

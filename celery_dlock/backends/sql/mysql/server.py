@@ -9,7 +9,7 @@ A server is named by its URL (``mysql://`` or ``mariadb://``); each process keep
 * the lease table and its line of waiters checked (or created) once.
 
 Every call is either one autocommitted statement or one short transaction (a locked
-read of one row and one write: :mod:`.mysql`).  A call that fails on a connection
+read of one row and one write: :mod:`.lock`).  A call that fails on a connection
 that was already open is sent once more on a fresh one (every operation is idempotent
 under its operation id; a transaction cut short is rolled back by the server): a
 server restart costs the caller nothing but that round trip.
@@ -26,36 +26,25 @@ is :class:`InvalidLockConfig` naming the GRANTs (docs/backends.md).
 
 from __future__ import annotations
 
-import os
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import pymysql
 from pymysql.constants import CLIENT
 
-from ...core.errors import (
-    BackendUnavailable,
+from ....core.errors import (
     DLockError,
     InvalidLockConfig,
-    LockKeyConflict,
 )
-from ...core.urls import mask_url
-from .my_schema import (
-    COLUMNS,
-    GRANTS,
-    LINE_COLUMNS,
-    create_line_sql,
-    create_sql,
-    missing_columns,
-    quote_table,
-)
-from .registry import PerUrl
-from .schema import DEFAULT_TABLE, line_table_of
-from .shape import check_shape
+from ....core.urls import mask_url
+from ..registry import PerUrl
+from ..server import LeaseServer
+from ..shape import DEFAULT_TABLE, line_table_of
+from .schema import TABLES, quote_table
 
 __all__ = ["CONNECT_TIMEOUT", "READ_TIMEOUT", "MyServer", "server_for"]
 
@@ -166,20 +155,18 @@ def connect_args(url: str) -> tuple[dict[str, Any], str]:
     return args, table
 
 
-class MyServer:
+class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
     """One server's connection and table, shared by the locks of a process."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.shown = mask_url(url)
-        self._args, self.table_name = connect_args(url)
-        self.table = quote_table(self.table_name) or ""
-        self.line_table_name = line_table_of(self.table_name)
-        self.line_table = quote_table(self.line_table_name) or ""
-        self._lock = threading.Lock()
-        self._conn: pymysql.connections.Connection[Any] | None = None
-        self._pid = os.getpid()
-        self._checked = False
+    label = "MySQL"
+    tables = TABLES
+
+    def _read_url(self, url: str) -> str:
+        self._args, table_name = connect_args(url)
+        return table_name
+
+    def _quoted(self, table_name: str) -> str:
+        return quote_table(table_name) or ""
 
     # -- connections ----------------------------------------------------------------
 
@@ -194,16 +181,8 @@ class MyServer:
         except Exception as exc:
             raise self.error(exc, "connect") from None
 
-    def unavailable(self, exc: BaseException, what: str,
-                    lock_name: str | None = None) -> DLockError:
-        text = _message(exc).replace(self.url, self.shown)
-        return BackendUnavailable(f"MySQL unavailable at {self.shown} during {what}: "
-                                  f"{text}", lock_name=lock_name)
-
-    @property
-    def grants(self) -> str:
-        """The GRANTs a user of these tables needs."""
-        return GRANTS.format(table=self.table_name, line=self.line_table_name)
+    def _message(self, exc: BaseException) -> str:
+        return _message(exc)
 
     def error(self, exc: BaseException, what: str,
               lock_name: str | None = None) -> DLockError:
@@ -212,10 +191,7 @@ class MyServer:
             return exc
         code = _errno(exc)
         if code in _DENIED:
-            return InvalidLockConfig(
-                f"MySQL at {self.shown} refused {what}: {_message(exc)}; the user needs "
-                f"{self.grants} (docs/backends.md, least-privilege setup)",
-                lock_name=lock_name)
+            return self.denied(what, _message(exc), lock_name)
         if is_unavailable(exc):
             return self.unavailable(exc, what, lock_name)
         if code == _TOO_LONG:
@@ -224,12 +200,8 @@ class MyServer:
                 f"TEXT column holds at most 65,535 bytes: a shorter owner, name, "
                 f"prefix or info)", lock_name=lock_name)
         if code in _FOREIGN:
-            return LockKeyConflict(
-                f"the table {self.table_name} (or {self.line_table_name}) at "
-                f"{self.shown} is not celery-dlock's ({_message(exc)}); nothing was "
-                f"changed: name another with ?dlock_table=", lock_name=lock_name)
-        return BackendUnavailable(f"MySQL at {self.shown} refused {what}: "
-                                  f"{_message(exc)}", lock_name=lock_name)
+            return self.foreign(_message(exc), lock_name)
+        return self.refused_now(what, _message(exc), lock_name)
 
     def _connection(self) -> tuple[pymysql.connections.Connection[Any], bool]:
         """The shared connection, and whether it was just opened (``self._lock``
@@ -256,8 +228,7 @@ class MyServer:
         times) when the server rolled the transaction back on a deadlock (whatever
         is sent here may be sent more than once: its operation id answers it)."""
         self.ensure_table(lock_name)
-        if self._pid != os.getpid():  # a forked child: the parent's connection
-            self._pid, self._conn, self._lock = os.getpid(), None, threading.Lock()
+        self._forget_if_forked()  # a forked child: the parent's connection
         with self._lock:
             attempt = rolled_back = 0
             retried_fresh = False
@@ -298,56 +269,24 @@ class MyServer:
 
     # -- the table ------------------------------------------------------------------
 
-    def _columns(self, cur: Any, table_name: str) -> dict[str, str] | None:
-        schema, _, table = table_name.rpartition(".")
-        cur.execute("SELECT COLUMN_NAME, DATA_TYPE FROM information_schema.COLUMNS "
-                    "WHERE TABLE_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s",
-                    (schema or None, table))
-        rows = cur.fetchall()
+    def _reader(self, conn: pymysql.connections.Connection[Any]
+                ) -> AbstractContextManager[Any]:
+        cursor: AbstractContextManager[Any] = conn.cursor()
+        return cursor
+
+    def _columns(self, reader: Any, name: str, quoted: str) -> dict[str, str] | None:
+        schema, _, table = name.rpartition(".")
+        reader.execute(
+            "SELECT COLUMN_NAME, DATA_TYPE FROM information_schema.COLUMNS "
+            "WHERE TABLE_SCHEMA = COALESCE(%s, DATABASE()) AND TABLE_NAME = %s",
+            (schema or None, table))
+        rows = reader.fetchall()
         return {str(n).lower(): str(t).lower() for n, t in rows} if rows else None
 
-    def ensure_table(self, lock_name: str | None = None) -> None:
-        """Check the lease table and its line once per process (create them when
-        missing): :class:`LockKeyConflict`, and nothing made, when a table of another
-        shape is at either name."""
-        if self._checked:
-            return
-        tables = ((self.table_name, self.table, "lease table", create_sql, COLUMNS),
-                  (self.line_table_name, self.line_table, "line of waiters",
-                   create_line_sql, LINE_COLUMNS))
-        conn = self.connect()
-        try:
-            with conn.cursor() as cur:
-                found = [self._columns(cur, name) for name, *_ in tables]
-                for (name, _, what, _, wanted), columns in zip(tables, found,
-                                                               strict=True):
-                    if columns is not None:
-                        self._check_shape(name, what, columns, wanted, lock_name)
-                for (name, quoted, what, create, wanted), columns in zip(
-                        tables, found, strict=True):
-                    if columns is None:
-                        self._create(cur, name, quoted, what, create, lock_name)
-                        made = self._columns(cur, name)
-                        if made is None:  # it exists, and this user may not see it
-                            raise InvalidLockConfig(
-                                f"the {what} {name} at {self.shown} is not readable "
-                                f"by this user: {self.grants}", lock_name=lock_name)
-                        self._check_shape(name, what, made, wanted, lock_name)
-        except DLockError:
-            raise
-        except Exception as exc:
-            raise self.error(exc, "the table check", lock_name) from None
-        finally:
-            try:
-                conn.close()
-            except Exception:
-                pass
-        self._checked = True
-
-    def _create(self, cur: Any, name: str, quoted: str, what: str,
+    def _create(self, reader: Any, name: str, quoted: str, what: str,
                 create: Callable[[str], str], lock_name: str | None) -> None:
         try:
-            cur.execute(create(quoted))
+            reader.execute(create(quoted))
         except pymysql.err.MySQLError as exc:
             if _errno(exc) in _DENIED:
                 raise InvalidLockConfig(
@@ -358,29 +297,17 @@ class MyServer:
             if _errno(exc) != 1050:  # 1050: made at the same moment
                 raise
 
-    def _check_shape(self, name: str, what: str, found: dict[str, str],
-                     wanted: dict[str, str], lock_name: str | None) -> None:
-        check_shape(self.shown, name, what, missing_columns(found, wanted), lock_name)
-
-    def close(self) -> None:
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:
-                pass
-
-    def __repr__(self) -> str:
-        return f"<MyServer {self.shown} table={self.table_name}>"
+    def _unseen(self, name: str, what: str, lock_name: str | None) -> dict[str, str]:
+        raise InvalidLockConfig(f"the {what} {name} at {self.shown} is not readable "
+                                f"by this user: {self.grants}", lock_name=lock_name)
 
 
 _servers: PerUrl[MyServer] = PerUrl()
 
 
-def server_for(url: str) -> MyServer:
-    """This process's :class:`MyServer` for ``url``."""
-    return _servers.get(url, lambda: MyServer(url))
+def server_for(url: str | MyServer) -> MyServer:
+    """This process's :class:`MyServer` for ``url`` (a server given: itself)."""
+    return url if isinstance(url, MyServer) else _servers.get(url, lambda: MyServer(url))
 
 
 def servers() -> Sequence[MyServer]:

@@ -1,6 +1,6 @@
 """The tables of the PostgreSQL backend: the lease table and its line of waiters,
-their definitions, the check that a table found at their names is ours, and the
-words of a refusal.
+their columns and definitions (the check that a table found at their names is ours
+is shared: :mod:`celery_dlock.backends.sql.server`).
 
 One row per lock name, kept after release (it carries the name's fence counter, which
 must never repeat), see docs/backends.md::
@@ -16,8 +16,8 @@ must never repeat), see docs/backends.md::
     ops                 the latest operation ids (a re-sent call is answered alike)
     forced              who released the last hold by force and why, JSON
 
-Beside it, the line of waiters (:func:`line_table_of`: the lease table's name and
-``_waiters``), one row per blocked acquirer::
+Beside it, the line of waiters (:func:`~..shape.line_table_of`: the lease table's
+name and ``_waiters``), one row per blocked acquirer::
 
     prefix, name, owner the lock and the waiter (primary key)
     arrived_at          when it joined the line (the server's clock): the order
@@ -26,21 +26,14 @@ Beside it, the line of waiters (:func:`line_table_of`: the lease table's name an
 
 from __future__ import annotations
 
-from .shape import GRANTS, lease_columns
+from ..shape import Tables, create_table, lease_columns
 
-__all__ = ["COLUMNS", "DEFAULT_TABLE", "GRANTS", "LINE_COLUMNS", "LINE_SUFFIX",
-           "create_line_sql", "create_sql", "line_table_of", "missing_columns"]
-
-#: The table's name unless told otherwise (``?dlock_table=`` in the URL).
-DEFAULT_TABLE = "dlock_locks"
+__all__ = ["COLUMNS", "LINE_COLUMNS", "TABLES", "create_line_sql", "create_sql"]
 
 #: Each column and the type PostgreSQL reports for it (``format_type``).
 COLUMNS: dict[str, str] = lease_columns(
     "text", "text", "text", "integer", "bigint", "timestamp with time zone",
     "timestamp with time zone", "bigint", "jsonb", "text[]", "jsonb")
-
-#: The line table's name is the lease table's and this.
-LINE_SUFFIX = "_waiters"
 
 #: The line table's columns, as :data:`COLUMNS`.
 LINE_COLUMNS: dict[str, str] = {
@@ -52,34 +45,24 @@ LINE_COLUMNS: dict[str, str] = {
 }
 
 
-
-def line_table_of(table: str) -> str:
-    """The line table's name beside the lease table ``table`` (``schema.table``
-    keeps its schema)."""
-    return table + LINE_SUFFIX
-
-
 def create_sql(table: str) -> str:
     """``CREATE TABLE IF NOT EXISTS`` for ``table`` (an already quoted identifier)."""
-    return (f"CREATE TABLE IF NOT EXISTS {table} ("
-            "prefix text NOT NULL, name text NOT NULL, owner text, "
-            "count integer NOT NULL DEFAULT 0, fence bigint NOT NULL, "
-            "acquired_at timestamptz, expires_at timestamptz NOT NULL, "
-            "ttl_ms bigint NOT NULL DEFAULT 0, "
-            "info jsonb NOT NULL DEFAULT '{}', ops text[] NOT NULL DEFAULT '{}', "
-            "forced jsonb, PRIMARY KEY (prefix, name))")
+    return create_table(table, (
+        "prefix text NOT NULL, name text NOT NULL, owner text, "
+        "count integer NOT NULL DEFAULT 0, fence bigint NOT NULL, "
+        "acquired_at timestamptz, expires_at timestamptz NOT NULL, "
+        "ttl_ms bigint NOT NULL DEFAULT 0, "
+        "info jsonb NOT NULL DEFAULT '{}', ops text[] NOT NULL DEFAULT '{}', "
+        "forced jsonb, PRIMARY KEY (prefix, name)"))
 
 
 def create_line_sql(table: str) -> str:
     """``CREATE TABLE IF NOT EXISTS`` for the line table ``table`` (quoted)."""
-    return (f"CREATE TABLE IF NOT EXISTS {table} ("
-            "prefix text NOT NULL, name text NOT NULL, owner text NOT NULL, "
-            "arrived_at timestamptz NOT NULL, expires_at timestamptz NOT NULL, "
-            "PRIMARY KEY (prefix, name, owner))")
+    return create_table(table, (
+        "prefix text NOT NULL, name text NOT NULL, owner text NOT NULL, "
+        "arrived_at timestamptz NOT NULL, expires_at timestamptz NOT NULL, "
+        "PRIMARY KEY (prefix, name, owner)"))
 
 
-def missing_columns(found: dict[str, str],
-                    wanted: dict[str, str] = COLUMNS) -> list[str]:
-    """The columns (``name type``) of ``wanted`` a table with columns ``found``
-    lacks."""
-    return [f"{col} {kind}" for col, kind in wanted.items() if found.get(col) != kind]
+#: Both tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
+TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql)

@@ -6,15 +6,14 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ...core.holds import HoldInfo
-from ...core.registry import entry_named
-from ...core.text import clean_text
-from .lease import hold_info
-from .lease_backend import LeaseBackend
-from .my_schema import lock_id
-from .my_server import MyServer, server_for
-from .my_statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
-from .mysql import MySQLLock
+from ....core.holds import HoldInfo
+from ....core.text import clean_text
+from ..lease import hold_info
+from ..lease_backend import LeaseBackend
+from .lock import MySQLLock
+from .schema import lock_id
+from .server import MyServer
+from .statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
 
 __all__ = ["MYSQL_SCHEMES", "MySQLBackend"]
 
@@ -35,13 +34,7 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
     """The locks kept in one MySQL or MariaDB server's lease table."""
 
     kind = "mysql"
-    capabilities = entry_named("mysql").capabilities
-
-    def _server_of(self, url: str | MyServer) -> MyServer:
-        return url if isinstance(url, MyServer) else server_for(url)
-
-    def _lock_class(self) -> type[MySQLLock]:
-        return MySQLLock
+    lock_class = MySQLLock
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

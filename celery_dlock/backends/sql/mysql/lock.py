@@ -1,21 +1,21 @@
 """``MySQLLock``: a reentrant, renewed, owner-checked lock kept in a MySQL or MariaDB
 lease table (docs/backends.md, MySQL / MariaDB).
 
-One InnoDB row per lock name (:mod:`.my_schema`), on the server's clock.  Acquire,
+One InnoDB row per lock name (:mod:`.schema`), on the server's clock.  Acquire,
 re-entry and release are each one short transaction: the row read ``FOR UPDATE``,
-the answer decided on it, one write (:mod:`.my_statements` says why one statement
+the answer decided on it, one write (:mod:`.statements` says why one statement
 cannot); extend and renewal are one autocommitted ``UPDATE``.  A call re-sent after a
 lost reply (with the same operation id) is answered as the first; fences are a
 per-name counter kept in the row past release.  Blocked acquirers stand in a FIFO line
-table beside it (:mod:`.my_schema`), each with a lease it renews by trying again: a
+table beside it (:mod:`.schema`), each with a lease it renews by trying again: a
 free lock goes to the first live waiter in line (or to anyone when the line is
 empty), and a non-blocking acquire never overtakes a waiter.  MySQL cannot wake a
 waiter: a blocked acquirer polls, more often the nearer it stands to the front of the
 line (only the first in line can take a freed lock): every :data:`POLL_FIRST` times
 its place (1 for the first), at most :data:`POLL_MAX` apart, and never past the
 holder's remaining ttl.  The process's scheduler renews every hold of a server with
-one statement per interval (:mod:`.my_renewal`).  What the answers mean is
-:class:`~.lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
+one statement per interval (:mod:`.renewal`).  What the answers mean is
+:class:`~..lease.LeaseLock`'s (shared with PostgreSQL); the bookkeeping is
 :class:`~celery_dlock.core.hold.Hold`'s.
 """
 
@@ -28,13 +28,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ...core.errors import InvalidLockConfig
-from ...core.renew_target import RenewTarget
-from .lease import LeaseLock, Status
-from .my_renewal import renew_target
-from .my_schema import BLOB_MAX_BYTES, lock_id, owner_id
-from .my_server import MyServer, server_for
-from .my_statements import (
+from ....core.errors import InvalidLockConfig
+from ....core.renew_target import RenewTarget
+from ..lease import LeaseLock, Status
+from .renewal import renew_target
+from .schema import BLOB_MAX_BYTES, lock_id, owner_id
+from .server import MyServer, server_for
+from .statements import (
     AHEAD,
     EXTEND,
     HEAD,
@@ -73,19 +73,13 @@ class MySQLLock(LeaseLock[MyServer]):
 
     :param url: the server's ``mysql://user:password@host:port/database`` (or
         ``mariadb://``) URL (``?dlock_table=`` names another table than
-        ``dlock_locks``), or a :class:`~.my_server.MyServer`.
-    Every other parameter is :class:`~celery_dlock.RedisLock`'s.
-
-    A server that cannot be reached is :class:`BackendUnavailable`; a table of
-    another application at the lease table's name :class:`LockKeyConflict`; a user
-    who may not create the table (or write it) :class:`InvalidLockConfig` naming the
-    GRANT it needs.
+        ``dlock_locks``), or a :class:`~.server.MyServer`.
+    Every other parameter, and every error, is :class:`~..lease.LeaseLock`'s.
     """
 
     wait_slice = POLL_MAX
 
-    def _server_of(self, url: str | MyServer) -> MyServer:
-        return url if isinstance(url, MyServer) else server_for(url)
+    server_of = staticmethod(server_for)
 
     def _prepare(self) -> None:
         self._check_sizes()
@@ -123,6 +117,13 @@ class MySQLLock(LeaseLock[MyServer]):
             return None if row is None else tuple(row)
         return self.server.run(work, what, self.name)
 
+    def _locked_row(self, cur: Any, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """The lease row, locked until the transaction ends (:data:`ROW`'s columns,
+        the owner as text)."""
+        cur.execute(self._sql(ROW), params)
+        row = cur.fetchone()
+        return None if row is None else (_text(row[0]), *row[1:])
+
     def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:
         info = json.dumps({**self._info, "pid": str(os.getpid())})
@@ -138,11 +139,9 @@ class MySQLLock(LeaseLock[MyServer]):
                 self._ahead = int(cur.fetchone()[0])
 
         def work(cur: Any) -> tuple[int, int] | None:
-            cur.execute(self._sql(ROW), params)  # the lease row locked from here
-            row = cur.fetchone()
+            row = self._locked_row(cur, params)
             if row is not None:
                 holder, count, fence, live, applied, _ = row
-                holder = _text(holder)
                 if holder == owner and live:  # the owner's own hold: a re-entry
                     add = 0 if applied else 1
                     cur.execute(self._sql(REENTER), {**params, "add": add})
@@ -169,11 +168,9 @@ class MySQLLock(LeaseLock[MyServer]):
 
         return self.server.run(work, "acquire", self.name, transaction=True)
 
-    def _line_wait(self, owner: str) -> float:
+    def _head(self, owner: str) -> tuple[str | None, float] | None:
         head = self._one(HEAD, self._params(owner), "a read")
-        if head is None or _text(head[0]) == owner:
-            return 0.0
-        return max(0.0, float(head[1])) + 0.001
+        return None if head is None else (_text(head[0]), float(head[1]))
 
     def _try_leave(self, owner: str) -> None:
         params = self._params(owner, owner_id=owner_id(owner))
@@ -195,12 +192,11 @@ class MySQLLock(LeaseLock[MyServer]):
         params = self._params(owner, op=op, ttl=ttl_ms, ttl_us=ttl_ms * 1000)
 
         def work(cur: Any) -> int | None:
-            cur.execute(self._sql(ROW), params)
-            row = cur.fetchone()
+            row = self._locked_row(cur, params)
             if row is None:
                 return None
             holder, _, found, live, applied, _ = row
-            if _text(holder) != owner or not live or \
+            if holder != owner or not live or \
                     (fence is not None and int(found) != fence):
                 return None
             cur.execute(self._sql(REENTER), {**params, "add": 0 if applied else 1})
@@ -212,12 +208,11 @@ class MySQLLock(LeaseLock[MyServer]):
         params = self._params(owner, op=op)
 
         def work(cur: Any) -> int | None:
-            cur.execute(self._sql(ROW), params)
-            row = cur.fetchone()
+            row = self._locked_row(cur, params)
             if row is None:
                 return None
             holder, count, _, live, applied, _ = row
-            if _text(holder) != owner or not live or applied:
+            if holder != owner or not live or applied:
                 return None
             left = max(0, int(count) - 1)
             cur.execute(self._sql(RELEASE), {**params, "count": left})

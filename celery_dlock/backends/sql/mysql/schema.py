@@ -1,13 +1,13 @@
-"""The MySQL/MariaDB tables: the lease table and its line of waiters, their
-definitions, the check that a table found at their names is ours, and the words of a
-refusal (docs/backends.md, MySQL / MariaDB).
+"""The MySQL/MariaDB tables: the lease table and its line of waiters, their columns,
+definitions and keys (docs/backends.md, MySQL / MariaDB; the check that a table found
+at their names is ours is shared: :mod:`celery_dlock.backends.sql.server`).
 
-The lease table's columns are PostgreSQL's (:mod:`.schema`) in MySQL's types, and one
-more: the primary key ``lock_id`` is the SHA-256 of prefix and name (hex), so a name
-of any length is one short key and is compared byte for byte (``prefix``, ``name``
-and ``owner`` are ``BLOB``: no collation folds case or trailing blanks).  The line
-table (the lease table's name and ``_waiters``) has a row per blocked acquirer:
-``lock_id``, ``owner_id`` (:func:`owner_id`, the SHA-256 of the owner) and
+The lease table's columns are the shared ones (:mod:`..shape`) in MySQL's types, and
+one more: the primary key ``lock_id`` is the SHA-256 of prefix and name (hex), so a
+name of any length is one short key and is compared byte for byte (``prefix``,
+``name`` and ``owner`` are ``BLOB``: no collation folds case or trailing blanks).
+The line table (the lease table's name and ``_waiters``) has a row per blocked
+acquirer: ``lock_id``, ``owner_id`` (:func:`owner_id`, the SHA-256 of the owner) and
 ``owner``, ``arrived_at`` (its order) and ``expires_at`` (its lease).
 """
 
@@ -16,11 +16,10 @@ from __future__ import annotations
 import hashlib
 import re
 
-from .shape import GRANTS, lease_columns
+from ..shape import GRANTS, Tables, create_table, lease_columns
 
-__all__ = ["BLOB_MAX_BYTES", "COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS",
-           "create_line_sql", "create_sql", "lock_id", "missing_columns", "owner_id",
-           "quote_table"]
+__all__ = ["BLOB_MAX_BYTES", "COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS", "TABLES",
+           "create_line_sql", "create_sql", "lock_id", "owner_id", "quote_table"]
 
 #: Each column and the ``DATA_TYPE`` information_schema reports for it.
 COLUMNS: dict[str, str] = {"lock_id": "char", **lease_columns(
@@ -74,31 +73,30 @@ def quote_table(table: str) -> str | None:
     return ".".join(f"`{part}`" for part in table.split("."))
 
 
+#: Every table is InnoDB, its text utf8mb4.
+_OPTIONS = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+
+
 def create_sql(table: str) -> str:
     """``CREATE TABLE IF NOT EXISTS`` for ``table`` (an already quoted name)."""
-    return (f"CREATE TABLE IF NOT EXISTS {table} ("
-            "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
-            "prefix BLOB NOT NULL, name BLOB NOT NULL, owner BLOB NULL, "
-            "`count` INT NOT NULL DEFAULT 0, fence BIGINT NOT NULL DEFAULT 0, "
-            "acquired_at DATETIME(6) NULL, expires_at DATETIME(6) NOT NULL, "
-            "ttl_ms BIGINT NOT NULL DEFAULT 0, info TEXT NOT NULL, ops TEXT NOT NULL, "
-            "forced TEXT NULL, PRIMARY KEY (lock_id), KEY dlock_prefix (prefix(64))"
-            ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
+    return create_table(table, (
+        "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+        "prefix BLOB NOT NULL, name BLOB NOT NULL, owner BLOB NULL, "
+        "`count` INT NOT NULL DEFAULT 0, fence BIGINT NOT NULL DEFAULT 0, "
+        "acquired_at DATETIME(6) NULL, expires_at DATETIME(6) NOT NULL, "
+        "ttl_ms BIGINT NOT NULL DEFAULT 0, info TEXT NOT NULL, ops TEXT NOT NULL, "
+        "forced TEXT NULL, PRIMARY KEY (lock_id), KEY dlock_prefix (prefix(64))"),
+        _OPTIONS)
 
 
 def create_line_sql(table: str) -> str:
     """``CREATE TABLE IF NOT EXISTS`` for the line table ``table`` (quoted)."""
-    return (f"CREATE TABLE IF NOT EXISTS {table} ("
-            "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
-            "owner_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
-            "owner BLOB NOT NULL, arrived_at DATETIME(6) NOT NULL, "
-            "expires_at DATETIME(6) NOT NULL, PRIMARY KEY (lock_id, owner_id)"
-            ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4")
+    return create_table(table, (
+        "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+        "owner_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+        "owner BLOB NOT NULL, arrived_at DATETIME(6) NOT NULL, "
+        "expires_at DATETIME(6) NOT NULL, PRIMARY KEY (lock_id, owner_id)"), _OPTIONS)
 
 
-def missing_columns(found: dict[str, str],
-                    wanted: dict[str, str] = COLUMNS) -> list[str]:
-    """The columns (``name type``) of ``wanted`` a table with columns ``found``
-    lacks."""
-    return [f"{col} {kind}" for col, kind in wanted.items()
-            if found.get(col, "").lower() != kind]
+#: Both tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
+TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql)

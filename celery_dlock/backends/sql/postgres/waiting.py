@@ -29,7 +29,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .pg_server import PgServer
+from ..server import close_quietly
+from .server import PgServer
 
 __all__ = ["QUEUE_LEASE", "QUEUE_LEASE_MS", "WAIT_SLICE", "Listener", "channel_of"]
 
@@ -88,7 +89,4 @@ class Listener:
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.close()
-            except psycopg.Error:
-                pass
+            close_quietly(conn, psycopg.Error)

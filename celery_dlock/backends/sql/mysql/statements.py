@@ -3,10 +3,10 @@ parameters; ``{t}`` is the quoted table).
 
 Every time is the server's: ``UTC_TIMESTAMP(6)`` (one value per statement, whatever
 the session's time zone).  The rows are keyed by ``lock_id``
-(:func:`~.my_schema.lock_id`).  Operation ids (``ops``, a comma-separated list of the
+(:func:`~.schema.lock_id`).  Operation ids (``ops``, a comma-separated list of the
 last :data:`OPS_KEPT`) let a re-sent acquire or release be answered as the first.
 The statements that decide (acquire, re-entry, release, force release) run in one
-short transaction after :data:`ROW` locked the row (:mod:`.mysql`): MySQL has no
+short transaction after :data:`ROW` locked the row (:mod:`.lock`): MySQL has no
 ``RETURNING`` and evaluates an ``UPDATE``'s assignments left to right, so one
 statement cannot both decide and report; the decision is made on the locked row, the
 write is one statement.  Extend and renewal only ever move the expiry later and are

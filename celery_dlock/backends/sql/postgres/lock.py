@@ -12,7 +12,7 @@ waiter.  Waiters ``LISTEN`` and are ``NOTIFY``-ed by the release
 (:mod:`.waiting`); the process's scheduler renews every hold of a server with one
 statement per interval (:mod:`.renewal`) and tells the holder at its local deadline,
 before the server lets anyone else in.  What the row's answers mean is
-:class:`~.lease.LeaseLock`'s (shared with MySQL/MariaDB); the bookkeeping is
+:class:`~..lease.LeaseLock`'s (shared with MySQL/MariaDB); the bookkeeping is
 :class:`~celery_dlock.core.hold.Hold`, the one every lock kind shares.
 """
 
@@ -23,11 +23,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ...core.renew_target import RenewTarget
-from .lease import NAME_FIELD, LeaseLock, Status, holder_of, renew_key
-from .pg_keys import is_raw, row_key, shown_name
-from .pg_server import PgServer, server_for
+from ....core.renew_target import RenewTarget
+from ..lease import NAME_FIELD, LeaseLock, Status, holder_of, renew_key
+from .keys import is_raw, row_key, shown_name
 from .renewal import renew_target
+from .server import PgServer, server_for
 from .statements import (
     ACQUIRE,
     EXTEND,
@@ -48,23 +48,17 @@ class PostgresLock(LeaseLock[PgServer]):
     """A reentrant distributed lock in a PostgreSQL table.
 
     :param url: the server's ``postgresql://`` URL (``?dlock_table=`` names another
-        table than ``dlock_locks``), or a :class:`~.pg_server.PgServer`.
-    Every other parameter is :class:`~celery_dlock.RedisLock`'s.
-
-    A server that cannot be reached is :class:`BackendUnavailable`; a table of
-    another application at the lease table's name :class:`LockKeyConflict`; a user
-    who may not create the table (or write it) :class:`InvalidLockConfig` naming the
-    GRANTs it needs.
+        table than ``dlock_locks``), or a :class:`~.server.PgServer`.
+    Every other parameter, and every error, is :class:`~..lease.LeaseLock`'s.
     """
 
     wait_slice = WAIT_SLICE
 
-    def _server_of(self, url: str | PgServer) -> PgServer:
-        return url if isinstance(url, PgServer) else server_for(url)
+    server_of = staticmethod(server_for)
 
     def _prepare(self) -> None:
         self.channel = channel_of(self.prefix, self.name)
-        # The row's key: the prefix and name, or their digests (:mod:`.pg_keys`).
+        # The row's key: the prefix and name, or their digests (:mod:`.keys`).
         self.row_prefix, self.row_name = row_key(self.prefix, self.name)
         self._info.pop(NAME_FIELD, None)
         if not is_raw(self.name):
@@ -94,11 +88,9 @@ class PostgresLock(LeaseLock[PgServer]):
             "acquire")
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
-    def _line_wait(self, owner: str) -> float:
+    def _head(self, owner: str) -> tuple[str | None, float] | None:
         rows = self._run(HEAD, self._params(owner), "a read")
-        if not rows or rows[0][0] == owner:
-            return 0.0
-        return max(0.0, float(rows[0][1])) + 0.001
+        return (rows[0][0], float(rows[0][1])) if rows else None
 
     def _try_leave(self, owner: str) -> None:
         self._run(LEAVE, self._params(owner, channel=self.channel), "leaving the line")
