@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 
 from ..core.errors import DLockError, LockKeyConflict
 from ..core.holds import HoldInfo
-from .audit import record_release, released_by
+from .audit import released_by
 from .check import check
 from .formatting import (
     QUEUED_FIELDS,
@@ -55,6 +55,7 @@ from .formatting import (
     value_cells,
     with_slots,
 )
+from .freeing import free_hold
 from .inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
@@ -71,6 +72,7 @@ from .target import (
     target_of,
 )
 from .top import top
+from .web.command import web
 
 __all__ = ["dlock"]
 
@@ -276,8 +278,8 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
                 abort=True)
             expected = info.fence
     try:
-        freed = backend.force_release(target.prefix, key, fence=expected,
-                                      by=released_by(force), reason=reason)
+        freed = free_hold(target, key, fence=expected, by=released_by(force),
+                          reason=reason)
     except HoldChanged as exc:
         now = f": now {holder_text(exc.current)}" if exc.current else ""
         fail(ctx, f"Lock {key!r} changed hands since it was shown{now}. "
@@ -289,7 +291,6 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
     if freed is None:
         _not_held(ctx, target, key)
         return
-    record_release(target.client(), target.prefix, key, freed, reason)
     if freed.limit is not None:
         click.echo(printable(f"Released {len(freed.holders)} slot(s) of semaphore "
                              f"{key!r}: "
@@ -300,3 +301,4 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
 
 dlock.add_command(top)
 dlock.add_command(check)
+dlock.add_command(web)
