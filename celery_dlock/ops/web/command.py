@@ -25,7 +25,10 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _Quiet(WSGIRequestHandler):
-    """Requests logged on ``celery_dlock.web`` at debug level, not on stderr."""
+    """Requests logged on ``celery_dlock.web`` at debug level, not on stderr; a
+    connection left idle (a browser's opened ahead) closed after a while."""
+
+    timeout = 30
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)

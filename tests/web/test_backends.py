@@ -1,0 +1,194 @@
+"""The operators' page on every lock store, over HTTP (no browser): Redis, PostgreSQL,
+MariaDB and ZooKeeper servers of the suite.  A held lock is listed with its holder and
+has its page; a release needs the CSRF token of the page's own form and the operator's
+token, frees that hold, and its holder is told the reason; tabs follow what the
+backend keeps (no queue-marker tab where it keeps none)."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from http.cookiejar import CookieJar
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+import redis
+from config_app import ENV_CONF
+
+from celery_dlock import lock_from_url
+from celery_dlock.ops.web.html import query
+from celery_dlock.task.backend import backend_from_url
+
+TOKEN = "backend-token"
+HOLDER = {"task_name": "shop.reduce_stock", "task_id": "holder-task-1",
+          "worker": "celery@worker-9"}
+
+
+@pytest.fixture(params=["redis", "postgres", "mysql", "zookeeper"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    if request.param == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    if request.param == "postgres":
+        return str(request.getfixturevalue("postgres_server").url)
+    if request.param == "mysql":
+        return str(request.getfixturevalue("mariadb_url"))
+    return str(request.getfixturevalue("zk_server").url)
+
+
+class Client:
+    """An HTTP client with cookies, as a browser keeps them."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(CookieJar()))
+
+    def get(self, path: str) -> tuple[int, str]:
+        return self._open(urllib.request.Request(self.base + path))
+
+    def post(self, path: str, fields: dict[str, Any]) -> tuple[int, str]:
+        data = urlencode(fields).encode()
+        return self._open(urllib.request.Request(self.base + path, data=data))
+
+    def _open(self, request: urllib.request.Request) -> tuple[int, str]:
+        try:
+            with self.opener.open(request, timeout=30) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+
+def test_list_show_and_release_on_every_store(store_url, web_prefix, serve_page):
+    lock = lock_from_url(store_url, "stock:42", ttl=60, prefix=web_prefix,
+                         info=HOLDER)
+    assert lock.acquire(blocking=False)
+    try:
+        page = serve_page(store_url, web_prefix, token=TOKEN)
+        client = Client(page.url)
+        status, body = client.get("locks")
+        assert status == 200
+        assert "stock:42" in body and "holder-task-1" in body
+        assert "celery@worker-9" in body
+        has_markers = getattr(backend_from_url(store_url), "markers", None) is not None
+        assert ('href="queued"' in body) == has_markers
+        for tab in ("semaphores", "summary", *(["queued"] if has_markers else [])):
+            assert client.get(tab)[0] == 200, tab
+        assert client.get("queued")[0] == (200 if has_markers else 404)
+        # filtered by task and by name
+        assert "stock:42" in client.get("locks?task=holder-task")[1]
+        assert "stock:42" not in client.get("locks?name=other")[1]
+
+        status, body = client.get("lock?" + query(name="stock:42"))
+        assert status == 200 and str(lock.fence) in body
+
+        status, body = client.get("release?" + query(name="stock:42", fence=lock.fence))
+        assert status == 200 and "Release this hold" in body
+        [csrf] = re.findall(r'name="csrf" value="([0-9a-f]+)"', body)
+        form = {"name": "stock:42", "fence": lock.fence, "reason": "stuck <job>",
+                "token": TOKEN}
+        # no CSRF token, a wrong one, a wrong operator's token: nothing freed
+        assert client.post("release", form)[0] == 403
+        assert client.post("release", {**form, "csrf": "0" * 64})[0] == 403
+        assert client.post("release", {**form, "csrf": csrf, "token": "nope"})[0] == 403
+        assert lock.owned()
+        status, body = client.post("release", {**form, "csrf": csrf})
+        assert status == 200, body
+        assert "Released stock:42" in body and "stuck &lt;job&gt;" in body
+        assert not lock.owned()
+        deadline = time.monotonic() + 10
+        while lock.lost_reason is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lock.lost_reason is not None
+        if store_url.startswith("zookeeper"):
+            # a ZooKeeper holder learns its node is gone, not who removed it
+            # (docs/backends.md); the audit log line has the reason
+            assert "released by force" in lock.lost_reason
+        else:
+            assert "stuck <job>" in lock.lost_reason
+        assert "stock:42" not in client.get("locks")[1].split("<table", 1)[-1]
+    finally:
+        if lock.depth:
+            try:
+                lock.release()
+            except Exception:
+                pass
+
+
+def test_a_read_only_page_refuses_every_release(redis_url, web_prefix, serve_page):
+    lock = lock_from_url(redis_url, "stock:1", ttl=60, prefix=web_prefix, info=HOLDER)
+    assert lock.acquire(blocking=False)
+    try:
+        client = Client(serve_page(redis_url, web_prefix).url)
+        status, body = client.get("lock?" + query(name="stock:1"))
+        assert status == 200 and "Read-only" in body and "release?" not in body
+        assert client.get("release?" + query(name="stock:1", fence=lock.fence))[0] == 403
+        assert client.post("release", {"name": "stock:1", "fence": lock.fence,
+                                       "token": "", "csrf": ""})[0] == 403
+        assert lock.owned()
+    finally:
+        lock.release_all()
+
+
+def test_bytes_that_are_not_utf8_show_escaped(redis_url, web_prefix, serve_page):
+    """A hold whose metadata another writer left as bytes that are not UTF-8 (and a
+    URL password) shows, escaped, and never breaks the page."""
+    url = redis_url.replace("redis://", "redis://:hunter2@") \
+        if "@" not in redis_url else redis_url
+    r = redis.Redis.from_url(redis_url)
+    lock = lock_from_url(redis_url, "raw:1", ttl=60, prefix=web_prefix, info=HOLDER)
+    assert lock.acquire(blocking=False)
+    try:
+        key = backend_from_url(redis_url).storage_key(web_prefix, "raw:1")
+        r.hset(key, "task_name", b"\xff\xfe<i>x</i>\x1b")
+        page = serve_page(redis_url, web_prefix)
+        client = Client(page.url)
+        for path in ("locks", "lock?" + query(name="raw:1")):
+            status, body = client.get(path)
+            assert status == 200
+            text = html.unescape(body)
+            assert "<i>x</i>" in text and "<i>x</i>" not in body
+            assert "\\xff" in text or "\ufffd" in text
+            assert "\x1b" not in body
+        # a password in the store's URL is never shown
+        masked = serve_page(url, web_prefix)
+        status, body = Client(masked.url).get("locks")
+        assert "hunter2" not in body
+    finally:
+        lock.release_all()
+        r.close()
+
+
+def test_the_command_serves_the_page_on_loopback(redis_url, web_prefix):
+    """``celery -A app dlock web --port 0`` binds 127.0.0.1 and serves the page."""
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "tests"), str(repo)]),
+               **{ENV_CONF: json.dumps({"dlock_url": redis_url,
+                                        "broker_url": "memory://"})})
+    env.pop("DLOCK_WEB_TOKEN", None)
+    lock = lock_from_url(redis_url, "cmd:1", ttl=60, prefix=web_prefix, info=HOLDER)
+    assert lock.acquire(blocking=False)
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "config_app", "dlock",
+                             "--prefix", web_prefix, "web", "--port", "0"],
+                            env=env, cwd=repo, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # bounded by the test's timeout
+        [url] = re.findall(r"on (http://127\.0\.0\.1:\d+/)", line)
+        assert "read-only" in line
+        status, body = Client(url).get("")
+        assert status == 200 and "cmd:1" in body and "holder-task-1" in body
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        lock.release_all()
