@@ -15,7 +15,8 @@ from urllib.parse import quote
 
 from ..formatting import printable
 
-__all__ = ["CSS", "REFRESH_JS", "esc", "link", "page", "query", "table", "text_of"]
+__all__ = ["CSS", "REFRESH_JS", "attr", "esc", "link", "page", "query", "table",
+           "text_of"]
 
 
 def text_of(value: object) -> str:
@@ -30,6 +31,12 @@ def text_of(value: object) -> str:
 def esc(value: object) -> str:
     """``value`` as HTML text (see the module's docstring)."""
     return html.escape(text_of(value), quote=True)
+
+
+def attr(value: object) -> str:
+    """``value`` as the text of an attribute (a form field's value): empty stays
+    empty."""
+    return "" if value is None or value == "" else esc(value)
 
 
 def query(**params: object) -> str:
@@ -52,14 +59,18 @@ def link(path: str, label: object, **params: object) -> str:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]],
-          numeric: Iterable[str] = ()) -> str:
-    """A table; ``rows`` hold HTML already escaped (``esc``, ``link``)."""
-    right = set(numeric)
-    head = "".join(f'<th{" class=n" if h in right else ""}>{html.escape(h)}</th>'
-                   for h in headers)
+          numeric: Iterable[str] = (), nowrap: Iterable[str] = ()) -> str:
+    """A table; ``rows`` hold HTML already escaped (``esc``, ``link``); the
+    ``numeric`` columns right-aligned, those and the ``nowrap`` ones never wrapped."""
+    right, keep = set(numeric), set(nowrap)
+
+    def cls(h: str) -> str:
+        return " class=n" if h in right else " class=w" if h in keep else ""
+
+    head = "".join(f"<th{cls(h)}>{html.escape(h)}</th>" for h in headers)
     body = []
     for row in rows:
-        cells = "".join(f'<td{" class=n" if h in right else ""}>{cell}</td>'
+        cells = "".join(f"<td{cls(h)}>{cell}</td>"
                         for h, cell in zip(headers, row, strict=True))
         body.append(f"<tr>{cells}</tr>")
     if not body:
@@ -77,7 +88,8 @@ main{padding:12px 16px}
 table{border-collapse:collapse;background:#fff;margin:8px 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top;
  max-width:40em;overflow-wrap:anywhere}
-th{background:#eceff1}td.n,th.n{text-align:right}
+th{background:#eceff1;white-space:nowrap}td.n,th.n{text-align:right}
+td.n,td.w{white-space:nowrap}
 .ro{background:#fff3e0;border:1px solid #ffb74d;padding:6px 10px;margin:8px 0}
 .ok{background:#e8f5e9;border:1px solid #81c784;padding:6px 10px}
 .err{background:#ffebee;border:1px solid #e57373;padding:6px 10px}

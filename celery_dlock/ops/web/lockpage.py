@@ -23,7 +23,7 @@ from ..freeing import free_hold
 from ..rates import rate_state, rate_text
 from ..target import Target
 from .html import esc, link, table
-from .views import EVENT_HEADERS, View, event_rows, history_note
+from .views import View, events_table, history_note
 
 __all__ = ["confirm_view", "lock_view", "release"]
 
@@ -69,7 +69,7 @@ def lock_view(target: Target, name: str, writable: bool) -> View:
     if rate is not None:
         fields.append(("rate", esc(rate_text(rate))))
     fields.append(("stored at", esc(backend.storage_key(target.prefix, name))))
-    body = table(["field", "value"], fields)
+    body = table(["field", "value"], fields, nowrap=("field",))
     if info is not None:
         body += _release_links(info, writable)
     body += "<h2>History</h2>"
@@ -79,7 +79,7 @@ def lock_view(target: Target, name: str, writable: bool) -> View:
     else:
         events = [e for e in recent_events(target.client(), target.prefix, EVENTS_MAX)
                   if e.key == name]
-        body += table(EVENT_HEADERS, event_rows(events))
+        body += events_table(events)
     return View(f"Lock {name}", "", body)
 
 

@@ -19,10 +19,10 @@ from ..formatting import duration_text
 from ..rates import rate_states
 from ..target import Target
 from .chart import per_minute, svg_chart
-from .html import esc, link, table, text_of
+from .html import attr, esc, link, table, text_of
 
-__all__ = ["EVENT_HEADERS", "PAGE_SIZE", "View", "event_rows", "history_note",
-           "locks_view", "queued_view", "rates_view", "semaphores_view",
+__all__ = ["EVENT_HEADERS", "PAGE_SIZE", "View", "event_rows", "events_table",
+           "history_note", "locks_view", "queued_view", "rates_view", "semaphores_view",
            "summary_counts", "summary_view"]
 
 #: Rows per page.
@@ -44,8 +44,8 @@ class View:
 def _filter_form(path: str, params: Mapping[str, str]) -> str:
     return (f'<form class="filter" method="get" action="{esc(path)}">'
             f'<label>name starts with <input name="name" value="'
-            f'{esc(params.get("name", ""))}"></label>'
-            f'<label>task <input name="task" value="{esc(params.get("task", ""))}">'
+            f'{attr(params.get("name"))}"></label>'
+            f'<label>task <input name="task" value="{attr(params.get("task"))}">'
             '</label><button>Filter</button></form>')
 
 
@@ -195,6 +195,10 @@ def event_rows(events: Iterable[Event]) -> list[list[str]]:
 EVENT_HEADERS = ["at", "event", "name", "by", "held by", "policy", "detail / reason"]
 
 
+def events_table(events: Iterable[Event]) -> str:
+    return table(EVENT_HEADERS, event_rows(events), nowrap=("at", "event", "policy"))
+
+
 def summary_view(target: Target, params: Mapping[str, str],
                  tabs: Callable[[], Mapping[str, int | None]]) -> View:
     """Counts, the events per minute of the last hour, the newest events."""
@@ -214,7 +218,7 @@ def summary_view(target: Target, params: Mapping[str, str],
                  f"chart starts {duration_text(now - events[-1].at)} ago.</p>")
     body += ("<p class=none>Acquisitions, duplicates and parked calls are not kept in "
              "the history; the Prometheus metrics count them (docs/metrics.md).</p>")
-    body += "<h2>Newest events</h2>" + table(EVENT_HEADERS, event_rows(events[:50]))
+    body += "<h2>Newest events</h2>" + events_table(events[:50])
     return View("Summary", "", body)
 
 
