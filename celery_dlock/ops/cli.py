@@ -8,6 +8,7 @@ app given with ``-A``::
     celery -A proj dlock show stock:42      # one lock, every field
     celery -A proj dlock release stock:42   # free it (asks first; --force does not)
     celery -A proj dlock top                # a live view, with recent contention
+    celery -A proj dlock web                # the same on a page (docs/web.md)
 
 Redis is the app's (``dlock_client``, ``dlock_url``, a Redis broker URL or a Redis result
 backend, as the workers find it; passwords are never printed) and the key prefix

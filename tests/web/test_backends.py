@@ -7,6 +7,7 @@ backend keeps (no queue-marker tab where it keeps none)."""
 from __future__ import annotations
 
 import html
+import io
 import json
 import os
 import re
@@ -19,12 +20,15 @@ from http.cookiejar import CookieJar
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
+from wsgiref.util import setup_testing_defaults
 
 import pytest
 import redis
+from celery import Celery
 from config_app import ENV_CONF
 
 from celery_dlock import lock_from_url
+from celery_dlock.ops.web import make_app
 from celery_dlock.ops.web.html import query
 from celery_dlock.task.backend import backend_from_url
 
@@ -192,3 +196,32 @@ def test_the_command_serves_the_page_on_loopback(redis_url, web_prefix):
         if proc.stdout is not None:
             proc.stdout.close()
         lock.release_all()
+
+
+def test_mounted_under_a_path_its_links_stay_under_it(redis_url, web_prefix):
+    """As a site mounts it (``SCRIPT_NAME`` /dlock): /dlock redirects to /dlock/, the
+    links are relative, the cookie is the mount's."""
+    app = Celery("mounted", set_as_current=False)
+    app.conf.update(dlock_url=redis_url, broker_url="memory://")
+    web = make_app(app, prefix=web_prefix)
+
+    def call(path: str) -> tuple[str, dict[str, str], str]:
+        environ: dict[str, Any] = {}
+        setup_testing_defaults(environ)
+        environ.update(SCRIPT_NAME="/dlock", PATH_INFO=path,
+                       **{"wsgi.input": io.BytesIO(b"")})
+        seen: dict[str, Any] = {}
+
+        def start_response(status: str, headers: list[tuple[str, str]]) -> None:
+            seen["status"], seen["headers"] = status, dict(headers)
+
+        body = b"".join(web(environ, start_response)).decode()
+        return seen["status"], seen["headers"], body
+
+    status, headers, _ = call("")
+    assert status.startswith("301") and headers["Location"] == "/dlock/"
+    status, headers, body = call("/")
+    assert status.startswith("200")
+    assert "Path=/dlock/" in headers["Set-Cookie"]
+    assert 'href="locks"' in body and 'href="/' not in body
+    web.target.close()
