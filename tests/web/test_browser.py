@@ -270,6 +270,17 @@ def _populate(redis_url: str, prefix: str) -> list[Any]:
                                 task_id=str(uuid.uuid4()), worker="celery@worker-2",
                                 policy="retry", holder_task_name="shop.reduce_stock",
                                 holder_task_id="6f1c", holder_worker="celery@worker-1"))
+        if minute % 6 == 0:
+            events.append(Event(at=now - minute * 60 - 7, kind="duplicate",
+                                key="email:welcome:1009", task_name="mail.welcome",
+                                task_id=str(uuid.uuid4()), policy="drop",
+                                holder_task_id="queued-1",
+                                detail="lock_mode until_started"))
+        if minute % 9 == 0:
+            events.append(Event(at=now - minute * 60 - 9, kind="parked",
+                                key="api:partner", task_name="partner.push",
+                                task_id=str(uuid.uuid4()), worker="celery@worker-1",
+                                detail="lock_rate 6/m, its slot in 8.40s"))
         if minute % 15 == 0:
             events.append(Event(at=now - minute * 60 - 5, kind="lost", key="sync:crm",
                                 task_name="crm.sync", task_id=str(uuid.uuid4()),
@@ -298,7 +309,7 @@ def test_every_page_renders_and_is_captured(redis_url, web_prefix, serve_page,
             "semaphores": ("semaphores", "2/4"),
             "queued": ("queued", "email:welcome:1009"),
             "rates": ("rates", "api:partner"),
-            "summary": ("summary", "Events per minute"),
+            "summary": ("summary", "parked"),
             "lock": ("lock?" + query(name="stock:42"), "History"),
             "release": ("release?" + query(name="stock:42", fence=held[0].fence),
                         "Release this hold"),
@@ -313,7 +324,7 @@ def test_every_page_renders_and_is_captured(redis_url, web_prefix, serve_page,
         # the chart has a line for each kind of event, drawn by the server
         assert browser is not None
         browser.go(page.url + "summary")
-        assert browser.eval("document.querySelectorAll('svg polyline').length") == 3
+        assert browser.eval("document.querySelectorAll('svg polyline').length") == 5
     finally:
         for lock in held:
             lock.release_all()

@@ -2,8 +2,9 @@
 
 The counts come from the history the workers keep (``dlock_record_events``, see
 :mod:`celery_dlock.task.events`): one series per kind of event (``contended``,
-``lost``, ``released`` by hand).  The history is capped (its newest records), so on a
-busy fleet the chart covers less than the hour; the caption says from when.
+``duplicate``, ``parked``, ``lost``, ``released`` by hand).  The history is capped
+(its newest records), so on a busy fleet the chart covers less than the hour; the
+caption says from when.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ __all__ = ["MINUTES", "SERIES", "per_minute", "svg_chart"]
 #: Minutes shown.
 MINUTES = 60
 #: The kinds of event charted, each with its colour.
-SERIES = (("contended", "#ef6c00"), ("lost", "#c62828"), ("released", "#1565c0"))
+SERIES = (("contended", "#ef6c00"), ("duplicate", "#6a1b9a"), ("parked", "#2e7d32"),
+          ("lost", "#c62828"), ("released", "#1565c0"))
 
 
 def per_minute(events: Iterable[Event], now: float, minutes: int = MINUTES
@@ -38,7 +40,7 @@ def svg_chart(counts: dict[str, list[int]], width: int = 720, height: int = 200
               ) -> str:
     """A line per kind of event over the minutes of ``counts``, with axes, a legend
     and each point's count in a tooltip."""
-    left, right, top, bottom = 36, 10, 10, 24
+    left, right, top, bottom = 36, 10, 26, 24
     inner_w, inner_h = width - left - right, height - top - bottom
     n = max((len(v) for v in counts.values()), default=MINUTES)
     peak = max([1, *(max(v, default=0) for v in counts.values())])
@@ -79,9 +81,9 @@ def svg_chart(counts: dict[str, list[int]], width: int = 720, height: int = 200
                                  f'fill="{colour}"><title>{html.escape(kind)}: {v} '
                                  f'at -{n - i}m</title></circle>')
         total = sum(values)
-        parts.append(f'<rect x="{left + 8 + k * 130}" y="{top}" width="10" '
-                     f'height="10" fill="{colour}"/><text x="{left + 22 + k * 130}" '
-                     f'y="{top + 9}" font-size="11">{html.escape(kind)} ({total})'
+        parts.append(f'<rect x="{left + 8 + k * 120}" y="6" width="10" '
+                     f'height="10" fill="{colour}"/><text x="{left + 22 + k * 120}" '
+                     f'y="15" font-size="11">{html.escape(kind)} ({total})'
                      '</text>')
     parts.append("</svg>")
     return "".join(parts)

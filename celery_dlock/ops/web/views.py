@@ -216,8 +216,9 @@ def summary_view(target: Target, params: Mapping[str, str],
     if len(events) >= EVENTS_MAX:
         body += (f"<p class=none>The history keeps its newest {EVENTS_MAX} events: the "
                  f"chart starts {duration_text(now - events[-1].at)} ago.</p>")
-    body += ("<p class=none>Acquisitions, duplicates and parked calls are not kept in "
-             "the history; the Prometheus metrics count them (docs/metrics.md).</p>")
+    body += ("<p class=none>Acquisitions are not kept in the history (it records the "
+             "contended path only); the Prometheus metrics count them "
+             "(docs/metrics.md).</p>")
     body += "<h2>Newest events</h2>" + events_table(events[:50])
     return View("Summary", "", body)
 
