@@ -225,3 +225,36 @@ def test_mounted_under_a_path_its_links_stay_under_it(redis_url, web_prefix):
     assert "Path=/dlock/" in headers["Set-Cookie"]
     assert 'href="locks"' in body and 'href="/' not in body
     web.target.close()
+
+
+def test_a_semaphore_slot_is_released_alone_and_hashed_names_show_their_args(
+        redis_url, web_prefix, serve_page):
+    backend = backend_from_url(redis_url)
+    slots = [backend.lock("thumbs", 60, prefix=web_prefix, limit=3, owner=f"slot-{n}",
+                          info={"task_name": "media.thumb", "task_id": f"slot-task-{n}"})
+             for n in range(2)]
+    hashed = backend.lock("a1b2c3d4", 60, prefix=web_prefix,
+                          info={"task_name": "shop.sync", "task_id": "hashed-1",
+                                "args": "('<b>acme</b>', 7)"})
+    for lock in (*slots, hashed):
+        assert lock.acquire(blocking=False)
+    try:
+        client = Client(serve_page(redis_url, web_prefix, token=TOKEN).url)
+        status, body = client.get("semaphores")
+        assert status == 200 and "2/3" in body and "slot-task-1" in body
+        status, body = client.get("locks")
+        assert "&lt;b&gt;acme&lt;/b&gt;" in body and "<b>acme" not in body
+        assert "&lt;b&gt;acme" in client.get("lock?" + query(name="a1b2c3d4"))[1]
+        # one slot, by its fence: the other stays held
+        status, body = client.get("release?" + query(name="thumbs",
+                                                     fence=slots[0].fence))
+        assert status == 200 and "slot-task-0" in body
+        [csrf] = re.findall(r'name="csrf" value="([0-9a-f]+)"', body)
+        status, body = client.post("release", {
+            "name": "thumbs", "fence": slots[0].fence, "reason": "one slot",
+            "token": TOKEN, "csrf": csrf})
+        assert status == 200 and "Released thumbs" in body, body
+        assert not slots[0].owned() and slots[1].owned()
+    finally:
+        for lock in (*slots, hashed):
+            lock.release_all()
