@@ -28,8 +28,10 @@ from celery import Celery
 from config_app import ENV_CONF
 
 from celery_dlock import lock_from_url
+from celery_dlock.ops.target import Target
 from celery_dlock.ops.web import make_app
 from celery_dlock.ops.web.html import query
+from celery_dlock.ops.web.snapshot import Snapshot
 from celery_dlock.task.backend import backend_from_url
 
 TOKEN = "backend-token"
@@ -258,3 +260,29 @@ def test_a_semaphore_slot_is_released_alone_and_hashed_names_show_their_args(
     finally:
         for lock in (*slots, hashed):
             lock.release_all()
+
+
+def test_the_holds_are_read_once_per_moment_whatever_the_pages(redis_url, web_prefix):
+    """Pages within ``max_age`` share one read of the holds; a later page, or one
+    after a release, reads afresh."""
+    app = Celery("snap", set_as_current=False)
+    app.conf.update(dlock_url=redis_url, broker_url="memory://")
+    now = [100.0]
+    snapshot = Snapshot(Target(app, None, web_prefix), max_age=1.0,
+                        clock=lambda: now[0])
+    first = lock_from_url(redis_url, "snap:1", ttl=60, prefix=web_prefix)
+    second = lock_from_url(redis_url, "snap:2", ttl=60, prefix=web_prefix)
+    assert first.acquire(blocking=False)
+    try:
+        assert [i.key for i in snapshot.holds()] == ["snap:1"]
+        assert second.acquire(blocking=False)
+        now[0] += 0.5
+        assert [i.key for i in snapshot.holds()] == ["snap:1"]  # the same moment
+        now[0] += 0.5
+        assert sorted(i.key for i in snapshot.holds()) == ["snap:1", "snap:2"]
+        first.release()
+        snapshot.forget()
+        assert [i.key for i in snapshot.holds()] == ["snap:2"]
+    finally:
+        first.release_all()
+        second.release_all()

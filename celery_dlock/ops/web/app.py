@@ -14,7 +14,8 @@ the part the page refreshes in place.
 
 The store is read by one request at a time (a lock around each page's reads): an
 operators' page never adds more than one reader to the store, and a backend object is
-never shared between threads mid-call.
+never shared between threads mid-call.  The list of holds is read at most once a
+second, whatever the number of pages open (:mod:`.snapshot`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from . import views
 from .guard import Guard
 from .html import REFRESH_JS, esc, link, page
 from .lockpage import confirm_view, lock_view, release
+from .snapshot import Snapshot
 
 __all__ = ["CSP", "WebApp", "make_app"]
 
@@ -65,6 +67,7 @@ class WebApp:
         self.guard = guard
         self.refresh = refresh
         self._store = threading.Lock()
+        self.snapshot = Snapshot(target, max_age=min(1.0, refresh / 2))
 
     # -- what the backend offers --------------------------------------------------
     def has_markers(self) -> bool:
@@ -132,12 +135,13 @@ class WebApp:
     def _route(self, path: str, method: str, params: Mapping[str, str],
                environ: Mapping[str, Any], seed: str) -> tuple[str, str]:
         fragment = params.get("fragment") == "1"
+        holds = self.snapshot.holds
         lists: dict[str, Callable[[], views.View]] = {
-            "locks": lambda: views.locks_view(self.target, params),
-            "semaphores": lambda: views.semaphores_view(self.target, params),
+            "locks": lambda: views.locks_view(self.target, params, holds),
+            "semaphores": lambda: views.semaphores_view(self.target, params, holds),
             "summary": lambda: views.summary_view(
                 self.target, params, lambda: views.summary_counts(
-                    self.target, self.has_markers(), self.has_rates())),
+                    self.target, holds, self.has_markers(), self.has_rates())),
         }
         if self.has_markers():
             lists["queued"] = lambda: views.queued_view(self.target, params)
@@ -187,6 +191,7 @@ class WebApp:
             return "403 Forbidden", self._message("release", "Refused: wrong token.")
         remote = str(environ.get("REMOTE_ADDR") or "")
         freed, text = release(self.target, form, remote)
+        self.snapshot.forget()
         name = form.get("name", "")
         back = link("lock", "Back to the lock", name=name)
         body = f"{text}<p>{back} &middot; <a href=locks>All locks</a></p>"

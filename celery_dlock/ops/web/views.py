@@ -21,12 +21,15 @@ from ..target import Target
 from .chart import per_minute, svg_chart
 from .html import attr, esc, link, table, text_of
 
-__all__ = ["EVENT_HEADERS", "PAGE_SIZE", "View", "event_rows", "events_table",
+__all__ = ["EVENT_HEADERS", "PAGE_SIZE", "Holds", "View", "event_rows", "events_table",
            "history_note", "locks_view", "queued_view", "rates_view", "semaphores_view",
            "summary_counts", "summary_view"]
 
 #: Rows per page.
 PAGE_SIZE = 100
+
+#: The holds under the prefix (a :class:`~.snapshot.Snapshot`'s ``holds``).
+Holds = Callable[[], list[HoldInfo]]
 
 T = TypeVar("T")
 
@@ -93,17 +96,17 @@ def _where(info: HoldInfo) -> str:
     return where or "-"
 
 
-def _holds(target: Target, params: Mapping[str, str], semaphores: bool
+def _holds(holds: Holds, params: Mapping[str, str], semaphores: bool
            ) -> list[HoldInfo]:
-    infos = [i for i in target.backend().holds(target.prefix)
+    infos = [i for i in holds()
              if (i.limit is not None) == semaphores and _matches(i, params)]
     infos.sort(key=lambda i: i.key)
     return infos
 
 
-def locks_view(target: Target, params: Mapping[str, str]) -> View:
+def locks_view(target: Target, params: Mapping[str, str], holds: Holds) -> View:
     """The held locks (a semaphore's slots are on their own page)."""
-    infos = _holds(target, params, semaphores=False)
+    infos = _holds(holds, params, semaphores=False)
     shown, nav = _page_of(infos, params, "locks")
     waiting = target.backend().waiting(target.prefix, [i.key for i in shown])
     with_args = any(i.extra.get("args") for i in shown)
@@ -118,10 +121,11 @@ def locks_view(target: Target, params: Mapping[str, str]) -> View:
     return View("Held locks", _filter_form("locks", params), body)
 
 
-def semaphores_view(target: Target, params: Mapping[str, str]) -> View:
+def semaphores_view(target: Target, params: Mapping[str, str], holds: Holds
+                    ) -> View:
     """The semaphores (``lock_limit`` > 1): slots used of the limit, and who holds
     them."""
-    infos = _holds(target, params, semaphores=True)
+    infos = _holds(holds, params, semaphores=True)
     shown, nav = _page_of(infos, params, "semaphores")
     waiting = target.backend().waiting(target.prefix, [i.key for i in shown])
     rows = [[_lock_link(i.key), esc(i.slots),
@@ -223,10 +227,10 @@ def summary_view(target: Target, params: Mapping[str, str],
     return View("Summary", "", body)
 
 
-def summary_counts(target: Target, has_markers: bool, has_rates: bool
+def summary_counts(target: Target, holds: Holds, has_markers: bool, has_rates: bool
                    ) -> dict[str, int | None]:
     """How many locks, semaphores, queued calls and rates there are now."""
-    infos = list(target.backend().holds(target.prefix))
+    infos = holds()
     semaphores = sum(1 for i in infos if i.limit is not None)
     queued = len(target.queued() or {}) if has_markers else None
     rates = len(rate_states(target.backend(), target.prefix)) if has_rates else None
