@@ -10,7 +10,8 @@ second another page read them (the app shares one read per second, see
 ``celery_dlock.ops.web.snapshot``).  Reported: the median and the worst time of a
 request, and the Redis commands one request ran (counted by the server, ``INFO
 commandstats``).  The list is read as ``ls`` reads it: ``SCAN`` pages, each page's
-holds read in one pipelined round trip, so the commands grow with the locks and the round trips by the page.
+holds read in one pipelined round trip, so the commands grow with the locks and the
+round trips by the page.
 
     python benchmarks/bench_web.py          # 10,000 locks -> results/bench_web.json
     python benchmarks/bench_web.py --smoke  # 200 locks, no JSON
