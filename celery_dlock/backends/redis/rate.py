@@ -6,9 +6,9 @@ time), ``interval`` and ``tau`` (``(burst - 1) * interval``), all in server
 microseconds, and ``ops``: the last few calls' operation ids with their answers, so a
 call the client re-sends (a lost reply, a request the server ran late) takes one
 slot, not two; and ``slots``: the slots reserved for parked calls and not yet claimed,
-so that each is claimed once.  It expires one second after ``tat``: a name with no calls lately keeps
-nothing.  It is a hash with none of a hold's fields, so ``celery dlock ls`` (which
-lists the lock hashes) never shows it as a lock.
+so that each is claimed once.  It expires one second after ``tat``: a name with no
+calls lately keeps nothing.  It is a hash with none of a hold's fields, so ``celery
+dlock ls`` (which lists the lock hashes) never shows it as a lock.
 """
 
 from __future__ import annotations
