@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -286,3 +287,18 @@ def test_the_holds_are_read_once_per_moment_whatever_the_pages(redis_url, web_pr
     finally:
         first.release_all()
         second.release_all()
+
+
+def test_a_store_that_does_not_answer_is_one_line_on_the_page(web_prefix, serve_page):
+    """Nothing listens at the URL: every page answers 503 with one line naming the
+    store (its password masked), and the page comes back when asked again."""
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"redis://:s3cr3t@127.0.0.1:{port}/0"
+    client = Client(serve_page(url, web_prefix, token=TOKEN).url)
+    for path in ("locks", "summary", "lock?name=x", "semaphores"):
+        status, body = client.get(path)
+        assert status == 503, (path, body)
+        assert "Cannot read Redis" in body and f"127.0.0.1:{port}" in body
+        assert "s3cr3t" not in body

@@ -49,6 +49,9 @@ CSP = (f"default-src 'none'; script-src 'sha256-{_SCRIPT_HASH}'; "
        "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self'; "
        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 
+#: What a store that cannot be read raises (the page says so, in one line).
+_STORE_ERRORS = (BackendUnavailable, RedisError, DLockError)
+
 #: The largest POST body read.
 _MAX_BODY = 16 * 1024
 
@@ -71,10 +74,16 @@ class WebApp:
 
     # -- what the backend offers --------------------------------------------------
     def has_markers(self) -> bool:
-        return self.target.markers() is not None
+        try:
+            return self.target.markers() is not None
+        except _STORE_ERRORS:  # a store down: said by the page that reads it
+            return False
 
     def has_rates(self) -> bool:
-        return getattr(self.target.backend(), "rates", None) is not None
+        try:
+            return getattr(self.target.backend(), "rates", None) is not None
+        except _STORE_ERRORS:
+            return False
 
     def tabs(self) -> list[tuple[str, str]]:
         tabs = [("locks", "Locks"), ("semaphores", "Semaphores")]
@@ -105,12 +114,18 @@ class WebApp:
         try:
             with self._store:
                 status, body = self._route(path, method, params, environ, seed)
-        except (BackendUnavailable, RedisError, DLockError) as exc:
+        except _STORE_ERRORS as exc:
             logger.warning("celery dlock web: the store did not answer: %s", exc)
             status = "503 Service Unavailable"
             body = self._page("Store unavailable", path, "",
                               f"<p class=err>Cannot read {esc(self.target.store())} at "
                               f"{esc(self.target.where())}: {esc(exc)}</p>")
+        except Exception:  # a bug: logged in full, the page says only that
+            logger.exception("celery dlock web: %s %s failed", method, path)
+            status = "500 Internal Server Error"
+            body = self._page("Error", path, "", "<p class=err>This page failed; the "
+                              "server's log (celery_dlock.web) has why.</p>",
+                              live_part=False)
         data = body.encode("utf-8", "backslashreplace")
         headers += [("Content-Type", "text/html; charset=utf-8"),
                     ("Content-Length", str(len(data))),
