@@ -14,14 +14,14 @@ __all__ = ["free_hold"]
 
 
 def free_hold(target: Target, key: str, *, fence: int | None, by: str,
-              reason: str | None) -> HoldInfo | None:
+              reason: str | None, who: str | None = None) -> HoldInfo | None:
     """Free ``key``'s hold (the one with ``fence``, when given: another hold raises
     :class:`~celery_dlock.core.holds.HoldChanged` and nothing is freed); the hold
     freed, or None when nothing was held.  The holder's loss reason names ``by`` and
     ``reason``; the release is logged on ``celery_dlock.audit`` and, where the backend
-    keeps a history, written to it."""
+    keeps a history, written to it, as released by ``who`` (default: ``user@host``)."""
     freed = target.backend().force_release(target.prefix, key, fence=fence, by=by,
                                            reason=reason)
     if freed is not None:
-        record_release(target.client(), target.prefix, key, freed, reason)
+        record_release(target.client(), target.prefix, key, freed, reason, who)
     return freed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import io
 import json
+import logging
 import os
 import re
 import socket
@@ -74,7 +75,8 @@ class Client:
             return exc.code, exc.read().decode()
 
 
-def test_list_show_and_release_on_every_store(store_url, web_prefix, serve_page):
+def test_list_show_and_release_on_every_store(store_url, web_prefix, serve_page,
+                                              caplog):
     lock = lock_from_url(store_url, "stock:42", ttl=60, prefix=web_prefix,
                          info=HOLDER)
     assert lock.acquire(blocking=False)
@@ -107,8 +109,14 @@ def test_list_show_and_release_on_every_store(store_url, web_prefix, serve_page)
         assert client.post("release", {**form, "csrf": "0" * 64})[0] == 403
         assert client.post("release", {**form, "csrf": csrf, "token": "nope"})[0] == 403
         assert lock.owned()
-        status, body = client.post("release", {**form, "csrf": csrf})
+        with caplog.at_level(logging.WARNING, logger="celery_dlock.audit"):
+            status, body = client.post("release", {**form, "csrf": csrf})
         assert status == 200, body
+        # the audit log line, as the command writes it
+        [line] = [r.getMessage() for r in caplog.records
+                  if r.name == "celery_dlock.audit"]
+        assert "'stock:42' released by" in line and "celery dlock web" in line
+        assert "stuck <job>" in line and "holder-task-1" in line
         assert "Released stock:42" in body and "stuck &lt;job&gt;" in body
         assert not lock.owned()
         deadline = time.monotonic() + 10

@@ -125,15 +125,15 @@ def release(target: Target, form: Mapping[str, str], remote: str) -> tuple[bool,
     except ValueError:
         return False, "<p class=err>No fence given: nothing was released.</p>"
     reason = form.get("reason", "").strip() or None
-    by = f"{operator()} with celery dlock web (from {remote or '?'})"
+    who = f"{operator()} with celery dlock web (from {remote or '?'})"
     try:
-        freed = free_hold(target, name, fence=fence, by=by, reason=reason)
+        freed = free_hold(target, name, fence=fence, by=who, reason=reason, who=who)
     except HoldChanged as exc:
         now = f": now {holder_text(exc.current)}" if exc.current else ""
         return False, (f"<p class=err>Lock {esc(name)} changed hands since it was "
                        f"shown{esc(now)}. Nothing was released.</p>")
     if freed is None:
         return False, f"<p class=err>{esc(name)} is not held: nothing released.</p>"
-    who = (freed.holders[0] if freed.limit is not None and freed.holders else freed)
-    return True, (f"<p class=ok>Released {esc(name)}: {esc(holder_text(who))}. "
+    hold = (freed.holders[0] if freed.limit is not None and freed.holders else freed)
+    return True, (f"<p class=ok>Released {esc(name)}: {esc(holder_text(hold))}. "
                   f"Reason: {esc(reason or 'no reason given')}.</p>")
