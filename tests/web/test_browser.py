@@ -19,8 +19,10 @@ from urllib.parse import quote
 
 import pytest
 import redis
+from celery.contrib.testing.worker import start_worker
+from celery_helpers import close_app, test_app
 
-from celery_dlock import RedisLock
+from celery_dlock import LockedTask, LockLost, RedisLock
 from celery_dlock.core.rates import Rate
 from celery_dlock.ops.web.html import query
 from celery_dlock.task.backend import backend_from_url
@@ -115,6 +117,48 @@ def test_a_release_with_the_token_frees_that_hold_and_tells_the_holder_why(
         lock.release_all()
         r.delete(events_key(web_prefix))
         r.close()
+
+
+def test_a_running_task_released_from_the_page_fails_with_the_reason(
+        redis_url, web_prefix, serve_page, browser):
+    """A real task on an in-process worker: the page shows it holding its lock, the
+    release from the page frees it, and the task ends with LockLost saying why."""
+    tag = uuid.uuid4().hex[:8]
+    app = test_app(f"web{tag}", redis_url, queue=f"q-web-{tag}", prefix=web_prefix)
+
+    @app.task(base=LockedTask, bind=True, name=f"web{tag}.nightly", lock_key="job:{x}",
+              lock_ttl=3)
+    def nightly(self: Any, x: str) -> str:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            self.lock.ensure_held()  # raises LockLost once released from the page
+            time.sleep(0.05)
+        return "never told"
+
+    backend = backend_from_url(redis_url)
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
+                          shutdown_timeout=20):
+            result = nightly.delay("7")
+            _wait(lambda: backend.read(web_prefix, "job:7"), timeout=30)
+            page = serve_page(redis_url, web_prefix, token=TOKEN)
+            browser.go(page.url)
+            text = browser.text()
+            assert "job:7" in text and result.id in text and f"web{tag}.nightly" in text
+            browser.go(page.url + "lock?" + query(name="job:7"))
+            browser.eval("document.querySelector('a[href^=\"release?\"]').click()")
+            browser.wait_load()
+            assert result.id in browser.text()
+            browser.eval("document.querySelector('input[name=reason]').value = "
+                         "'nightly stuck on a dead replica'; document.querySelector("
+                         f"'input[name=token]').value = {json.dumps(TOKEN)}; "
+                         "document.querySelector('form[method=post] button').click()")
+            browser.wait_load()
+            assert "Released job:7" in browser.text()
+            with pytest.raises(LockLost, match="nightly stuck on a dead replica"):
+                result.get(timeout=30)
+    finally:
+        close_app(app)
 
 
 def test_a_changed_hold_is_not_freed(redis_url, web_prefix, serve_page, browser):
