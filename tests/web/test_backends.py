@@ -102,7 +102,7 @@ def test_list_show_and_release_on_every_store(store_url, web_prefix, serve_page,
         status, body = client.get("release?" + query(name="stock:42", fence=lock.fence))
         assert status == 200 and "Release this hold" in body
         [csrf] = re.findall(r'name="csrf" value="([0-9a-f]+)"', body)
-        form = {"name": "stock:42", "fence": lock.fence, "reason": "stuck <job>",
+        form = {"key": "stock%3A42", "fence": lock.fence, "reason": "stuck <job>",
                 "token": TOKEN}
         # no CSRF token, a wrong one, a wrong operator's token: nothing freed
         assert client.post("release", form)[0] == 403
@@ -146,7 +146,7 @@ def test_a_read_only_page_refuses_every_release(redis_url, web_prefix, serve_pag
         status, body = client.get("lock?" + query(name="stock:1"))
         assert status == 200 and "Read-only" in body and "release?" not in body
         assert client.get("release?" + query(name="stock:1", fence=lock.fence))[0] == 403
-        assert client.post("release", {"name": "stock:1", "fence": lock.fence,
+        assert client.post("release", {"key": "stock:1", "fence": lock.fence,
                                        "token": "", "csrf": ""})[0] == 403
         assert lock.owned()
     finally:
@@ -262,7 +262,7 @@ def test_a_semaphore_slot_is_released_alone_and_hashed_names_show_their_args(
         assert status == 200 and "slot-task-0" in body
         [csrf] = re.findall(r'name="csrf" value="([0-9a-f]+)"', body)
         status, body = client.post("release", {
-            "name": "thumbs", "fence": slots[0].fence, "reason": "one slot",
+            "key": "thumbs", "fence": slots[0].fence, "reason": "one slot",
             "token": TOKEN, "csrf": csrf})
         assert status == 200 and "Released thumbs" in body, body
         assert not slots[0].owned() and slots[1].owned()

@@ -231,7 +231,7 @@ def test_a_forged_post_is_refused(redis_url, web_prefix, serve_page, browser, to
         # the operator's browser has the page's cookie; another site posts with
         # it (even knowing the token)
         _Attacker.target = page.url
-        _Attacker.fields = {"name": "payroll:1", "fence": str(lock.fence),
+        _Attacker.fields = {"key": "payroll%3A1", "fence": str(lock.fence),
                             "token": TOKEN, "reason": "forged", "csrf": "guess"}
         browser.go(f"http://127.0.0.1:{attacker.server_port}/")
         browser.wait_for("location.pathname === '/release' && "
@@ -272,6 +272,16 @@ def test_a_hostile_name_shows_as_text(redis_url, web_prefix, serve_page, browser
         # the link to the lock's page names it exactly
         browser.go(page.url + "lock?name=" + quote(HOSTILE, safe=""))
         assert f"Lock {shown}" in browser.text()
+        # and its release frees exactly it (the form carries the name byte for byte)
+        browser.eval("document.querySelector('a[href^=\"release?\"]').click()")
+        browser.wait_load()
+        browser.eval("document.querySelector('input[name=reason]').value = 'x'; "
+                     f"document.querySelector('input[name=token]').value = "
+                     f"{json.dumps(TOKEN)}; "
+                     "document.querySelector('form[method=post] button').click()")
+        browser.wait_load()
+        assert "Released" in browser.text(), browser.text()
+        assert not lock.owned()
     finally:
         lock.release_all()
         r.close()

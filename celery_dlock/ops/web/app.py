@@ -34,7 +34,7 @@ from ...core.errors import BackendUnavailable, DLockError
 from ..target import Target
 from . import views
 from .guard import Guard
-from .html import REFRESH_JS, esc, link, page
+from .html import REFRESH_JS, esc, link, page, unquoted
 from .lockpage import confirm_view, lock_view, release
 from .snapshot import Snapshot
 
@@ -207,8 +207,7 @@ class WebApp:
         remote = str(environ.get("REMOTE_ADDR") or "")
         freed, text = release(self.target, form, remote)
         self.snapshot.forget()
-        name = form.get("name", "")
-        back = link("lock", "Back to the lock", name=name)
+        back = link("lock", "Back to the lock", name=unquoted(form.get("key", "")))
         body = f"{text}<p>{back} &middot; <a href=locks>All locks</a></p>"
         return ("200 OK" if freed else "409 Conflict"), self._page(
             "Released" if freed else "Not released", "release", "", body,

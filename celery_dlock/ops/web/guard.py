@@ -3,10 +3,12 @@
 Releasing is off unless a token is configured (``--token`` or ``DLOCK_WEB_TOKEN``);
 then the confirmation form asks for it and the server compares it in constant time.
 Every POST also carries a CSRF token: an HMAC, under a key made when the app starts,
-of a random value the browser keeps in a ``SameSite=Strict`` cookie.  A page of
-another site can neither read the cookie nor the token, so a forged POST fails even
-when the operator's browser holds the cookie; a POST whose ``Origin`` names another
-host is refused too.
+of a random value the browser keeps in a ``SameSite=Lax`` cookie (not sent with
+another site's POST; sent when a link elsewhere opens the page, so that opening it
+from a chat keeps the seed the open tabs' forms were made with).  A page of another
+site can neither read the cookie nor the token, so a forged POST fails even when the
+operator's browser holds the cookie; a POST whose ``Origin`` names another host is
+refused too.
 """
 
 from __future__ import annotations
@@ -84,4 +86,4 @@ class Guard:
     @staticmethod
     def cookie_header(seed: str, path: str) -> tuple[str, str]:
         return ("Set-Cookie", f"{COOKIE}={seed}; Path={path or '/'}; HttpOnly; "
-                              "SameSite=Strict")
+                              "SameSite=Lax")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Sequence
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from ..formatting import printable
 
-__all__ = ["CSS", "REFRESH_JS", "attr", "esc", "link", "page", "query", "table",
-           "text_of"]
+__all__ = ["CSS", "REFRESH_JS", "attr", "esc", "link", "page", "query", "quoted",
+           "table", "text_of", "unquoted"]
 
 
 def text_of(value: object) -> str:
@@ -39,6 +39,17 @@ def attr(value: object) -> str:
     return "" if value is None or value == "" else esc(value)
 
 
+def quoted(name: str) -> str:
+    """``name`` percent-encoded, its surrogates (bytes that are not UTF-8) as those
+    bytes: a form carries any name exactly (control characters included), and
+    :func:`unquoted` gives it back."""
+    return quote(name.encode("utf-8", "surrogateescape"), safe="")
+
+
+def unquoted(text: str) -> str:
+    return unquote(text, errors="surrogateescape")
+
+
 def query(**params: object) -> str:
     """A query string; a name's surrogates (its non-UTF-8 bytes) are sent as those
     bytes, so the name read back is the name given."""
@@ -46,8 +57,7 @@ def query(**params: object) -> str:
     for key, value in params.items():
         if value is None or value == "":
             continue
-        raw = str(value).encode("utf-8", "surrogateescape")
-        pairs.append(f"{quote(key)}={quote(raw, safe='')}")
+        pairs.append(f"{quote(key)}={quoted(str(value))}")
     return "&".join(pairs)
 
 

@@ -22,7 +22,7 @@ from ..formatting import duration_text, holder_text, queued_text
 from ..freeing import free_hold
 from ..rates import rate_state, rate_text
 from ..target import Target
-from .html import esc, link, table
+from .html import esc, link, quoted, table, unquoted
 from .views import View, events_table, history_note
 
 __all__ = ["confirm_view", "lock_view", "release"]
@@ -107,7 +107,7 @@ def confirm_view(target: Target, name: str, fence: int | None, csrf: str) -> Vie
             "nothing is freed.</p>"
             '<form method="post" action="release">'
             f'<input type="hidden" name="csrf" value="{esc(csrf)}">'
-            f'<input type="hidden" name="name" value="{esc(name)}">'
+            f'<input type="hidden" name="key" value="{esc(quoted(name))}">'
             f'<input type="hidden" name="fence" value="{esc(hold.fence)}">'
             '<p><label>Reason <input name="reason" size="60" maxlength="200" '
             'required></label></p>'
@@ -119,7 +119,7 @@ def confirm_view(target: Target, name: str, fence: int | None, csrf: str) -> Vie
 
 def release(target: Target, form: Mapping[str, str], remote: str) -> tuple[bool, str]:
     """Free the hold the confirmation showed; (freed, a message in HTML)."""
-    name = form.get("name", "")
+    name = unquoted(form.get("key", ""))
     try:
         fence = int(form.get("fence", ""))
     except ValueError:
