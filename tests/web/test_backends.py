@@ -130,6 +130,15 @@ def test_list_show_and_release_on_every_store(store_url, web_prefix, serve_page,
         else:
             assert "stuck <job>" in lock.lost_reason
         assert "stock:42" not in client.get("locks")[1].split("<table", 1)[-1]
+        # the summary: the release is in the history even with contention not
+        # recorded (dlock_record_events off), where the backend keeps one
+        status, body = client.get("summary")
+        assert status == 200
+        if store_url.startswith("redis"):
+            assert "stuck &lt;job&gt;" in body and "Contention is not recorded" in body
+            assert "<svg" in body
+        else:
+            assert "keeps no event history yet" in body and "<svg" not in body
     finally:
         if lock.depth:
             try:

@@ -16,14 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ...core.holds import HoldChanged, HoldInfo
-from ...task.events import EVENTS_MAX, recent_events
 from ..audit import operator
 from ..formatting import duration_text, holder_text, queued_text
 from ..freeing import free_hold
 from ..rates import rate_state, rate_text
 from ..target import Target
 from .html import esc, link, quoted, table, unquoted
-from .views import View, events_table, history_note
+from .views import View, events_table, history
 
 __all__ = ["confirm_view", "lock_view", "release"]
 
@@ -73,13 +72,11 @@ def lock_view(target: Target, name: str, writable: bool) -> View:
     if info is not None:
         body += _release_links(info, writable)
     body += "<h2>History</h2>"
-    note = history_note(target)
+    events, note = history(target)
     if note is not None:
         body += f"<p class=none>{esc(note)}</p>"
-    else:
-        events = [e for e in recent_events(target.client(), target.prefix, EVENTS_MAX)
-                  if e.key == name]
-        body += events_table(events)
+    if target.client() is not None:
+        body += events_table([e for e in events if e.key == name])
     return View(f"Lock {name}", "", body)
 
 

@@ -22,7 +22,7 @@ from .chart import per_minute, svg_chart
 from .html import attr, esc, link, table, text_of
 
 __all__ = ["EVENT_HEADERS", "PAGE_SIZE", "Holds", "View", "event_rows", "events_table",
-           "history_note", "locks_view", "queued_view", "rates_view", "semaphores_view",
+           "history", "locks_view", "queued_view", "rates_view", "semaphores_view",
            "summary_counts", "summary_view"]
 
 #: Rows per page.
@@ -167,15 +167,19 @@ def rates_view(target: Target, params: Mapping[str, str]) -> View:
     return View("Rates", _filter_form("rates", params), body)
 
 
-def history_note(target: Target) -> str | None:
-    """Why there is no history to show (None: there is one)."""
+def history(target: Target) -> tuple[list[Event], str | None]:
+    """The recorded events, newest first, and a note on what is missing: none kept by
+    this backend, or (as ``top`` says) nothing recorded without
+    ``dlock_record_events`` (releases by hand are recorded whatever it says)."""
     if target.client() is None:
-        return (f"The {target.backend().kind} backend keeps no event history yet "
-                "(docs/backends.md).")
+        return [], (f"The {target.backend().kind} backend keeps no event history yet "
+                    "(docs/backends.md).")
+    events = recent_events(target.client(), target.prefix, EVENTS_MAX)
     if not recording_enabled(target.app):
-        return ("Not recorded: set app.conf.dlock_record_events = True for the workers "
-                "to keep a history.")
-    return None
+        return events, ("Contention is not recorded: set app.conf.dlock_record_events "
+                        "= True for the workers to keep a history (releases by hand are "
+                        "recorded anyway).")
+    return events, None
 
 
 def event_rows(events: Iterable[Event]) -> list[list[str]]:
@@ -210,11 +214,11 @@ def summary_view(target: Target, params: Mapping[str, str],
     facts = "".join(f"<li>{esc(label)}: <b>{esc(n)}</b></li>"
                     for label, n in counts.items() if n is not None)
     body = f"<ul class=facts>{facts}</ul>"
-    note = history_note(target)
+    events, note = history(target)
     if note is not None:
         body += f"<p class=none>{esc(note)}</p>"
+    if target.client() is None:
         return View("Summary", "", body)
-    events = recent_events(target.client(), target.prefix, EVENTS_MAX)
     now = time.time()
     body += "<h2>Events per minute, last hour</h2>" + svg_chart(per_minute(events, now))
     if len(events) >= EVENTS_MAX:
