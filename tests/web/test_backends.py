@@ -191,8 +191,10 @@ def test_bytes_that_are_not_utf8_show_escaped(redis_url, web_prefix, serve_page)
         r.close()
 
 
-def test_the_command_serves_the_page_on_loopback(redis_url, web_prefix):
-    """``celery -A app dlock web --port 0`` binds 127.0.0.1 and serves the page."""
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_the_command_serves_the_page(redis_url, web_prefix, host):
+    """``celery -A app dlock web --port 0`` binds 127.0.0.1 by default and serves the
+    page; on another address it warns that the page has no login of its own."""
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo / "tests"), str(repo)]),
                **{ENV_CONF: json.dumps({"dlock_url": redis_url,
@@ -200,22 +202,23 @@ def test_the_command_serves_the_page_on_loopback(redis_url, web_prefix):
     env.pop("DLOCK_WEB_TOKEN", None)
     lock = lock_from_url(redis_url, "cmd:1", ttl=60, prefix=web_prefix, info=HOLDER)
     assert lock.acquire(blocking=False)
+    options = [] if host == "127.0.0.1" else ["--host", host]
     proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "config_app", "dlock",
-                             "--prefix", web_prefix, "web", "--port", "0"],
-                            env=env, cwd=repo, stdout=subprocess.PIPE, text=True)
+                             "--prefix", web_prefix, "web", "--port", "0", *options],
+                            env=env, cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # bounded by the test's timeout
-        [url] = re.findall(r"on (http://127\.0\.0\.1:\d+/)", line)
+        [port] = re.findall(rf"on http://{re.escape(host)}:(\d+)/", line)
         assert "read-only" in line
-        status, body = Client(url).get("")
+        status, body = Client(f"http://127.0.0.1:{port}/").get("")
         assert status == 200 and "cmd:1" in body and "holder-task-1" in body
     finally:
         proc.terminate()
-        proc.wait(30)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        _, err = proc.communicate(timeout=30)
         lock.release_all()
+    assert ("no login of its own" in err) == (host != "127.0.0.1"), err
 
 
 def test_mounted_under_a_path_its_links_stay_under_it(redis_url, web_prefix):

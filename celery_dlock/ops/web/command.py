@@ -3,6 +3,7 @@ with the standard library's WSGI server, on 127.0.0.1 unless told otherwise."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import sys
 from socketserver import ThreadingMixIn
@@ -34,6 +35,13 @@ class _Quiet(WSGIRequestHandler):
         logger.debug("%s " + format, self.address_string(), *args)
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def serve(app: WebApp, host: str, port: int) -> WSGIServer:
     """A server of ``app`` bound to ``host``:``port`` (0: a free port), not yet
     serving (call ``serve_forever``)."""
@@ -47,7 +55,8 @@ def serve(app: WebApp, host: str, port: int) -> WSGIServer:
               help="Port to listen on (0: any free one).")
 @click.option("--token", metavar="TOKEN",
               help=f"Allow releasing locks from the page to whoever gives this token "
-                   f"(default: ${TOKEN_ENV}; neither: the page is read-only).")
+                   f"(default: ${TOKEN_ENV}, which unlike --token no process list "
+                   f"shows; neither: the page is read-only).")
 @click.option("--refresh", type=click.FloatRange(min=0.5), default=5.0,
               show_default=True, help="Seconds between refreshes of a page.")
 @click.pass_context
@@ -62,6 +71,10 @@ def web(ctx: click.Context, host: str, port: int, token: str | None,
     mode = "releasing allowed with the token" if guard.writable else "read-only"
     click.echo(f"celery dlock web: serving {target.store()} {target.where()} prefix "
                f"{target.prefix!r} on {where} ({mode}); Ctrl-C stops.")
+    if not _loopback(host):
+        click.echo(f"celery dlock web: {host} is reachable from other machines and the "
+                   "page has no login of its own: put it behind one (docs/web.md).",
+                   err=True)
     sys.stdout.flush()
     try:
         server.serve_forever(poll_interval=0.5)
