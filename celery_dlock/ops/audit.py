@@ -45,14 +45,15 @@ def released_by(force: bool) -> str:
 
 
 def record_release(client: Any, prefix: str, key: str, freed: HoldInfo,
-                   reason: str | None) -> Event:
-    """Record that ``freed`` (the hold on ``key``) was released by hand.
+                   reason: str | None, who: str | None = None) -> Event:
+    """Record that ``freed`` (the hold on ``key``) was released by hand, by ``who``
+    (default: :func:`operator`, the ``user@host`` running this).
 
     Redis errors propagate (the command reports them); the log line is written first.
     With no Redis (``client`` None: a backend that keeps no history), only the log
     line.
     """
-    event = Event(at=time.time(), kind="released", key=key, worker=operator(),
+    event = Event(at=time.time(), kind="released", key=key, worker=who or operator(),
                   holder_task_name=freed.task_name, holder_task_id=freed.task_id,
                   holder_worker=freed.worker,
                   detail=clean_text(reason) or "no reason given")

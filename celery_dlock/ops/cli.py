@@ -8,6 +8,7 @@ app given with ``-A``::
     celery -A proj dlock show stock:42      # one lock, every field
     celery -A proj dlock release stock:42   # free it (asks first; --force does not)
     celery -A proj dlock top                # a live view, with recent contention
+    celery -A proj dlock web                # the same on a page (docs/web.md)
 
 Redis is the app's (``dlock_client``, ``dlock_url``, a Redis broker URL or a Redis result
 backend, as the workers find it; passwords are never printed) and the key prefix
@@ -41,7 +42,7 @@ from redis.exceptions import RedisError
 
 from ..core.errors import DLockError, LockKeyConflict
 from ..core.holds import SUMMARY_FIELDS, HoldChanged, HoldInfo
-from .audit import record_release, released_by
+from .audit import released_by
 from .check import check
 from .formatting import (
     QUEUED_FIELDS,
@@ -55,6 +56,7 @@ from .formatting import (
     value_cells,
     with_slots,
 )
+from .freeing import free_hold
 from .oneline import OneLineGroup
 from .rates import rate_cell, rate_state, rate_states, rate_text
 from .target import (
@@ -67,6 +69,7 @@ from .target import (
     target_of,
 )
 from .top import top
+from .web.command import web
 
 __all__ = ["dlock"]
 
@@ -272,8 +275,8 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
                 abort=True)
             expected = info.fence
     try:
-        freed = backend.force_release(target.prefix, key, fence=expected,
-                                      by=released_by(force), reason=reason)
+        freed = free_hold(target, key, fence=expected, by=released_by(force),
+                          reason=reason)
     except HoldChanged as exc:
         now = f": now {holder_text(exc.current)}" if exc.current else ""
         fail(ctx, f"Lock {key!r} changed hands since it was shown{now}. "
@@ -285,7 +288,6 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
     if freed is None:
         _not_held(ctx, target, key)
         return
-    record_release(target.client(), target.prefix, key, freed, reason)
     if freed.limit is not None:
         click.echo(printable(f"Released {len(freed.holders)} slot(s) of semaphore "
                              f"{key!r}: "
@@ -296,3 +298,4 @@ def release(ctx: click.Context, key: str, force: bool, reason: str | None) -> No
 
 dlock.add_command(top)
 dlock.add_command(check)
+dlock.add_command(web)

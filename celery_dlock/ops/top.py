@@ -45,6 +45,11 @@ def _event_line(event: Event) -> str:
                 f"{event.detail or '?'}")
     if event.kind == "lost":
         return f"{stamp}  lost       {event.key}  {who}: {event.detail or 'lost'}"
+    if event.kind == "duplicate":
+        return (f"{stamp}  duplicate  {event.key}  {who} -> {event.policy or '?'}  "
+                f"(queued: {event.holder_task_id or '?'}, {event.detail or '?'})")
+    if event.kind == "parked":
+        return f"{stamp}  parked     {event.key}  {who}: {event.detail or '?'}"
     held = ""
     if event.holder_task_name or event.holder_task_id:
         held = f"{event.holder_task_name or '?'}[{event.holder_task_id or '?'}]"

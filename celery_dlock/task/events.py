@@ -6,11 +6,17 @@ that runs its locked tasks appends one small JSON record to a capped Redis list,
 after the last one), each time a task
 
 * finds its lock held elsewhere (``signals.lock_contended``: which task, which policy,
-  who held the lock), or
-* loses its lock while running (``signals.lock_lost``).
+  who held the lock),
+* loses its lock while running (``signals.lock_lost``),
+* is sent while a call of its lock name is already queued, running or throttled (an
+  enqueue-time ``lock_mode``: ``signals.lock_duplicate``, recorded by the producer, as
+  ``duplicate``: the new call, the other call's id as the holder, the policy), or
+* is parked over its ``lock_rate`` (``signals.lock_parked``, as ``parked``).
 
 The cost is one pipelined round trip (``LPUSH``, ``LTRIM``, ``EXPIRE``) per event, on
-the contended path only: acquiring and releasing an uncontended lock records nothing.
+the contended path only (a contention, a duplicate, a park, a loss): acquiring and
+releasing an uncontended lock, and sending a call that is not a duplicate, record
+nothing.
 A contention caused by Redis being unreachable is not recorded (there is nowhere to
 write it).  Failures to record are logged at debug level and never affect the task.
 
@@ -60,7 +66,9 @@ def events_key(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class Event:
-    """One recorded contention (``kind="contended"``) or lost lock (``"lost"``)."""
+    """One recorded contention (``kind="contended"``), lost lock (``"lost"``),
+    duplicate call (``"duplicate"``), parked call (``"parked"``) or release by hand
+    (``"released"``, :mod:`celery_dlock.ops.audit`)."""
 
     at: float
     kind: str
@@ -153,6 +161,29 @@ def _on_lost(sender: Any = None, name: str = "?", task_id: str | None = None,
                           detail=reason))
 
 
+def _on_duplicate(sender: Any = None, name: str = "?", task_id: str | None = None,
+                  existing: str | None = None, mode: str | None = None,
+                  policy: str | None = None, **_: Any) -> None:
+    if not recording_enabled(getattr(sender, "app", None)):
+        return
+    _record(sender, Event(at=time.time(), kind="duplicate", key=name,
+                          task_name=getattr(sender, "name", None), task_id=task_id,
+                          policy=policy, holder_task_id=existing,
+                          detail=f"lock_mode {mode}" if mode else None))
+
+
+def _on_parked(sender: Any = None, name: str = "?", task_id: str | None = None,
+               delay: float | None = None, rate: str | None = None, **_: Any) -> None:
+    if not recording_enabled(getattr(sender, "app", None)):
+        return
+    request = getattr(sender, "request", None)
+    slot = "" if delay is None else f", its slot in {delay:.2f}s"
+    _record(sender, Event(at=time.time(), kind="parked", key=name,
+                          task_name=getattr(sender, "name", None), task_id=task_id,
+                          worker=getattr(request, "hostname", None),
+                          detail=f"lock_rate {rate or '?'}{slot}"))
+
+
 _installed = False
 _install_lock = threading.Lock()
 
@@ -171,4 +202,8 @@ def install() -> None:
                                        dispatch_uid="celery_dlock.events.contended")
         signals.lock_lost.connect(_on_lost, weak=False,
                                   dispatch_uid="celery_dlock.events.lost")
+        signals.lock_duplicate.connect(_on_duplicate, weak=False,
+                                       dispatch_uid="celery_dlock.events.duplicate")
+        signals.lock_parked.connect(_on_parked, weak=False,
+                                    dispatch_uid="celery_dlock.events.parked")
         _installed = True

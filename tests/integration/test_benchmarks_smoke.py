@@ -32,6 +32,7 @@ SCRIPTS = {
     "bench_memory.py": "| variant | locks | keys/lock held | bytes/lock held |",
     "bench_contention.py": "| variant | waiting | P | hand-offs | hand-offs/s |",
     "bench_backends.py": "| backend | names | p50 us | p99 us | mean us | x Redis |",
+    "bench_web.py": "| page | locks | median ms | max ms | CPU ms |",
 }
 #: The pool sizes of the e2e scaling smoke run: two small workers, one after the other.
 SCALING_ARGS = ["bench_e2e.py", "--smoke", "--concurrency", "1,2", "--tasks", "20",

@@ -1,4 +1,6 @@
-"""Prometheus metrics moved by real locked tasks on an in-process worker."""
+"""Prometheus metrics moved by real locked tasks on an in-process worker (whose app
+also records the event history, ``dlock_record_events``: the duplicates and parked
+calls counted are recorded as events too)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from celery_dlock import LockedTask, LockLost, RedisLock, is_skipped, signals
 from celery_dlock.ops import metrics
+from celery_dlock.task.events import recent_events
 
 RESULT_TIMEOUT = 30
 
@@ -28,7 +31,8 @@ def env(redis_url: str) -> Iterator[SimpleNamespace]:
     prefix = f"dlm{tag}"
     registry = CollectorRegistry()
     installed = metrics.install(registry=registry)
-    app = test_app(f"dlm{tag}", redis_url, queue=f"q-{tag}", prefix=prefix)
+    app = test_app(f"dlm{tag}", redis_url, queue=f"q-{tag}", prefix=prefix,
+                   dlock_record_events=True)
     r = redis.Redis.from_url(redis_url, socket_timeout=30)
     gates: list[str] = []
 
@@ -196,6 +200,13 @@ def test_duplicate_counter_by_task_and_policy(env):
              for p in before}
     assert {p: after[p] - before[p] for p in before} == \
         {"return_existing": 1, "drop": 2, "raise": 1}
+    # the history has each, naming the queued call and the mode
+    events = [e for e in recent_events(env.r, env.prefix, 200)
+              if e.kind == "duplicate" and e.key == f"m:{x}"]
+    assert sorted(e.policy for e in events) == ["drop", "drop", "raise",
+                                                "return_existing"]
+    assert {e.holder_task_id for e in events} == {first.id}
+    assert {e.detail for e in events} == {"lock_mode until_finished"}
     env.open_gate(x)
     assert first.get(timeout=RESULT_TIMEOUT) == "done"
 
@@ -222,3 +233,7 @@ def test_parked_counter(env):
         signals.lock_parked.disconnect(on_parked)
     assert len(parked) >= 1
     assert sample(env, "dlock_parked_total", task=task) == before + len(parked)
+    events = [e for e in recent_events(env.r, env.prefix, 200)
+              if e.kind == "parked" and e.key == f"m:{x}"]
+    assert len(events) == len(parked)
+    assert all(e.detail and e.detail.startswith("lock_rate 2/s") for e in events)

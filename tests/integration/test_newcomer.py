@@ -292,7 +292,7 @@ def held(external: EmbeddedRedis, r: redis.Redis) -> Iterator[str]:
 def test_dlock_help_lists_the_sub_commands(newcomer: Newcomer) -> None:
     proc = newcomer.dlock("--help")
     assert_clean_success(proc)
-    for sub in ("ls", "show", "release", "top"):
+    for sub in ("ls", "show", "release", "top", "web"):
         assert f"  {sub} " in proc.stdout, proc.stdout
         assert_clean_success(newcomer.dlock(sub, "--help"))
 
