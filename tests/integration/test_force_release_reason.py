@@ -225,8 +225,8 @@ def test_locked_task_lock_lost_signal_has_the_reason(env: TaskEnv, redis_url: st
         res = env.tasks["held"].delay(x)
         assert wait_until(lambda: env.events(kind="started", x=x), timeout=20)
         _release(redis_url, env.prefix, f"r:{x}", "deploy froze, INC-9")
-        assert wait_until(lambda: [s for s in seen if s["key"] == f"r:{x}"], timeout=15)
-        (sig,) = [s for s in seen if s["key"] == f"r:{x}"]
+        assert wait_until(lambda: [s for s in seen if s["name"] == f"r:{x}"], timeout=15)
+        (sig,) = [s for s in seen if s["name"] == f"r:{x}"]
         assert "with celery dlock release --force: deploy froze, INC-9" in sig["reason"]
         (started,) = env.events(kind="started", x=x)
         assert sig["fence"] == started["fence"]

@@ -30,6 +30,7 @@ from celery import Celery
 from config_app import ENV_CONF
 
 from celery_dlock import lock_from_url
+from celery_dlock.core.lock_options import LockOptions
 from celery_dlock.ops.target import Target
 from celery_dlock.ops.web import make_app
 from celery_dlock.ops.web.html import query
@@ -253,12 +254,13 @@ def test_mounted_under_a_path_its_links_stay_under_it(redis_url, web_prefix):
 def test_a_semaphore_slot_is_released_alone_and_hashed_names_show_their_args(
         redis_url, web_prefix, serve_page):
     backend = backend_from_url(redis_url)
-    slots = [backend.lock("thumbs", 60, prefix=web_prefix, limit=3, owner=f"slot-{n}",
-                          info={"task_name": "media.thumb", "task_id": f"slot-task-{n}"})
+    slots = [backend.lock(LockOptions(
+        "thumbs", 60, prefix=web_prefix, limit=3, owner=f"slot-{n}",
+        info={"task_name": "media.thumb", "task_id": f"slot-task-{n}"}))
              for n in range(2)]
-    hashed = backend.lock("a1b2c3d4", 60, prefix=web_prefix,
+    hashed = backend.lock(LockOptions("a1b2c3d4", 60, prefix=web_prefix,
                           info={"task_name": "shop.sync", "task_id": "hashed-1",
-                                "args": "('<b>acme</b>', 7)"})
+                                "args": "('<b>acme</b>', 7)"}))
     for lock in (*slots, hashed):
         assert lock.acquire(blocking=False)
     try:

@@ -23,6 +23,7 @@ from celery.contrib.testing.worker import start_worker
 from celery_helpers import close_app, test_app
 
 from celery_dlock import LockedTask, LockLost, RedisLock
+from celery_dlock.core.lock_options import LockOptions
 from celery_dlock.core.rates import Rate
 from celery_dlock.ops.web.html import query
 from celery_dlock.task.backend import backend_from_url
@@ -296,17 +297,17 @@ def _populate(redis_url: str, prefix: str) -> list[Any]:
                                       ("stock:77", "shop.reduce_stock"),
                                       ("report:2026-11-28", "reports.daily"),
                                       ("sync:crm", "crm.sync")]):
-        lock = backend.lock(name, 300, prefix=prefix, owner=f"owner-{n}",
+        lock = backend.lock(LockOptions(name, 300, prefix=prefix, owner=f"owner-{n}",
                             info={"task_name": task, "task_id": f"{uuid.uuid4()}",
-                                  "worker": f"celery@worker-{n % 2 + 1}"})
+                                  "worker": f"celery@worker-{n % 2 + 1}"}))
         assert lock.acquire(blocking=False)
         held.append(lock)
     for n in range(2):
-        slot = backend.lock("thumbnails", 300, prefix=prefix, limit=4,
+        slot = backend.lock(LockOptions("thumbnails", 300, prefix=prefix, limit=4,
                             owner=f"slot-{n}",
                             info={"task_name": "media.thumbnail",
                                   "task_id": f"{uuid.uuid4()}",
-                                  "worker": "celery@worker-2"})
+                                  "worker": "celery@worker-2"}))
         assert slot.acquire(blocking=False)
         held.append(slot)
     markers = backend.markers()  # type: ignore[attr-defined]
