@@ -14,7 +14,6 @@ gone, so its ``on_lost``, ``LockLost`` and ``lock_lost`` reason say
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import socket
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 from ..core.holds import HoldInfo
 from ..core.text import clean_text
-from ..task.events import EVENTS_MAX, EVENTS_TTL, Event, events_key
+from ..task.events import Event, push_event
 from .formatting import printable
 
 __all__ = ["operator", "record_release", "released_by"]
@@ -64,8 +63,6 @@ def record_release(client: Any, prefix: str, key: str, freed: HoldInfo,
     if client is None:
         return event
     pipe = client.pipeline(transaction=False)
-    pipe.lpush(events_key(prefix), json.dumps(event.as_dict(), separators=(",", ":")))
-    pipe.ltrim(events_key(prefix), 0, EVENTS_MAX - 1)
-    pipe.expire(events_key(prefix), EVENTS_TTL)
+    push_event(pipe, prefix, event)
     pipe.execute()
     return event

@@ -13,10 +13,11 @@ after the last one), each time a task
   ``duplicate``: the new call, the other call's id as the holder, the policy), or
 * is parked over its ``lock_rate`` (``signals.lock_parked``, as ``parked``).
 
-The cost is one pipelined round trip (``LPUSH``, ``LTRIM``, ``EXPIRE``) per event, on
-the contended path only (a contention, a duplicate, a park, a loss): acquiring and
-releasing an uncontended lock, and sending a call that is not a duplicate, record
-nothing.
+The cost is one pipelined round trip (``LPUSH``, ``LTRIM``, ``EXPIRE``, and the
+minute's count: :mod:`.event_counts`) per event, on the contended path (a contention,
+a duplicate, a park, a loss); an acquisition is counted only (``HINCRBY``,
+``EXPIRE``: one round trip per acquire); releasing and sending a call that is not a
+duplicate record nothing.
 A contention caused by Redis being unreachable is not recorded (there is nowhere to
 write it).  Failures to record are logged at debug level and never affect the task.
 
@@ -43,9 +44,10 @@ from redis.exceptions import RedisError
 from ..core.errors import BackendUnavailable, DLockError
 from . import signals
 from .config import get_client, read_setting
+from .event_counts import count_into
 from .settings import conf_value
 
-__all__ = ["EVENTS_MAX", "EVENTS_TTL", "Event", "events_key", "install",
+__all__ = ["EVENTS_MAX", "EVENTS_TTL", "Event", "events_key", "install", "push_event",
            "recent_events", "recording_enabled"]
 
 logger = logging.getLogger("celery_dlock.events")
@@ -119,18 +121,36 @@ def recording_enabled(app: Any) -> bool:
     return bool(conf_value(app, "dlock_record_events", False))
 
 
+def push_event(pipe: Any, prefix: str, event: Event) -> None:
+    """Queue on ``pipe`` the recording of ``event`` under ``prefix``: the history
+    list, capped, and its minute's count (:mod:`.event_counts`)."""
+    key = events_key(prefix)
+    pipe.lpush(key, json.dumps(event.as_dict(), separators=(",", ":")))
+    pipe.ltrim(key, 0, EVENTS_MAX - 1)
+    pipe.expire(key, EVENTS_TTL)
+    count_into(pipe, prefix, event.kind, event.at)
+
+
 def _record(task: Any, event: Event) -> None:
     try:
-        prefix = read_setting(task, "lock_prefix")
-        key = events_key(prefix)
         pipe = get_client(task.app).pipeline(transaction=False)
-        pipe.lpush(key, json.dumps(event.as_dict(), separators=(",", ":")))
-        pipe.ltrim(key, 0, EVENTS_MAX - 1)
-        pipe.expire(key, EVENTS_TTL)
+        push_event(pipe, read_setting(task, "lock_prefix"), event)
         pipe.execute()
     except (RedisError, DLockError) as exc:
         logger.debug("could not record a %s event for %r: %s", event.kind, event.key,
                      exc)
+
+
+def _on_acquired(sender: Any = None, name: str = "?", **_: Any) -> None:
+    """An acquisition is counted (its minute's count), not kept in the history."""
+    if not recording_enabled(getattr(sender, "app", None)):
+        return
+    try:
+        pipe = get_client(sender.app).pipeline(transaction=False)
+        count_into(pipe, read_setting(sender, "lock_prefix"), "acquired")
+        pipe.execute()
+    except (RedisError, DLockError) as exc:
+        logger.debug("could not count an acquisition of %r: %s", name, exc)
 
 
 def _on_contended(sender: Any = None, name: str = "?", policy: str | None = None,
@@ -206,4 +226,6 @@ def install() -> None:
                                        dispatch_uid="celery_dlock.events.duplicate")
         signals.lock_parked.connect(_on_parked, weak=False,
                                     dispatch_uid="celery_dlock.events.parked")
+        signals.lock_acquired.connect(_on_acquired, weak=False,
+                                      dispatch_uid="celery_dlock.events.acquired")
         _installed = True

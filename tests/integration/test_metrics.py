@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from celery_dlock import LockedTask, LockLost, RedisLock, is_skipped, signals
 from celery_dlock.ops import metrics
+from celery_dlock.task.event_counts import counts_key, minute_counts
 from celery_dlock.task.events import recent_events
 
 RESULT_TIMEOUT = 30
@@ -209,6 +210,31 @@ def test_duplicate_counter_by_task_and_policy(env):
     assert {e.detail for e in events} == {"lock_mode until_finished"}
     env.open_gate(x)
     assert first.get(timeout=RESULT_TIMEOUT) == "done"
+
+
+def test_every_acquisition_and_event_is_counted_per_minute(env):
+    """With dlock_record_events, each acquisition is counted in its minute's hash
+    (not kept in the capped history), and so is each recorded event: the web page's
+    chart reads these counts."""
+    def totals() -> dict[str, int]:
+        counts = minute_counts(env.r, env.prefix, time.time(), 60)
+        return {kind: sum(values) for kind, values in counts.items()}
+
+    before = totals()
+    for _ in range(3):
+        assert env.tasks.quick.delay(uuid.uuid4().hex).get(timeout=RESULT_TIMEOUT) == \
+            "done"
+    x = uuid.uuid4().hex
+    env.gates.append(x)
+    first = env.tasks.gated.apply_async((x,), lock_mode="until_finished")
+    env.tasks.gated.apply_async((x,), lock_mode="until_finished", on_duplicate="drop")
+    env.open_gate(x)
+    assert first.get(timeout=RESULT_TIMEOUT) == "done"
+    assert wait_until(lambda: totals()["acquired"] >= before["acquired"] + 4)
+    after = totals()
+    assert after["acquired"] == before["acquired"] + 4  # 3 quick, 1 gated
+    assert after["duplicate"] == before["duplicate"] + 1
+    assert env.r.ttl(counts_key(env.prefix, int(time.time() // 60))) > 3600
 
 
 def test_parked_counter(env):

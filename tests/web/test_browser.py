@@ -27,7 +27,8 @@ from celery_dlock.core.lock_options import LockOptions
 from celery_dlock.core.rates import Rate
 from celery_dlock.ops.web.html import query
 from celery_dlock.task.backend import backend_from_url
-from celery_dlock.task.events import Event, events_key, recent_events
+from celery_dlock.task.event_counts import count_into
+from celery_dlock.task.events import Event, events_key, push_event, recent_events
 
 pytestmark = pytest.mark.browser
 
@@ -116,7 +117,7 @@ def test_a_release_with_the_token_frees_that_hold_and_tells_the_holder_why(
         assert reason in browser.text()
     finally:
         lock.release_all()
-        r.delete(events_key(web_prefix))
+        r.delete(events_key(web_prefix), *r.keys(f"{web_prefix}:counts:*"))
         r.close()
 
 
@@ -346,8 +347,13 @@ def _populate(redis_url: str, prefix: str) -> list[Any]:
                         holder_task_id="r-26", holder_worker="celery@worker-1",
                         detail="stuck after the database failover"))
     events.sort(key=lambda e: e.at)
+    pipe = r.pipeline(transaction=False)
     for e in events:
-        r.lpush(events_key(prefix), json.dumps(e.as_dict()))
+        push_event(pipe, prefix, e)  # the history and each minute's count
+    for minute in range(60):  # acquisitions are counted only
+        for _ in range(10 + (minute * 13) % 17):
+            count_into(pipe, prefix, "acquired", now - minute * 60)
+    pipe.execute()
     r.close()
     return held
 
@@ -379,10 +385,11 @@ def test_every_page_renders_and_is_captured(redis_url, web_prefix, serve_page,
         # the chart has a line for each kind of event, drawn by the server
         assert browser is not None
         browser.go(page.url + "summary")
-        assert browser.eval("document.querySelectorAll('svg polyline').length") == 5
+        assert browser.eval("document.querySelectorAll('svg polyline').length") == 6
+        assert "acquired (" in browser.text()
     finally:
         for lock in held:
             lock.release_all()
         r = redis.Redis.from_url(redis_url)
-        r.delete(events_key(web_prefix))
+        r.delete(events_key(web_prefix), *r.keys(f"{web_prefix}:counts:*"))
         r.close()

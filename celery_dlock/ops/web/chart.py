@@ -1,39 +1,23 @@
 """The summary's chart: events per minute over the last hour, as server-side SVG.
 
-The counts come from the history the workers keep (``dlock_record_events``, see
-:mod:`celery_dlock.task.events`): one series per kind of event (``contended``,
-``duplicate``, ``parked``, ``lost``, ``released`` by hand).  The history is capped
-(its newest records), so on a busy fleet the chart covers less than the hour; the
-caption says from when.
+The counts are those the workers keep per minute when the app records events
+(``dlock_record_events``, see :mod:`celery_dlock.task.event_counts`): one series per
+kind (``acquired``, ``contended``, ``duplicate``, ``parked``, ``lost``, ``released`` by
+hand), every event of the hour counted (the history list keeps only the newest).
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from ...task.events import Event
-
-__all__ = ["MINUTES", "SERIES", "per_minute", "svg_chart"]
+__all__ = ["MINUTES", "SERIES", "svg_chart"]
 
 #: Minutes shown.
 MINUTES = 60
 #: The kinds of event charted, each with its colour.
-SERIES = (("contended", "#ef6c00"), ("duplicate", "#6a1b9a"), ("parked", "#2e7d32"),
-          ("lost", "#c62828"), ("released", "#1565c0"))
-
-
-def per_minute(events: Iterable[Event], now: float, minutes: int = MINUTES
-               ) -> dict[str, list[int]]:
-    """Counts per kind, one per minute, the oldest minute first (the last one ends
-    at ``now``)."""
-    counts = {kind: [0] * minutes for kind, _ in SERIES}
-    for event in events:
-        age = now - event.at
-        if not 0 <= age < minutes * 60 or event.kind not in counts:
-            continue
-        counts[event.kind][minutes - 1 - int(age // 60)] += 1
-    return counts
+SERIES = (("acquired", "#607d8b"), ("contended", "#ef6c00"), ("duplicate", "#6a1b9a"),
+          ("parked", "#2e7d32"), ("lost", "#c62828"), ("released", "#1565c0"))
 
 
 def svg_chart(counts: dict[str, list[int]], width: int = 720, height: int = 200
@@ -81,8 +65,8 @@ def svg_chart(counts: dict[str, list[int]], width: int = 720, height: int = 200
                                  f'fill="{colour}"><title>{html.escape(kind)}: {v} '
                                  f'at -{n - i}m</title></circle>')
         total = sum(values)
-        parts.append(f'<rect x="{left + 8 + k * 120}" y="6" width="10" '
-                     f'height="10" fill="{colour}"/><text x="{left + 22 + k * 120}" '
+        parts.append(f'<rect x="{left + 8 + k * 112}" y="6" width="10" '
+                     f'height="10" fill="{colour}"/><text x="{left + 22 + k * 112}" '
                      f'y="15" font-size="11">{html.escape(kind)} ({total})'
                      '</text>')
     parts.append("</svg>")

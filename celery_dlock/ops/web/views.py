@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ...core.holds import HoldInfo
+from ...task.event_counts import minute_counts
 from ...task.events import EVENTS_MAX, Event, recent_events, recording_enabled
 from ..formatting import duration_text
 from ..rates import rate_states
 from ..target import Target
-from .chart import per_minute, svg_chart
+from .chart import MINUTES, svg_chart
 from .html import attr, esc, link, table, text_of
 
 __all__ = ["EVENT_HEADERS", "PAGE_SIZE", "Holds", "View", "event_rows", "events_table",
@@ -219,14 +220,8 @@ def summary_view(target: Target, params: Mapping[str, str],
         body += f"<p class=none>{esc(note)}</p>"
     if target.client() is None:
         return View("Summary", "", body)
-    now = time.time()
-    body += "<h2>Events per minute, last hour</h2>" + svg_chart(per_minute(events, now))
-    if len(events) >= EVENTS_MAX:
-        body += (f"<p class=none>The history keeps its newest {EVENTS_MAX} events: the "
-                 f"chart starts {duration_text(now - events[-1].at)} ago.</p>")
-    body += ("<p class=none>Acquisitions are not kept in the history (it records the "
-             "contended path only); the Prometheus metrics count them "
-             "(docs/metrics.md).</p>")
+    per_minute = minute_counts(target.client(), target.prefix, time.time(), MINUTES)
+    body += "<h2>Events per minute, last hour</h2>" + svg_chart(per_minute)
     body += "<h2>Newest events</h2>" + events_table(events[:50])
     return View("Summary", "", body)
 
