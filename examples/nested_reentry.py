@@ -72,10 +72,10 @@ def transfer(self: Any, account: str) -> str:
 
 
 @signals.lock_contended.connect
-def _record_contention(sender: Any, key: str, policy: str, holder: Any,
+def _record_contention(sender: Any, name: str, policy: str, holder: Any,
                        task_id: str, **_: Any) -> None:
     if getattr(sender, "name", None) == transfer.name:
-        data().rpush(f"nested:{key.split(':', 1)[1]}:contended", json.dumps({
+        data().rpush(f"nested:{name.split(':', 1)[1]}:contended", json.dumps({
             "task_id": task_id, "policy": policy, "pid": os.getpid(),
             "owner": current_owner(),  # this (redelivered) attempt's owner
             "holder_task_id": holder.task_id if holder else None,

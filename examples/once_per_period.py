@@ -140,9 +140,9 @@ def report(self: Any, period: int, interval: float = INTERVAL) -> dict[str, Any]
 
 
 @signals.lock_contended.connect
-def _count_skipped_copy(sender: Any, key: str, **_: Any) -> None:
+def _count_skipped_copy(sender: Any, name: str, **_: Any) -> None:
     if getattr(sender, "name", None) == report.name:
-        period = int(key.rsplit(":", 1)[1])
+        period = int(name.rsplit(":", 1)[1])
         _arrived(period)
         data().hincrby(CONTENDED, period, 1)
 

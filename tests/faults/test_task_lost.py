@@ -98,7 +98,7 @@ def test_lost_lock_fails_the_attempt_by_default(env: TaskEnv, action: str,
     assert f"'l:{x}'" in str(info.value) and "lost" in str(info.value)
     (end,) = env.events(kind="body-end", x=x)
     assert end["lost"] is True  # the body was not interrupted: it ran to its end
-    assert len([s for s in lost_signals if s["key"] == f"l:{x}"]) == 1
+    assert len([s for s in lost_signals if s["name"] == f"l:{x}"]) == 1
 
 
 def test_lost_lock_found_only_at_release_fails_too(env: TaskEnv) -> None:
@@ -114,7 +114,7 @@ def test_warn_is_the_opt_in_to_keep_the_result(env: TaskEnv,
                                                ) -> None:
     x = _x()
     assert env.tasks["warn"].delay(x, 1.5).get(timeout=RESULT_TIMEOUT) == "body finished"
-    assert len([s for s in lost_signals if s["key"] == f"l:{x}"]) == 1
+    assert len([s for s in lost_signals if s["name"] == f"l:{x}"]) == 1
 
 
 def test_interrupt_stops_the_body_and_fails(env: TaskEnv) -> None:
@@ -138,7 +138,7 @@ def test_a_reentry_that_finds_the_hold_gone_fails_the_attempt(
     (seen,) = env.events(kind="reentry-lost", x=x)
     assert seen["lost"] is True and seen["depth"] == 1
     (signal,) = [s for s in lost_signals if s["name"] == f"l:{x}"]
-    assert signal["key"] == signal["name"]  # the deprecated spelling, still sent
+    assert "key" not in signal  # the lock is named by name only
     assert signal["reason"] == "expired"  # the keys were deleted: nobody holds it
 
 

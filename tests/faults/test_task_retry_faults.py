@@ -129,7 +129,7 @@ def test_contention_budget_resets_once_the_body_has_ran(env: TaskEnv) -> None:
     seen: list[dict[str, Any]] = []
 
     def on_contended(sender: Any, **kw: Any) -> None:
-        if kw.get("key") == f"b:{x}":
+        if kw.get("name") == f"b:{x}":
             seen.append(kw)
 
     signals.lock_contended.connect(on_contended, weak=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from config_app import ENV_CONF
+from dlock_helpers import release_if_held
 
 from celery_dlock import lock_from_url
 
@@ -105,11 +106,7 @@ def test_ls_show_release_and_top_on_sql(sql_url):
         assert json.loads(after.stdout) == []
     finally:
         waited.join(30)
-        if lock.depth:
-            try:
-                lock.release()
-            except Exception:
-                pass
+        release_if_held(lock)
 
 
 def test_an_unknown_scheme_is_one_line_naming_the_known_ones(postgres_server):
@@ -158,11 +155,7 @@ def test_ls_show_release_and_top_on_zookeeper(zk_server):
         after = _dlock(url, "--prefix", prefix, "ls", "--json")
         assert json.loads(after.stdout) == []
     finally:
-        if lock.depth:
-            try:
-                lock.release()
-            except Exception:
-                pass
+        release_if_held(lock)
 
 
 def test_a_long_name_is_listed_shown_and_released_by_itself(sql_url):
@@ -187,11 +180,7 @@ def test_a_long_name_is_listed_shown_and_released_by_itself(sql_url):
         assert freed.returncode == 0, freed.stderr
         assert not lock.owned()
     finally:
-        if lock.depth:
-            try:
-                lock.release()
-            except Exception:
-                pass
+        release_if_held(lock)
 
 
 # -- celery dlock check ----------------------------------------------------------------
