@@ -105,6 +105,8 @@ class RedlockLock(Hold):
         ``min(0.5, ttl / 10)``): a node that hangs never costs more.
     :param max_hold: seconds after which the hold is no longer renewed and is reported
         lost (None: unbounded; see :mod:`celery_dlock.core.max_hold`).
+    :param fence_ttl: seconds each node keeps the name's fence counter after its last
+        grant or release (None: a day, or ``ttl`` when longer; see RedisLock).
 
     :attr:`fence` raises :class:`FencingUnavailable` (see the module docs).
     """
