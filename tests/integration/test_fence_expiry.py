@@ -19,7 +19,9 @@ from celery_dlock import (
     RedlockLock,
 )
 from celery_dlock.backends.redis.inspect import force_release
+from celery_dlock.backends.redis.scripts import RELEASE
 from celery_dlock.core.lock_options import DEFAULT_FENCE_TTL
+from celery_dlock.core.protocol import new_op_id
 
 DAY_MS = round(DEFAULT_FENCE_TTL * 1000)
 
@@ -41,13 +43,21 @@ def _check_every_key_expires(client: redis.Redis, prefix: str, name: str,
 
 
 @pytest.mark.parametrize("fence_ttl", [DEFAULT_FENCE_TTL, 60.0])
-@pytest.mark.parametrize("end", ["release", "force_release", "expiry"])
+@pytest.mark.parametrize("end", ["release", "force_release", "expiry", "give_back"])
 def test_no_key_of_a_lock_outlives_its_hold_without_expiry(r, prefix, name, end,
                                                           fence_ttl):
     ttl = 0.3 if end == "expiry" else 5.0
-    lock = RedisLock(r, name, ttl=ttl, prefix=prefix, auto_renew=False,
+    lock = RedisLock(r, name, ttl=ttl, prefix=prefix, auto_renew=False, owner="me",
                      fence_ttl=fence_ttl)
     assert lock.acquire(blocking=False)
+    if end == "give_back":
+        # What an acquire does with a grant it cannot use (its caller timed out or
+        # was told of a loss meanwhile): a release naming no fence.
+        lock._give_back("me")
+        assert not r.exists(lock.keys.lock)
+        _check_every_key_expires(r, prefix, name, lock.keys.fence,
+                                 round(fence_ttl * 1000), round(ttl * 1000))
+        return
     assert lock.acquire(blocking=False)  # a re-entry: one more count, no new counter
     if end == "release":
         lock.release()
@@ -165,3 +175,20 @@ def test_a_counter_left_without_expiry_gets_one_at_the_next_hold(r, prefix, name
     assert 0 < r.pttl(lock.keys.fence) <= 65_000
     lock.release()
     assert 54_000 < r.pttl(lock.keys.fence) <= 65_000
+
+
+def test_a_hold_that_outlives_its_counter_still_tells_a_resent_release(r, prefix, name):
+    # Extended past its ttl + fence ttl, the hold outlives the counter its grant wrote;
+    # its final release writes the counter again, so a re-send of that release (same
+    # operation id, its reply lost) still learns that it freed the lock.
+    lock = RedisLock(r, name, ttl=0.5, prefix=prefix, auto_renew=False, owner="me",
+                     fence_ttl=1)
+    assert lock.acquire(blocking=False)
+    lock.extend(10)
+    assert wait_until(lambda: not r.exists(lock.keys.fence), timeout=5)
+    assert r.hget(lock.keys.lock, "owner") == b"me"  # the hold lives on
+    args = ("me", new_op_id(), str(lock.fence), "", 1000)
+    assert RELEASE(r, (lock.keys.lock,), args) == [1]
+    assert RELEASE(r, (lock.keys.lock,), args) == [1]  # the re-send: "released"
+    assert int(r.get(lock.keys.fence)) == lock.fence + 1
+    assert 0 < r.pttl(lock.keys.fence) <= 1000
