@@ -24,7 +24,10 @@ from .ttl import ttl_ms
 if TYPE_CHECKING:
     from .scheduler import RenewalScheduler
 
-__all__ = ["LockOptions", "check_limit"]
+__all__ = ["DEFAULT_FENCE_TTL", "LockOptions", "check_fence_ttl", "check_limit"]
+
+#: Seconds a name's fence counter is kept after its last hold (docs/fencing.md).
+DEFAULT_FENCE_TTL = 86400.0
 
 
 def check_limit(limit: Any, name: str | None = None) -> int:
@@ -34,6 +37,21 @@ def check_limit(limit: Any, name: str | None = None) -> int:
         raise InvalidLockConfig(f"a semaphore's limit must be an int >= 1 (how many "
                                 f"holders at once), got {limit!r}", lock_name=name)
     return limit
+
+
+def check_fence_ttl(fence_ttl: Any, ttl: float, name: str) -> int:
+    """The fence ttl in ms: ``fence_ttl`` seconds when it is a number in (0, 30 days]
+    not shorter than ``ttl`` (else InvalidLockConfig naming both), or for None a day,
+    or ``ttl`` when that is longer."""
+    if fence_ttl is None:
+        return max(round(DEFAULT_FENCE_TTL * 1000), ttl_ms(ttl, "ttl", name))
+    fence_ms = ttl_ms(fence_ttl, "fence_ttl", name)
+    if fence_ttl < ttl:
+        raise InvalidLockConfig(
+            f"fence_ttl ({fence_ttl!r} s, how long a name's fence counter is kept after "
+            f"its last hold) may not be shorter than the lock's ttl ({ttl!r} s)",
+            lock_name=name)
+    return fence_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +72,9 @@ class LockOptions:
     :param max_hold: seconds after which a hold is no longer renewed (None: never).
     :param limit: how many holders at once (above 1: a semaphore, on a backend that
         keeps them).
+    :param fence_ttl: seconds the name's fence counter is kept after its last grant
+        or release (Redis; at least ``ttl``; None: a day, or ``ttl`` when longer;
+        see docs/fencing.md).
     """
 
     name: str
@@ -68,8 +89,11 @@ class LockOptions:
     pause_budget: float | None = None
     max_hold: float | None = None
     limit: int = 1
+    fence_ttl: float | None = None
     #: ``info`` with ``host`` added, as flat field/value strings (set when made).
     info_args: tuple[str, ...] = dataclasses.field(init=False, default=())
+    #: The fence ttl in whole milliseconds (set when made).
+    fence_ttl_ms: int = dataclasses.field(init=False, default=0)
 
     def __post_init__(self) -> None:
         info_args = check_lock_options(self.name, self.prefix, self.owner,
@@ -78,6 +102,8 @@ class LockOptions:
         ttl_ms(self.ttl, "ttl", self.name)
         check_max_hold(self.max_hold, self.name)
         check_limit(self.limit, self.name)
+        object.__setattr__(self, "fence_ttl_ms",
+                           check_fence_ttl(self.fence_ttl, self.ttl, self.name))
         frozen = None if self.info is None else MappingProxyType(dict(self.info))
         object.__setattr__(self, "info", frozen)
         object.__setattr__(self, "info_args", tuple(info_args))

@@ -99,7 +99,8 @@ def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
                   on_lost: Callable[[Any], object] | None = None,
                   auto_renew: bool = True, pause_budget: float | None = None,
                   blocking_timeout: float | None = None,
-                  max_hold: float | None = None, limit: int = 1) -> Lock:
+                  max_hold: float | None = None, limit: int = 1,
+                  fence_ttl: float | None = None) -> Lock:
     """A lock named ``name`` on the backend ``url`` names (see
     :func:`backend_from_url`): a :class:`~celery_dlock.RedisLock`,
     :class:`~celery_dlock.RedlockLock`, PostgreSQL, MySQL/MariaDB or ZooKeeper lock,
@@ -110,7 +111,7 @@ def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
     options = LockOptions(name, ttl, prefix=prefix, info=info, owner=owner,
                           on_lost=on_lost, auto_renew=auto_renew,
                           pause_budget=pause_budget, max_hold=max_hold, limit=limit,
-                          blocking_timeout=blocking_timeout)
+                          blocking_timeout=blocking_timeout, fence_ttl=fence_ttl)
     lock: Lock = backend_from_url(url).lock(options)
     return lock
 

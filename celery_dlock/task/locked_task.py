@@ -85,7 +85,13 @@ from .hooks import install
 from .keys import KeyFunction, arguments_text, task_key_function
 from .rate import SLOT_HEADER, within_rate
 from .request import LockedRequest
-from .settings import check_combination, check_limit_mode, conf_value, enabled
+from .settings import (
+    check_combination,
+    check_fence_ttl_setting,
+    check_limit_mode,
+    conf_value,
+    enabled,
+)
 from .startup import install as install_startup_check
 
 __all__ = ["LockLostInterrupt", "LockedRequest", "LockedTask"]
@@ -152,6 +158,10 @@ class LockedTask(Task):  # type: ignore[misc]
     #: How many calls of one key may run at once: 1 (default) a lock, N > 1 a
     #: semaphore of N leased slots (app: dlock_lock_limit).
     lock_limit: ClassVar[int | None] = None
+    #: Seconds the name's fence counter is kept after its last grant or release, at
+    #: least lock_ttl (app: dlock_fence_ttl; default a day, or lock_ttl when longer;
+    #: docs/fencing.md).
+    lock_fence_ttl: ClassVar[float | None] = None
 
     #: Names a subclass reads as options of its own (a peer library's spelling, such
     #: as ``lock_expiry``), which the unknown-option check lets through.
@@ -176,6 +186,8 @@ class LockedTask(Task):  # type: ignore[misc]
                           getattr(cls, "on_duplicate", None))
         check_limit_mode(f"task {name!r}", getattr(cls, "lock_mode", None),
                          getattr(cls, "lock_limit", None))
+        check_fence_ttl_setting(f"task {name!r}", getattr(cls, "lock_ttl", None),
+                                getattr(cls, "lock_fence_ttl", None))
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -190,6 +202,11 @@ class LockedTask(Task):  # type: ignore[misc]
             check_limit_supported(app, limit, f"task {cls.name!r} option lock_limit")
             check_limit_mode(f"task {cls.name!r}", getattr(cls, "lock_mode", None) or
                              conf_value(app, "dlock_mode"), limit)
+            check_fence_ttl_setting(
+                f"task {cls.name!r}",
+                getattr(cls, "lock_ttl", None) or conf_value(app, "dlock_ttl", 30.0),
+                getattr(cls, "lock_fence_ttl", None) or
+                conf_value(app, "dlock_fence_ttl"))
 
     # -- the lock of a call ---------------------------------------------------------
 
@@ -254,7 +271,8 @@ class LockedTask(Task):  # type: ignore[misc]
         return backend_for(self.app).lock(LockOptions(
             key, settings["lock_ttl"], prefix=settings["lock_prefix"], info=info,
             pause_budget=settings["lock_pause_budget"],
-            max_hold=settings["lock_max_hold"], limit=settings["lock_limit"]))
+            max_hold=settings["lock_max_hold"], limit=settings["lock_limit"],
+            fence_ttl=settings["lock_fence_ttl"]))
 
     # -- running ----------------------------------------------------------------------
 

@@ -196,6 +196,11 @@ SETTINGS: dict[str, Setting] = {s.option: s for s in (
             "when the lock is lost while the body runs: fail (the body finishes, the "
             "attempt ends FAILURE LockLost), interrupt (raise LockLostInterrupt inside "
             "the task; FAILURE) or warn (signal + log; the result stands)"),
+    Setting("lock_fence_ttl", "dlock_fence_ttl", None, _positive,
+            "seconds a name's fence counter is kept after its last grant or release "
+            "(Redis); fences strictly increase unless the server's clock steps back "
+            "by more than this; at least lock_ttl (None: a day, or lock_ttl when "
+            "longer)"),
     Setting("lock_limit", "dlock_lock_limit", 1, _limit,
             "how many calls of one key may run at once: 1 a lock, N a semaphore of N "
             "leased slots (one Redis, Cluster or Sentinel; not Redlock)"),
@@ -218,6 +223,7 @@ NOT_PER_CALL = {
                     "a rate is shared by every call of a name: one call cannot have "
                     "its own"),
     "lock_limit": "every call of one key must count its holders against one limit",
+    "lock_fence_ttl": "the fence counter is kept for the name, not for one call",
 }
 #: Options one call may override in its message headers.
 CALL_OPTIONS: frozenset[str] = frozenset(SETTINGS) - frozenset(NOT_PER_CALL)
@@ -316,3 +322,14 @@ def check_combination(where: str, mode: Any, policy: Any) -> None:
             f"{where}: on_duplicate='replace' cannot go with lock_mode='throttle' (the "
             f"window's call may have run already); use drop, raise or return_existing")
 
+
+def check_fence_ttl_setting(where: str, ttl: Any, fence_ttl: Any) -> None:
+    """Refuse a lock_fence_ttl shorter than the lock_ttl (when both are numbers; each
+    alone is checked as a setting)."""
+    numbers = (int, float)
+    if isinstance(ttl, numbers) and isinstance(fence_ttl, numbers) \
+            and not isinstance(ttl, bool) and not isinstance(fence_ttl, bool) \
+            and fence_ttl < ttl:
+        raise InvalidLockConfig(
+            f"{where}: lock_fence_ttl ({fence_ttl!r} s, how long a name's fence counter "
+            f"is kept after its last hold) may not be shorter than lock_ttl ({ttl!r} s)")

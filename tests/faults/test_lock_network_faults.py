@@ -147,7 +147,7 @@ def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix,
     client = _client(proxy.url, timeout=0.5, retries=2)
     _load_scripts(_LOCK, client, prefix)
     lost = _LossRecorder()
-    lock = RedisLock(client, name, ttl=10, prefix=prefix, on_lost=lost)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, on_lost=lost, fence_ttl=60)
     lock.acquire()
     direct = _direct(own_server)
     other = RedisLock(direct, name, ttl=10, prefix=prefix, owner="other",
@@ -170,13 +170,15 @@ def test_resent_final_release_is_not_reported_as_lost(own_server, proxy, prefix,
     assert lock.depth == 0
     if then == "nobody":
         # Nothing is left behind but the fence counter (the answer of the re-send
-        # came from it: no marker key).
+        # came from it: no marker key), and it expires after the fence ttl.
         assert _keys_of(direct, lock) == {lock.keys.fence}
+        assert 50_000 < direct.pttl(lock.keys.fence) <= 70_000
     else:
         assert took.is_set(), "the other owner never took the freed lock"
         assert direct.hget(lock.keys.lock, "owner") == b"other"
         other.release()
         assert _keys_of(direct, lock) == {lock.keys.fence}
+        assert direct.pttl(lock.keys.fence) > 50_000  # it expires
 
 
 def test_a_final_release_tried_again_later_still_says_released(own_server, proxy,

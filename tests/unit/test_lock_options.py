@@ -27,6 +27,13 @@ from celery_dlock.core.lock_options import LockOptions
     ({"limit": 0}, "limit must be an int >= 1"),
     ({"limit": True}, "limit must be an int >= 1"),
     ({"info": {"fence": "1"}}, "reserved field 'fence'"),
+    ({"fence_ttl": 0}, "fence_ttl"),
+    ({"fence_ttl": -1}, "fence_ttl"),
+    ({"fence_ttl": float("nan")}, "fence_ttl"),
+    ({"fence_ttl": "1"}, "fence_ttl"),
+    ({"fence_ttl": True}, "fence_ttl"),
+    ({"fence_ttl": 31 * 86400.0}, "fence_ttl"),
+    ({"fence_ttl": 5}, r"fence_ttl \(5 s.*may not be shorter than the lock's ttl \(10"),
 ])
 def test_a_bad_option_is_refused_where_the_options_are_made(
         changes: dict[str, object], said: str) -> None:
@@ -73,5 +80,10 @@ def test_the_public_constructors_make_the_same_options() -> None:
     client = _clients(1)[0]
     lock = RedisLock(client, "n", 7, prefix="p", owner="me")
     assert lock.options == LockOptions("n", 7, prefix="p", owner="me")
+    assert lock.options.fence_ttl is None and lock.options.fence_ttl_ms == 86_400_000
+    # Unset, it stretches to a ttl longer than a day; given shorter, it is refused.
+    assert LockOptions("n", 2 * 86400).fence_ttl_ms == 2 * 86_400_000
+    sem = RedisSemaphore(client, "n", 2, 7, fence_ttl=7)
+    assert sem.options.fence_ttl_ms == 7000
     with pytest.raises(InvalidLockConfig, match="one holder"):
         RedisLock.with_options(client, LockOptions("n", 7, limit=2))

@@ -54,8 +54,9 @@ class RedisHold(Hold):
     keys: HoldKeys
 
     def _extra_args(self) -> tuple[Any, ...]:
-        """What this kind's scripts take after the operation's own arguments."""
-        return ()
+        """What this kind's acquire takes after the operation's own arguments: the
+        name's fence ttl (ms) for a lock."""
+        return (self.options.fence_ttl_ms,)
 
     def _lock_keys(self) -> LockKeys:
         """The keys as a lock's (what :func:`.refusals.refusal` reads)."""

@@ -74,6 +74,10 @@ class RedisLock(RedisHold):
     :param max_hold: seconds after which the hold is no longer renewed and is reported
         lost with the reason "max hold of ...s reached" (None: unbounded; at least
         ``ttl``; see :mod:`celery_dlock.core.max_hold`).
+    :param fence_ttl: seconds the name's fence counter is kept after its last grant or
+        release (at least ``ttl``; None: a day, or ``ttl`` when longer): fences
+        strictly increase unless the server's clock steps back by more than this
+        (docs/fencing.md).
 
     Every Redis failure surfaces as :class:`BackendUnavailable` (connection refused or
     reset, timeouts, a read-only replica after failover, a refused command), and data of
@@ -99,11 +103,13 @@ class RedisLock(RedisHold):
         scheduler: RenewalScheduler | None = None,
         pause_budget: float | None = None,
         max_hold: float | None = None,
+        fence_ttl: float | None = None,
     ) -> None:
         self._open(client, LockOptions(
             name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
             blocking_timeout=blocking_timeout, scheduler=scheduler,
-            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold))
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold,
+            fence_ttl=fence_ttl))
 
     def _open(self, where: Any, options: LockOptions) -> None:
         if options.limit != 1:
@@ -128,7 +134,7 @@ class RedisLock(RedisHold):
 
     def _give_back(self, owner: str) -> None:
         try:
-            self._run(RELEASE, (owner, new_op_id()))
+            self._run(RELEASE, (owner, new_op_id(), "", "", self.options.fence_ttl_ms))
         except DLockError as exc:  # it expires by itself
             logger.debug("could not give back %r: %s", self.name, exc)
 
@@ -136,7 +142,8 @@ class RedisLock(RedisHold):
         # The hold's fence lets a re-send of the final release (its reply lost) learn
         # that it freed the lock: no marker key is left behind for it.
         fence = "" if self._fence is None else str(self._fence)
-        return int(self._run(RELEASE, (owner, op, fence))[0])
+        return int(self._run(RELEASE, (owner, op, fence, "",
+                                        self.options.fence_ttl_ms))[0])
 
     def _read_status(self, owner: str) -> int:
         holder = self._command(self.client.hget, self.keys.lock, "owner")

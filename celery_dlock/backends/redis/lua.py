@@ -11,6 +11,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from ...core.lock_options import DEFAULT_FENCE_TTL
 from .keyspace import HOLD_FIELDS, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
@@ -139,6 +140,7 @@ local DOORBELL_TTL = {DOORBELL_TTL_MS}
 local WAKE_GRACE = {WAKE_GRACE_MS}
 local LINE_TTL = {LINE_TTL_MS}
 local OPS_KEPT = {OPS_KEPT}
+local FENCE_KEEP = {round(DEFAULT_FENCE_TTL * 1000)}
 """ + "".join(f"local {name} = '{suffix}'\n" for name, suffix in SUFFIXES.items()) + """
 -- The decimal digits of ``n``, an integer below 2^53 (a fence, a time in ms), as
 -- the scripts store it: ``%d`` prints it exactly (Lua 5.1 casts it to a C long) at
@@ -158,8 +160,9 @@ end
 -- at ``t``, a TIME reply), about 1.7e15: exact in a Lua number, and it fits a signed
 -- 64-bit column.  A counter that is not an integer (foreign data) is an error reply:
 -- the caller stops there, before it writes anything.  Only reads: the caller stores
--- the token (the counter never expires: it must outlive every hold).  Also returns
--- the counter as found ('0' when there was none).
+-- the token (with an expiry of the hold's ttl + the name's fence ttl: the clock
+-- floor keeps tokens increasing once it is gone, docs/fencing.md).  Also returns the
+-- counter as found ('0' when there was none).
 local function next_fence(lock, t)
   local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local counter = call('GET', lock .. FENCE_SUFFIX)
@@ -188,10 +191,17 @@ local function by_force(op)
   return 2 + tag
 end
 
-local function mark_freed(lock, fence, how)
-  local counter = tonumber(call('GET', lock .. FENCE_SUFFIX) or 0)
+-- The counter is written with an expiry of ``keep`` ms (a number; nil: FENCE_KEEP)
+-- or the one it had when that is later: the counter of a name never outlives its
+-- last hold by less than the name's fence ttl, and never lives for ever.
+local function mark_freed(lock, fence, how, keep)
+  local key = lock .. FENCE_SUFFIX
+  local counter = tonumber(call('GET', key) or 0)
   if counter and counter < fence + how then
-    call('SET', lock .. FENCE_SUFFIX, digits(fence + how))
+    local left = call('PTTL', key)
+    keep = keep or FENCE_KEEP
+    if left > keep then keep = left end
+    call('SET', key, digits(fence + how), 'PX', digits(keep))
   end
 end
 

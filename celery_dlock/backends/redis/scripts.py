@@ -8,16 +8,21 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
                       results) and free-form metadata (task_id, task_name, worker, pid,
                       host).  It expires at least ``ttl`` after the last acquire, extend
                       or renewal: no operation ever brings its expiry closer.
-``P:{NAME}:fence``    integer, the last fencing token handed out; never expires.  A fresh
-                      hold gets ``max(counter + 1, server clock in microseconds)``,
+``P:{NAME}:fence``    integer, the last fencing token handed out.  A fresh hold gets
+                      ``max(counter + 1, server clock in microseconds)``,
                       and its owner's final release leaves it at that hold's fence
                       + 1 (how a re-sent release knows it freed the lock),
                       so tokens strictly increase across holders, and also after the
                       server lost its data (an empty restart, a failover to a replica
                       that missed the write): the clock kept going while the counter
-                      was lost.  Assumes the server's clock never goes back and hands
-                      out fewer than one token per microsecond per lock (a script
-                      call takes longer than that).  See docs/fencing.md.
+                      was lost.  It expires: a grant writes it with an expiry of the
+                      hold's ttl + the name's fence ttl (``dlock_fence_ttl``, a day by
+                      default), a release or force release with at least the fence
+                      ttl, so no name keeps a key for ever; once it is gone the clock
+                      floor alone keeps tokens increasing.  Assumes the server's
+                      clock never goes back by more than the fence ttl and hands out
+                      fewer than one token per microsecond per lock (a script call
+                      takes longer than that).  See docs/fencing.md.
 ``P:{NAME}:q``        sorted set of blocked acquirers (owner -> arrival time in us): FIFO.
 ``P:{NAME}:ql``       sorted set owner -> lease deadline (ms); a waiter that stops
                       refreshing its lease (it died) is dropped from the line.  A waiter
@@ -85,7 +90,8 @@ RELEASED_MAX_MS = 3_600_000
 # ARGV[1] owner, ARGV[2] ttl (ms, an integer), ARGV[3] queue lease (ms; 0 = do not
 # join the line), ARGV[4] operation id, ARGV[5] re-entry: '' (a plain acquire), '*'
 # (the owner expects to hold the lock already) or a fence (the owner expects to hold
-# the hold with that fence), ARGV[6..] metadata field/value pairs
+# the hold with that fence), ARGV[6] the name's fence ttl (ms: the fence counter is
+# kept the hold's ttl + this), ARGV[7..] metadata field/value pairs
 # Returns
 #   {1, fence, count}                       acquired (count > 1: re-entered)
 #   {2, code}                               a re-entry whose hold is gone: nothing
@@ -166,10 +172,10 @@ if not holder then
       call('DEL', bell(lock, owner))
     end
     local token = digits(fence)
-    call('SET', lock .. FENCE_SUFFIX, token)
+    call('SET', lock .. FENCE_SUFFIX, token, 'PX', digits(ttl + tonumber(ARGV[6])))
     call('HSET', lock, 'owner', owner, 'count', '1', 'fence', token,
          'acquired_at', digits(now), 'ttl', ttl_arg,
-         'ops', '|' .. op .. '=1', 'prev', prev, unpack(ARGV, 6))
+         'ops', '|' .. op .. '=1', 'prev', prev, unpack(ARGV, 7))
     call('PEXPIRE', lock, ttl_arg)
     return {1, fence, 1}
   end
@@ -192,7 +198,9 @@ return reply
 # KEYS[1] lock hash
 # ARGV[1] owner, ARGV[2] operation id, ARGV[3] the fence of the owner's hold ('' when
 # unknown), ARGV[4] the operation id of an acquire that counted in that hold (a
-# give-back names the acquire it undoes; '' or absent: none)
+# give-back names the acquire it undoes; '' or absent: none), ARGV[5] the name's
+# fence ttl (ms; '' or absent: the default): the final release keeps the counter at
+# least that long
 # Returns {1} released (the key is gone; the first waiter was woken),
 #         {2, count} still held by this owner (count > 0 acquisitions left),
 #         {0} already expired (nothing to release), {-1} held by another owner
@@ -205,7 +213,7 @@ return reply
 # hold ended and the owner took a new one since), it returns as for a hold that ended
 # ({1} when the counter shows that hold freed, else {0}) and leaves the hold alone, so
 # a release or give-back that arrives late never removes the owner's later hold.
-# The final release leaves no key behind but the fence counter.
+# The final release leaves no key behind but the fence counter, which expires.
 RELEASE = LuaScript(
     "release",
     COMMON
@@ -243,7 +251,8 @@ end
 -- stops the script before any other write.  The first in line is woken before the
 -- hold goes, so that a command refused on the way leaves the hold held (a bumped
 -- counter and a doorbell rung early change nothing a holder relies on).
-mark_freed(lock, tonumber(hold_fence or call('HGET', lock, 'fence')), FREED_BY_OWNER)
+mark_freed(lock, tonumber(hold_fence or call('HGET', lock, 'fence')), FREED_BY_OWNER,
+           tonumber(ARGV[5]))
 if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
@@ -321,7 +330,8 @@ return out
 # fence, by, reason, at, op of the hold it freed), kept for as long as the hold had
 # left but at least RELEASED_MIN_MS and at most RELEASED_MAX_MS, so that the holder
 # learns who and why at its next renewal.  Without a reason it leaves no key but the
-# fence counter, at the freed hold's fence + 2 + a tag of the operation id: a re-send
+# fence counter (kept at least a day, or longer when its expiry was later), at the
+# freed hold's fence + 2 + a tag of the operation id: a re-send
 # that names that fence learns from it (or from the next hold's ``prev``) that it
 # freed the hold.
 FORCE_RELEASE = LuaScript(

@@ -105,12 +105,13 @@ class RedisSemaphore(RedisHold):
         scheduler: RenewalScheduler | None = None,
         pause_budget: float | None = None,
         max_hold: float | None = None,
+        fence_ttl: float | None = None,
     ) -> None:
         self._open(client, LockOptions(
             name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
             blocking_timeout=blocking_timeout, scheduler=scheduler,
             auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold,
-            limit=check_limit(limit, name)))
+            limit=check_limit(limit, name), fence_ttl=fence_ttl))
 
     def _open(self, where: Any, options: LockOptions) -> None:
         self.limit = options.limit
@@ -122,7 +123,7 @@ class RedisSemaphore(RedisHold):
     # -- talking to Redis -----------------------------------------------------------
 
     def _extra_args(self) -> tuple[Any, ...]:
-        return (self.limit,)
+        return (self.limit, self.options.fence_ttl_ms)
 
     def _lock_keys(self) -> LockKeys:
         return self.keys

@@ -14,6 +14,9 @@ sharing the hash tag ``{NAME}`` (one Redis Cluster slot, as a lock's keys):
 ``P:{NAME}:fence``    the fence counter, the same rule as a lock's: a fresh hold gets
                       ``max(counter + 1, server clock in us)`` (docs/fencing.md), so
                       every hold of every slot has its own strictly increasing token.
+                      Each grant writes it with an expiry of the hold's ttl + the
+                      name's fence ttl (``dlock_fence_ttl``): it outlives the last
+                      grant by at least that, and no name keeps a key for ever.
 ``P:{NAME}:q``, ``:ql``, ``:w:H``
                       the line of waiters, their leases and their doorbells, exactly
                       as a lock's (:mod:`celery_dlock.backends.redis.scripts`).
@@ -115,7 +118,8 @@ end
 # KEYS[1] the semaphore's sorted set
 # ARGV[1] owner, ARGV[2] ttl (ms), ARGV[3] queue lease (ms; 0 = do not join the line),
 # ARGV[4] operation id, ARGV[5] re-entry ('' plain, '*' or a fence: as ACQUIRE),
-# ARGV[6] limit, ARGV[7..] metadata field/value pairs (a ``task_id`` among them: one
+# ARGV[6] limit, ARGV[7] the name's fence ttl (ms; the counter is kept the hold's ttl
+# + this), ARGV[8..] metadata field/value pairs (a ``task_id`` among them: one
 # slot per task id, so that a redelivered running task contends with itself)
 # Returns what ACQUIRE returns: {1, fence, count}, {2, code} (a re-entry whose hold is
 # gone: code 0, or -1 when the owner holds another hold), or
@@ -161,7 +165,7 @@ local pttl
 -- A call whose task id already holds a slot (a redelivery of a running task) is
 -- refused, with that holder's hash: one slot per task id.
 local task_id
-for i = 7, #ARGV - 1, 2 do
+for i = 8, #ARGV - 1, 2 do
   if ARGV[i] == 'task_id' then task_id = ARGV[i + 1] end
 end
 local twin
@@ -188,11 +192,11 @@ if free > 0 then
     call('ZREM', queue, owner)
     call('ZREM', leases, owner)
     call('DEL', bell(main, owner))
-    call('SET', main .. FENCE_SUFFIX, ms(fence))
+    call('SET', main .. FENCE_SUFFIX, ms(fence), 'PX', ms(ttl + tonumber(ARGV[7])))
     call('DEL', h)
     call('HSET', h, 'owner', owner, 'count', 1, 'fence', ms(fence),
          'acquired_at', now, 'ttl', ttl, 'ops', '|' .. op .. '=1', 'limit', limit,
-         unpack(ARGV, 7))
+         unpack(ARGV, 8))
     call('PEXPIREAT', h, ms(now + ttl))
     call('ZADD', main, ms(now + ttl), owner)
     touch(main)

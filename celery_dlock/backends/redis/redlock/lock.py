@@ -105,6 +105,8 @@ class RedlockLock(Hold):
         ``min(0.5, ttl / 10)``): a node that hangs never costs more.
     :param max_hold: seconds after which the hold is no longer renewed and is reported
         lost (None: unbounded; see :mod:`celery_dlock.core.max_hold`).
+    :param fence_ttl: seconds each node keeps the name's fence counter after its last
+        grant or release (None: a day, or ``ttl`` when longer; see RedisLock).
 
     :attr:`fence` raises :class:`FencingUnavailable` (see the module docs).
     """
@@ -128,12 +130,13 @@ class RedlockLock(Hold):
         node_timeout: float | None = None,
         pause_budget: float | None = None,
         max_hold: float | None = None,
+        fence_ttl: float | None = None,
     ) -> None:
         self._open(clients, LockOptions(
             name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
             blocking_timeout=blocking_timeout, scheduler=scheduler,
-            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold),
-            drift_factor, node_timeout)
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold,
+            fence_ttl=fence_ttl), drift_factor, node_timeout)
 
     def _open(self, where: Any, options: LockOptions, drift_factor: float = 0.01,
               node_timeout: float | None = None) -> None:
@@ -192,7 +195,8 @@ class RedlockLock(Hold):
         # (The nodes' calls are never re-sent, so nothing relies on the id repeating.)
         op = new_op_id()
         self._last_acquire_op = op
-        args = [owner, self._acquire_ttl_ms(reentry), 0, op, "", "pid", os.getpid(),
+        args = [owner, self._acquire_ttl_ms(reentry), 0, op, "",
+                self.options.fence_ttl_ms, "pid", os.getpid(),
                 *self._info_args]
         keys = (self.keys.lock,)
         quorum, n = self.quorum, len(self._nodes)
@@ -280,7 +284,8 @@ class RedlockLock(Hold):
     def _give_back(self, owner: str) -> None:
         # Named after the acquire it undoes: a node where that acquire did not count
         # (it never ran there) keeps whatever hold the owner has there.
-        out = self._call_all(RELEASE, (owner, new_op_id(), "", self._last_acquire_op))
+        out = self._call_all(RELEASE, (owner, new_op_id(), "", self._last_acquire_op,
+                                       self.options.fence_ttl_ms))
         if sum(1 for r in out if answered(r)) < len(self._nodes):
             logger.debug("lock %r: not every node confirmed the give-back", self.name)
 
@@ -302,6 +307,8 @@ class RedlockLock(Hold):
         fences = list(self._node_fences) if mine else []
         grant_op = self._grant_op if mine else ""
 
+        keep = str(self.options.fence_ttl_ms)
+
         def args(i: int) -> tuple[str, ...]:
             # Each node's fence of this hold (a grant's late answer there included:
             # the call waited for it): a release that reaches the node late finds any
@@ -312,8 +319,8 @@ class RedlockLock(Hold):
                 fences[i] = _granted_fence(late.get(i, ()))
             fence = fences[i] if i < len(fences) else None
             if fence is not None:
-                return owner, op, str(fence)
-            return owner, op, "", grant_op
+                return owner, op, str(fence), "", keep
+            return owner, op, "", grant_op, keep
 
         out = self._call_all(RELEASE, args, decided, late)
         if mine and len(fences) == len(self._node_fences):

@@ -166,11 +166,12 @@ def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[A
     lock = (keys.lock,)
     granted = {i for i, r in enumerate(out) if answered(r) and int(r[0]) == 1}
     undoes = str(args[3])  # the attempt's operation id
+    keep = args[5]  # the name's fence ttl (ms)
 
     def release(i: int, node: Any) -> Any:
         if i not in granted:
             return None
-        return RELEASE(node, lock, (owner, op_id(), "", undoes))
+        return RELEASE(node, lock, (owner, op_id(), "", undoes, keep))
 
     def undo(i: int, node: Any) -> None:
         first = late.get(i)
@@ -180,7 +181,7 @@ def give_back(nodes: Sequence[Any], keys: LockKeys, owner: str, args: Sequence[A
                 return  # never sent: nothing to undo
         try:
             if int(ACQUIRE(node, lock, args)[0]) == 1:
-                RELEASE(node, lock, (owner, op_id(), "", undoes))
+                RELEASE(node, lock, (owner, op_id(), "", undoes, keep))
         except RedisError as exc:
             where = describe(node, i)
             warn_now_and_then((where, "give-back", type(exc).__name__),
