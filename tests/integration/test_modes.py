@@ -133,11 +133,10 @@ def test_a_failed_publish_leaves_no_marker(harness: Harness) -> None:
     # marker was claimed (the lock name reads only ``key``).  On a connection of its
     # own: kombu closes the connection of a publish that failed, and a pooled one
     # whose channel still waits on a BRPOP it sent earlier can block that close.
-    with h.app.connection_for_write() as connection:
-        with pytest.raises(EncodeError):
-            h.app.tasks["pf.mode"].apply_async(("nopub", object(), "x"),
-                                               lock_mode="until_started",
-                                               connection=connection)
+    with h.app.connection_for_write() as connection, pytest.raises(EncodeError):
+        h.app.tasks["pf.mode"].apply_async(("nopub", object(), "x"),
+                                           lock_mode="until_started",
+                                           connection=connection)
     assert marker(h, "nopub") is None
     assert send(h, "nopub", "y", lock_mode="until_started").id == marker(h, "nopub")
 
