@@ -37,7 +37,7 @@ send of that id is a duplicate); its start is never taken for a superseded call'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
@@ -68,7 +68,7 @@ class MarkerStore(Protocol):
     def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
               running_counts: bool, replace: bool, requeue: bool,
               op: str = "", started: bool = False,
-              waits: bool = False, mode: str = "") -> tuple[int, str, float | None]: ...
+              waits: bool = False) -> tuple[int, str, float | None]: ...
 
     def confirm(self, prefix: str, name: str, task_id: str) -> bool: ...
 
@@ -83,8 +83,6 @@ class MarkerStore(Protocol):
     def queued(self, prefix: str) -> Iterator[tuple[str, str, float | None]]: ...
 
     def read(self, prefix: str, name: str) -> tuple[str, float | None] | None: ...
-
-    def modes(self, prefix: str, names: Iterable[str]) -> dict[str, str]: ...
 
 
 class MarkerRecord:

@@ -142,7 +142,7 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
         return store.claim(prefix, lock_name, task_id, ttl,
                            running_counts=mode == "until_finished",
                            replace=policy == "replace" and not requeue, requeue=requeue,
-                           op=op, started=started, mode=mode)
+                           op=op, started=started)
 
     try:
         code, other, left = claim()

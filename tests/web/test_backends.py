@@ -321,32 +321,3 @@ def test_a_store_that_does_not_answer_is_one_line_on_the_page(web_prefix, serve_
         assert status == 503, (path, body)
         assert "Cannot read Redis" in body and f"127.0.0.1:{port}" in body
         assert "s3cr3t" not in body
-
-
-@pytest.mark.parametrize("mode", ["until_started", "until_finished",
-                                  "queued_and_running", "throttle"])
-def test_the_queued_page_shows_each_calls_mode(redis_url, web_prefix, serve_page,
-                                               mode):
-    """A call sent with an enqueue-time lock_mode (no worker: it stays queued) is
-    listed with its mode, its task id and its ttl, as its claim recorded them."""
-    from celery_helpers import close_app, test_app
-
-    from celery_dlock import LockedTask
-
-    app = test_app("web-modes", redis_url, queue=f"q-{web_prefix}", prefix=web_prefix)
-
-    @app.task(shared=False, name="web.report", base=LockedTask,
-              lock_key="report:{day}", lock_mode=mode, lock_ttl=30)
-    def report(day: str) -> str:
-        raise AssertionError("no worker runs it here")
-
-    try:
-        sent = report.apply_async(("2026-11-28",))
-        page = serve_page(redis_url, web_prefix)
-        status, body = Client(page.url).get("queued")
-        assert status == 200
-        row = re.search(r"<tr>.*?report:2026-11-28.*?</tr>", body, re.S)
-        assert row is not None, body
-        assert f">{mode}<" in row.group(0) and sent.id in row.group(0)
-    finally:
-        close_app(app)

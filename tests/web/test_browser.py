@@ -313,8 +313,7 @@ def _populate(redis_url: str, prefix: str) -> list[Any]:
         held.append(slot)
     markers = backend.markers()  # type: ignore[attr-defined]
     markers.claim(prefix, "email:welcome:1009", str(uuid.uuid4()), 600,
-                  running_counts=False, replace=False, requeue=False,
-                  mode="until_started")
+                  running_counts=False, replace=False, requeue=False)
     rates = backend.rates()  # type: ignore[attr-defined]
     for _ in range(3):
         rates.take(prefix, "api:partner", Rate(calls=1, period=10, burst=2))
@@ -369,7 +368,7 @@ def test_every_page_renders_and_is_captured(redis_url, web_prefix, serve_page,
         shots = {
             "locks": ("locks", "shop.reduce_stock"),
             "semaphores": ("semaphores", "2/4"),
-            "queued": ("queued", "until_started"),
+            "queued": ("queued", "email:welcome:1009"),
             "rates": ("rates", "api:partner"),
             "summary": ("summary", "parked"),
             "lock": ("lock?" + query(name="stock:42"), "History"),

@@ -65,9 +65,7 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- it queued (reply 2), as a replace finds a running call,
 -- ARGV[8] '1': the re-queue of a call that has started and holds no marker in its mode
 -- (until_started, queued_and_running: its retry): it claims nothing, and its task id
--- is kept among the retries waiting for ARGV[2] (reply 1 naming itself),
--- ARGV[9] the call's lock_mode, kept in the claim record (``mode``) beside the marker
--- it writes, for operators (``celery dlock ls``, the web page): nothing reads it here.
+-- is kept among the retries waiting for ARGV[2] (reply 1 naming itself).
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
 -- (the lock's holder is it, whether or not another call is queued) or waits for its
 -- retry (the retries waiting hold it) is a
@@ -170,8 +168,7 @@ if current then
     remember(replaced, current, now + math.max(left, ttl), now)
     redis.call('SET', marker, id, 'PX', ttl)
     redis.call('HDEL', rec, 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode', 'pother')
-    redis.call('HSET', rec, 'op', ARGV[6], 'code', 4, 'other', current, 'pend', id,
-               'mode', ARGV[9] or '')
+    redis.call('HSET', rec, 'op', ARGV[6], 'code', 4, 'other', current, 'pend', id)
     if pold then redis.call('HSET', rec, 'pold', pold, 'pdl', pdl) end
     if r[1] then  -- the claim that wrote the replaced call's marker, for an undo
       redis.call('HSET', rec, 'pop', r[1], 'pcode', r[2] or 0, 'pother', r[3] or '')
@@ -184,12 +181,12 @@ end
 redis.call('SET', marker, id, 'PX', ARGV[2])
 if not (r[1] or r[4] or r[5] or r[7] or r[8]) then
   -- no record of a claim, a replace or a take-back (the usual case): written anew
-  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '', 'mode', ARGV[9] or '')
+  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
   redis.call('PEXPIRE', rec, ARGV[2])
 else
   redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode',
              'pother')
-  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '', 'mode', ARGV[9] or '')
+  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
   if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
     redis.call('PEXPIRE', rec, ARGV[2])
   end

@@ -46,7 +46,7 @@ Replies of :data:`CLAIM` (first element):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
@@ -99,23 +99,21 @@ class RedisMarkers:
     def claim(self, prefix: str, name: str, task_id: str, ttl: float, *,
               running_counts: bool, replace: bool, requeue: bool,
               op: str = "", started: bool = False,
-              waits: bool = False, mode: str = "") -> tuple[int, str, float | None]:
+              waits: bool = False) -> tuple[int, str, float | None]:
         """Claim the marker of ``name`` for ``task_id`` (see the module's reply
         codes): ``(code, other task id, its seconds left or None)``.  ``op``: the
         send's operation id (a re-sent claim gets the first reply); ``started``: a
         re-queue of a call that has started (its marker is never replaced);
         ``waits``: the re-queue of a started call that holds no marker in its mode
         (its retry): nothing is claimed, its task id is kept as waiting for ``ttl``
-        (a send of it is a duplicate until the retry starts or ends); ``mode``: the
-        call's ``lock_mode``, kept beside the marker it writes for operators
-        (:meth:`modes`)."""
+        (a send of it is a duplicate until the retry starts or ends)."""
         lock = LockKeys.for_name(prefix, name).lock
         marker = lock + MARKER_SUFFIX
         reply = self._run(CLAIM, (marker, lock, marker + REPLACED_SUFFIX,
                                   marker + RECORD_SUFFIX, marker + WAITING_SUFFIX),
                           (task_id, max(1, int(ttl * 1000)), _flag(running_counts),
                            _flag(replace), _flag(requeue), op or task_id,
-                           _flag(started), _flag(waits), mode), name)
+                           _flag(started), _flag(waits)), name)
         left = int(reply[2])
         return int(reply[0]), decode(reply[1]), (left / 1000.0 if left > 0 else None)
 
@@ -172,33 +170,6 @@ class RedisMarkers:
             return None
         left = pttl if isinstance(pttl, int) else -1
         return task_id, (left / 1000.0 if left > 0 else None)
-
-    def modes(self, prefix: str, names: Iterable[str]) -> dict[str, str]:
-        """The ``lock_mode`` each queued call of ``names`` was sent with, as its claim
-        recorded it (one pipelined read; a name without a record, or a record written
-        before modes were kept, is left out)."""
-        names = list(names)
-        if not names:
-            return {}
-        try:
-            with self.client.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.hget(self.key(prefix, name) + RECORD_SUFFIX, "mode")
-                replies = pipe.execute(raise_on_error=False)
-        except RedisError as exc:
-            raise BackendUnavailable(f"Redis unavailable reading the markers' modes: "
-                                     f"{exc}") from exc
-        out: dict[str, str] = {}
-        for name, raw in zip(names, replies, strict=True):
-            if raw is None or isinstance(raw, Exception):
-                continue
-            try:
-                mode = decode(raw)
-            except UnicodeDecodeError:
-                continue
-            if mode:
-                out[name] = mode
-        return out
 
     def queued(self, prefix: str, *,
                page_size: int = 500) -> Iterator[tuple[str, str, float | None]]:

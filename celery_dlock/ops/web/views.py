@@ -146,12 +146,10 @@ def queued_view(target: Target, params: Mapping[str, str]) -> View:
     items = sorted((k, v) for k, v in queued.items()
                    if k.startswith(name) and task in v[0])
     shown, nav = _page_of(items, params, "queued")
-    store = target.markers()
-    modes = store.modes(target.prefix, [k for k, _ in shown]) if store else {}
-    rows = [[_lock_link(k), esc(modes.get(k, "?")), esc(task_id),
+    rows = [[_lock_link(k), esc(task_id),
              esc("no expiry" if left is None else duration_text(left))]
             for k, (task_id, left) in shown]
-    body = nav + table(["name", "mode", "queued task id", "ttl left"], rows,
+    body = nav + table(["name", "queued task id", "ttl left"], rows,
                        numeric=("ttl left",))
     return View("Queued calls", _filter_form("queued", params), body)
 
