@@ -16,7 +16,6 @@ A driver module has ``backend_from_url(url: str) -> Backend``; the Redis family'
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -132,16 +131,17 @@ class Entry:
         found = _drivers.get(self.module)
         if found is not None:
             return found
-        with _import_lock:
-            try:
-                module = importlib.import_module(self.module)
-            except ImportError as exc:
-                if self.extra is None:
-                    raise
-                raise InvalidLockConfig(
-                    f"{self.schemes[0]}:// locks need {self.needs}: pip install "
-                    f"'celery-dlock[{self.extra}]' ({exc})") from None
-            found = _drivers[self.module] = cast(Driver, module)
+        # importlib serialises imports itself: a lock of ours would only be one more
+        # that a forked child could inherit held.
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as exc:
+            if self.extra is None:
+                raise
+            raise InvalidLockConfig(
+                f"{self.schemes[0]}:// locks need {self.needs}: pip install "
+                f"'celery-dlock[{self.extra}]' ({exc})") from None
+        found = _drivers[self.module] = cast(Driver, module)
         return found
 
     def missing(self, capability: str, what: str) -> str:
@@ -152,7 +152,6 @@ class Entry:
                 f"({_who_can(capability)}; docs/backends.md)")
 
 
-_import_lock = threading.Lock()
 #: The modules imported so far, by name (a module stays imported in a forked child).
 _drivers: dict[str, Driver] = {}
 _ALL = frozenset(CAPABILITIES)
