@@ -31,7 +31,7 @@ from typing import Any
 from ..core import urls
 from ..core.errors import InvalidLockConfig
 from ..core.process import after_fork
-from ..core.registry import ClientDriver, Entry, entry_for, entry_named, redis_driver
+from ..core.registry import Entry, entry_for, entry_named, redis_driver
 from .schemes import celery_sql_url, check_known, url_backend
 from .settings import conf_value
 
@@ -43,11 +43,6 @@ __all__ = ["cached_client", "check_unambiguous", "configured_entry", "forget_app
 mask_url = urls.mask_setting
 #: ``url`` when it reads one way only (:func:`celery_dlock.core.urls.check_unambiguous`).
 check_unambiguous = urls.check_unambiguous
-
-
-def _redis() -> ClientDriver:
-    """The Redis family's module (its URLs and clients), through the registry."""
-    return redis_driver()
 
 
 def _conf_value(conf: Any, name: str) -> Any:
@@ -64,17 +59,17 @@ def transport_options_for(conf: Any, url: str) -> Any:
     Sentinel).  Only a ``sentinel://`` URL takes any."""
     setting = ("dlock_transport_options" if conf_value(conf, "dlock_url")
                else "broker_transport_options")
-    return _redis().transport_options(url, conf_value(conf, setting), setting)
+    return redis_driver().transport_options(url, conf_value(conf, setting), setting)
 
 
 def client_for_url(url: str, conf: Any = None, where: str = "--url") -> Any:
     """A client for a URL given by hand (``celery dlock --url``), with the options
     every client of the locks gets and the app's transport options; its errors name
     ``where`` (InvalidLockConfig, or BackendUnavailable for a dead Cluster)."""
-    options = dict(_redis().default_client_options())
+    options = dict(redis_driver().default_client_options())
     transport = (conf_value(conf, "dlock_transport_options", {}) if conf is not None
                  else {})
-    return _redis().client_from_url(url, options, transport, where)
+    return redis_driver().client_from_url(url, options, transport, where)
 
 
 def resolve_url(conf: Any) -> str:
@@ -83,20 +78,20 @@ def resolve_url(conf: Any) -> str:
     naming ``dlock_url``, with every URL masked.  For Redlock, the servers' URLs
     joined by ``;`` (for messages: see :func:`redlock_urls`)."""
     url = conf_value(conf, "dlock_url")
-    redlock = _redis().redlock_urls(url) if url else None
+    redlock = redis_driver().redlock_urls(url) if url else None
     if redlock is not None:
         return ";".join(redlock)
     if url:
-        found = _redis().redis_url_of(url)
+        found = redis_driver().redis_url_of(url)
         if found is None:
             check_known(url, "app.conf.dlock_url")
         return _each_unambiguous(found, "app.conf.dlock_url")
     broker = _conf_value(conf, "broker_url")
-    found = _redis().redis_url_of(broker)
+    found = redis_driver().redis_url_of(broker)
     if found is not None:
         return _each_unambiguous(found, "the broker URL (broker_url)")
     backend = _conf_value(conf, "result_backend")
-    found = _redis().redis_url_of(backend)
+    found = redis_driver().redis_url_of(backend)
     if found is not None:
         return _each_unambiguous(found, "the result backend URL (result_backend)")
     raise InvalidLockConfig(
@@ -162,7 +157,7 @@ def _each_unambiguous(url: str, where: str) -> str:
 def client_options(conf: Any) -> dict[str, Any]:
     """The keyword arguments of ``redis.Redis.from_url``: the defaults above with
     ``app.conf.dlock_redis_options`` merged over them."""
-    options = _redis().default_client_options()
+    options = redis_driver().default_client_options()
     extra = conf_value(conf, "dlock_redis_options", {})
     if not isinstance(extra, dict):
         raise InvalidLockConfig("app.conf.dlock_redis_options must be a dict, got "
@@ -203,7 +198,8 @@ def get_client(app: Any) -> Any:
         pass
     conf = app.conf
     factory = conf_value(conf, "dlock_client")
-    redlock = None if factory else _redis().redlock_urls(conf_value(conf, "dlock_url"))
+    redis = redis_driver()
+    redlock = None if factory else redis.redlock_urls(conf_value(conf, "dlock_url"))
     if factory:
         cache_key = (id(app), "factory")
     elif redlock is not None:
@@ -225,10 +221,10 @@ def get_client(app: Any) -> Any:
                     client = tuple(client)
             elif redlock is not None:
                 options = client_options(conf)
-                client = tuple(_redis().client_from_url(u, options) for u in redlock)
+                client = tuple(redis.client_from_url(u, options) for u in redlock)
             else:
-                client = _redis().client_from_url(cache_key[1], client_options(conf),
-                                         transport_options_for(conf, cache_key[1]))
+                client = redis.client_from_url(cache_key[1], client_options(conf),
+                                               transport_options_for(conf, cache_key[1]))
             _clients[cache_key] = client
         with contextlib.suppress(TypeError):  # an app that takes no weak references
             _by_app[app] = client
