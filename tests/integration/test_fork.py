@@ -4,6 +4,7 @@ its parent's hold, and its own acquire of the same name contends (on every lock 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -72,6 +73,7 @@ def _fork_and_report(kind: Any, lock: RedisLock, prefix: str, name: str) -> dict
         code = 1
         try:
             os.close(read_fd)
+            _dump_if_stuck()
             try:
                 payload = _child_report(kind, lock, prefix, name)
                 code = 0
@@ -128,7 +130,14 @@ def test_forked_child_neither_owns_renews_nor_releases(lock_kind, prefix, name):
     assert not r.exists(lock.keys.lock)
 
 
+def _dump_if_stuck() -> None:
+    """A child that has not answered within 20 s prints every thread's stack to
+    stderr (shown with the failing test) and exits, so a hang says where it is."""
+    faulthandler.dump_traceback_later(20, exit=True)
+
+
 def _mp_child(lock: RedisLock, queue) -> None:
+    _dump_if_stuck()
     queue.put((lock.owned(), _fence(lock), len(get_scheduler()),
                lock.acquire(blocking=False)))
 
@@ -152,6 +161,7 @@ def test_multiprocessing_fork_child_contends(lock_kind, prefix, name):
 def _mp_child_in_context(kind: Any, prefix: str, name: str, queue) -> None:
     # The contextvar holding the parent's owner token is inherited by fork(), but the
     # child is a different owner all the same.
+    _dump_if_stuck()
     queue.put(kind.make(name, prefix=prefix).acquire(blocking=False))
 
 
