@@ -136,10 +136,25 @@ def _dump_if_stuck() -> None:
     faulthandler.dump_traceback_later(20, exit=True)
 
 
-def _mp_child(lock: RedisLock, queue) -> None:
+def _answer(queue, work) -> None:
+    """Put ``("ok", work())`` on ``queue``, or ``("error", its traceback)``: a child
+    that fails says why at once, rather than leaving its parent to wait."""
     _dump_if_stuck()
-    queue.put((lock.owned(), _fence(lock), len(get_scheduler()),
-               lock.acquire(blocking=False)))
+    try:
+        queue.put(("ok", work()))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+def _answer_of(queue) -> Any:
+    status, value = queue.get(timeout=30)
+    assert status == "ok", f"the child failed:\n{value}"
+    return value
+
+
+def _mp_child(lock: RedisLock, queue) -> None:
+    _answer(queue, lambda: (lock.owned(), _fence(lock), len(get_scheduler()),
+                            lock.acquire(blocking=False)))
 
 
 def test_multiprocessing_fork_child_contends(lock_kind, prefix, name):
@@ -149,7 +164,7 @@ def test_multiprocessing_fork_child_contends(lock_kind, prefix, name):
         queue = ctx.Queue()
         proc = ctx.Process(target=_mp_child, args=(lock, queue))
         proc.start()
-        result = queue.get(timeout=30)
+        result = _answer_of(queue)
         proc.join(30)
         assert proc.exitcode == 0
         assert result == (False, None if lock_kind.fences else "unavailable", 0, False)
@@ -161,8 +176,7 @@ def test_multiprocessing_fork_child_contends(lock_kind, prefix, name):
 def _mp_child_in_context(kind: Any, prefix: str, name: str, queue) -> None:
     # The contextvar holding the parent's owner token is inherited by fork(), but the
     # child is a different owner all the same.
-    _dump_if_stuck()
-    queue.put(kind.make(name, prefix=prefix).acquire(blocking=False))
+    _answer(queue, lambda: kind.make(name, prefix=prefix).acquire(blocking=False))
 
 
 def test_context_owner_does_not_cross_fork(lock_kind, prefix, name):
@@ -176,7 +190,7 @@ def test_context_owner_does_not_cross_fork(lock_kind, prefix, name):
         proc = ctx.Process(target=_mp_child_in_context,
                            args=(lock_kind, prefix, name, queue))
         proc.start()
-        result = queue.get(timeout=30)
+        result = _answer_of(queue)
         proc.join(30)
         assert proc.exitcode == 0
         assert result is False
