@@ -53,9 +53,6 @@ def close_lock_clients(app: Any) -> None:
         close = getattr(one, "close", None)
         if close is not None:
             close()
-    with connection._clients_lock:
-        for key in [k for k in connection._clients if k[0] == id(app)]:
-            connection._clients.pop(key, None)
 
 
 def _celery_version() -> tuple[int, ...]:

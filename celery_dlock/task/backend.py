@@ -15,19 +15,15 @@ only.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.errors import InvalidLockConfig, NotSupported
 from ..core.lock_args import DEFAULT_PREFIX
 from ..core.lock_options import LockOptions
-from ..core.process import after_fork
 from ..core.protocol import Backend, Lock
 from ..core.registry import LIMIT, MARKERS, Entry, entry_named, redis_driver
-from . import connection
+from . import app_cache, connection
 from .config import check_conf, get_client
 from .markers import MarkerStore
 from .schemes import check_known, url_backend
@@ -35,10 +31,6 @@ from .settings import conf_of
 
 __all__ = ["backend_for", "backend_from_url", "backend_of_client",
            "check_limit_supported", "forget_app", "lock_from_url", "markers_for"]
-
-_lock = threading.Lock()
-_by_app: weakref.WeakKeyDictionary[Any, tuple[Any, Backend]] = weakref.WeakKeyDictionary()
-
 
 def backend_of_client(client: Any) -> Backend:
     """The backend of a client the configuration gave: a tuple of clients is a
@@ -54,10 +46,6 @@ def _url_backend(entry: Entry, url: str) -> Backend:
     return backend
 
 
-_by_url: dict[str, Backend] = {}
-_by_url_lock = threading.Lock()
-
-
 def backend_from_url(url: Any) -> Backend:
     """This process's backend for a lock URL: ``redis://``, ``rediss://``,
     ``unix://``, ``redis+cluster://``, ``sentinel://``, a Redlock list (3 or more
@@ -68,29 +56,24 @@ def backend_from_url(url: Any) -> Backend:
     key = ";".join(url) if isinstance(url, (list, tuple)) else url
     if not isinstance(key, str):
         check_known(url, "lock URL")
-    with _by_url_lock:
-        found = _by_url.get(key)
-        if found is not None:
-            return found
-        entry = url_backend(url)
-        backend: Backend
-        if entry is not None:
-            backend = _url_backend(entry, url)
-        else:
-            redlock = redis_driver().redlock_urls(url)
-            if redlock is not None:
-                options = connection.client_options({})
-                backend = backend_of_client(tuple(
-                    redis_driver().client_from_url(u, options) for u in redlock))
-            else:
-                one = redis_driver().redis_url_of(url)
-                if one is None:
-                    check_known(url, "lock URL")
-                connection.check_unambiguous(one, "the lock URL")
-                backend = backend_of_client(
-                    connection.client_for_url(one, where="the lock URL"))
-        _by_url[key] = backend
-        return backend
+    backend: Backend = app_cache.by_url(key, lambda: _make_from_url(url))
+    return backend
+
+
+def _make_from_url(url: Any) -> Backend:
+    entry = url_backend(url)
+    if entry is not None:
+        return _url_backend(entry, url)
+    redlock = redis_driver().redlock_urls(url)
+    if redlock is not None:
+        options = connection.client_options({})
+        return backend_of_client(tuple(
+            redis_driver().client_from_url(u, options) for u in redlock))
+    one = redis_driver().redis_url_of(url)
+    if one is None:
+        check_known(url, "lock URL")
+    connection.check_unambiguous(one, "the lock URL")
+    return backend_of_client(connection.client_for_url(one, where="the lock URL"))
 
 
 def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
@@ -122,56 +105,35 @@ def _sql_backend_of(app: Any) -> Backend | None:
     url = connection.sql_url_of(conf)
     if url is None:
         return None
-    if not _weakable(app) or app not in _checked_apps:
+    entry = app_cache.entry(app)
+    if not entry.checked:
         check_conf(conf)
-        if _weakable(app):
-            _checked_apps[app] = True
+        entry.checked = True
     return backend_from_url(url)
 
 
-def _weakable(app: Any) -> bool:
-    try:
-        weakref.ref(app)
-    except TypeError:
-        return False
-    return True
-
-
-_checked_apps: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-#: The mark, in place of a client, of an app whose backend was chosen by its URL.
-_BY_URL = object()
-
-
 def backend_for(app: Any) -> Backend:
-    """This process's backend for ``app`` (made with its client, which is cached per
-    app and process; the app's settings are checked when it is first made)."""
-    try:
-        cached = _by_app.get(app)
-    except TypeError:
-        cached = None
-    if cached is not None and cached[0] is _BY_URL:
-        return cached[1]  # a SQL backend: the path every task run takes
-    sql_backend = _sql_backend_of(app) if cached is None else None
-    if sql_backend is not None:
-        with contextlib.suppress(TypeError):
-            _by_app[app] = (_BY_URL, sql_backend)
-        return sql_backend
+    """This process's backend for ``app`` (made with its client; both are kept per
+    app and process, :mod:`.app_cache`; the app's settings are checked when it is
+    first made)."""
+    found = app_cache.lookup(app)
+    if found is not None and found.backend is not None and \
+            (found.backend_client is None or found.backend_client is found.client):
+        backend: Backend = found.backend
+        return backend  # the path every task run takes: no lock
+    if found is None or found.backend is None:
+        sql_backend = _sql_backend_of(app)
+        if sql_backend is not None:
+            entry = app_cache.entry(app)
+            entry.backend, entry.backend_client = sql_backend, None
+            return sql_backend
     client = get_client(app)
-    try:
-        cached = _by_app.get(app)
-    except TypeError:  # an app that cannot be weakly referenced
-        return backend_of_client(client)
-    if cached is not None and cached[0] is client:
-        return cached[1]  # the path every task run takes: no lock
-    with _lock:
-        try:
-            cached = _by_app.get(app)
-        except TypeError:  # an app that cannot be weakly referenced
-            return backend_of_client(client)
-        if cached is None or cached[0] is not client:
-            cached = (client, backend_of_client(client))
-            _by_app[app] = cached
-        return cached[1]
+    entry = app_cache.entry(app)
+    with app_cache.lock():
+        if entry.backend is None or entry.backend_client is not client:
+            entry.backend, entry.backend_client = backend_of_client(client), client
+        backend = entry.backend
+        return backend
 
 
 def forget_app(app: Any) -> None:
@@ -179,10 +141,7 @@ def forget_app(app: Any) -> None:
     client (a new one is made from the settings, as at the first call) and the
     ``dlock_*`` settings each of its tasks read when it first ran.  For tests that
     change ``app.conf`` between calls (the ``dlock_eager`` fixture)."""
-    with contextlib.suppress(TypeError):
-        _by_app.pop(app, None)
-        _checked_apps.pop(app, None)
-    connection.forget_app(app)
+    app_cache.forget(app)
     for task in list(getattr(app, "tasks", {}).values()):
         vars(task).pop("_dlock_settings", None)
 
@@ -210,12 +169,3 @@ def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:
             MARKERS, "lock_mode other than while_running"))
     store: MarkerStore = markers()
     return store
-
-
-def _after_fork_in_child() -> None:
-    global _by_url_lock
-    _by_url.clear()  # the parent's clients and connections are not the child's
-    _by_url_lock = threading.Lock()
-
-
-after_fork(_after_fork_in_child)

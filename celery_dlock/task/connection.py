@@ -23,19 +23,16 @@ No URL is ever shown with its password: every message goes through :func:`mask_u
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
 from typing import Any
 
 from ..core import urls
 from ..core.errors import InvalidLockConfig
-from ..core.process import after_fork
 from ..core.registry import Entry, entry_for, entry_named, redis_driver
+from . import app_cache
 from .schemes import celery_sql_url, check_known, url_backend
 from .settings import conf_value
 
-__all__ = ["cached_client", "check_unambiguous", "configured_entry", "forget_app",
+__all__ = ["cached_client", "check_unambiguous", "configured_entry",
            "get_client", "mask_url", "resolve_url", "sql_url_of"]
 
 #: ``value`` fit for a message, passwords masked
@@ -166,22 +163,15 @@ def client_options(conf: Any) -> dict[str, Any]:
     return options
 
 
-_clients: dict[tuple[int, str], Any] = {}
-# The hot path: the client of an app object, without reading its configuration.
-_by_app: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_clients_lock = threading.Lock()
-
-
 def cached_client(app: Any) -> Any:
     """The client :func:`get_client` made for ``app`` in this process, or None."""
-    try:
-        return _by_app[app]
-    except (KeyError, TypeError):
-        return None
+    found = app_cache.lookup(app)
+    return None if found is None else found.client
 
 
 def get_client(app: Any) -> Any:
-    """This process's Redis client for ``app`` (one per process, rebuilt after fork).
+    """This process's Redis client for ``app`` (one per app and process, made anew
+    after a fork: :mod:`.app_cache`).
 
     The app's Redis is found when it is first asked for.
 
@@ -192,57 +182,35 @@ def get_client(app: Any) -> Any:
     retries).  For Redlock (:func:`redlock_urls`, or a ``dlock_client`` returning a
     list or tuple), a tuple of clients, one per server.
     """
-    try:
-        return _by_app[app]
-    except (KeyError, TypeError):
-        pass
+    found = app_cache.lookup(app)
+    if found is not None and found.client is not None:
+        return found.client
     conf = app.conf
     factory = conf_value(conf, "dlock_client")
     redis = redis_driver()
     redlock = None if factory else redis.redlock_urls(conf_value(conf, "dlock_url"))
     if factory:
-        cache_key = (id(app), "factory")
+        key = "factory"
     elif redlock is not None:
-        cache_key = (id(app), "redlock:" + ";".join(redlock))
+        key = "redlock:" + ";".join(redlock)
     else:
-        cache_key = (id(app), resolve_url(conf))
-    client = _clients.get(cache_key)
-    if client is not None:
+        key = resolve_url(conf)
+    entry = app_cache.entry(app)
+    with app_cache.lock():
+        if entry.client is not None and entry.client_key == key:
+            return entry.client
+        if factory is not None:
+            if not callable(factory):
+                raise InvalidLockConfig("app.conf.dlock_client must be a callable "
+                                        "returning a Redis client")
+            client = factory()
+            if isinstance(client, list):
+                client = tuple(client)
+        elif redlock is not None:
+            options = client_options(conf)
+            client = tuple(redis.client_from_url(u, options) for u in redlock)
+        else:
+            client = redis.client_from_url(key, client_options(conf),
+                                           transport_options_for(conf, key))
+        entry.client, entry.client_key = client, key
         return client
-    with _clients_lock:
-        client = _clients.get(cache_key)
-        if client is None:
-            if factory is not None:
-                if not callable(factory):
-                    raise InvalidLockConfig("app.conf.dlock_client must be a callable "
-                                            "returning a Redis client")
-                client = factory()
-                if isinstance(client, list):
-                    client = tuple(client)
-            elif redlock is not None:
-                options = client_options(conf)
-                client = tuple(redis.client_from_url(u, options) for u in redlock)
-            else:
-                client = redis.client_from_url(cache_key[1], client_options(conf),
-                                               transport_options_for(conf, cache_key[1]))
-            _clients[cache_key] = client
-        with contextlib.suppress(TypeError):  # an app that takes no weak references
-            _by_app[app] = client
-        return client
-
-
-def forget_app(app: Any) -> None:
-    """Forget which client ``app`` uses (the next call reads its settings again;
-    the clients themselves stay cached by URL)."""
-    with contextlib.suppress(TypeError):
-        _by_app.pop(app, None)
-
-
-def _forget_clients() -> None:
-    global _clients_lock
-    _clients.clear()
-    _by_app.clear()
-    _clients_lock = threading.Lock()
-
-
-after_fork(_forget_clients)

@@ -106,6 +106,39 @@ def test_one_client_per_process_and_a_new_one_after_fork(redis_url):
     os.close(read)
 
 
+def test_an_apps_client_and_backend_are_kept_once_and_made_anew_after_fork(redis_url):
+    from celery_dlock.task.app_cache import lookup
+    from celery_dlock.task.backend import backend_for, forget_app
+
+    app = _app(dlock_url=redis_url)
+    backend = backend_for(app)
+    client = get_client(app)
+    kept = lookup(app)
+    assert kept is not None and kept.client is client and kept.backend is backend
+    assert backend_for(app) is backend and get_client(app) is client
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: nothing of the parent's entry is its own
+        try:
+            fresh = lookup(app) is None
+            mine = backend_for(app)
+            ok = fresh and mine is not backend and get_client(app) is not client
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    os.close(read)
+    # forget_app drops the one entry: both are made again from the settings
+    forget_app(app)
+    assert lookup(app) is None
+    assert backend_for(app) is not backend
+    assert get_client(app) is not client
+    client.close()
+    get_client(app).close()
+
+
 def test_client_factory_is_used(redis_url):
     made: list[redis.Redis] = []
 

@@ -48,7 +48,7 @@ def test_the_modules_that_keep_state_are_registered() -> None:
     modules = {reset.__module__ for reset in process.resets()
                if hasattr(reset, "__module__")}
     for needed in ("celery_dlock.core.owner", "celery_dlock.core.scheduler",
-                   "celery_dlock.task.backend", "celery_dlock.task.connection",
+                   "celery_dlock.task.app_cache",
                    "celery_dlock.backends.redis.renewal"):
         assert needed in modules, needed
 
