@@ -137,17 +137,18 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local score, foreign, h = own_slot(main, owner, now)
 if foreign then return foreign end
 if score then
-  local ops = call('HGET', h, 'ops')
-  local fence = tonumber(call('HGET', h, 'fence'))
+  local got = call('HMGET', h, 'ops', 'fence', 'count', 'ttl')
+  local ops = got[1]
+  local fence = tonumber(got[2])
   local done = seen(ops, op)
   if done then return {1, fence, tonumber(done)} end
   if expect ~= '' and expect ~= '*' and tonumber(expect) ~= fence then
     return {2, -1}
   end
   lengthen(main, h, owner, score, now, ttl)
-  local count = tonumber(call('HGET', h, 'count')) + 1
+  local count = tonumber(got[3]) + 1
   local fields = {'count', count, 'ops', remembered(ops, op, count)}
-  if tonumber(call('HGET', h, 'ttl') or 0) < ttl then
+  if tonumber(got[4] or 0) < ttl then
     fields[5], fields[6] = 'ttl', ttl
   end
   call('HSET', h, unpack(fields))
@@ -241,10 +242,11 @@ if not score then
   if call('EXISTS', main .. RELEASE_OP_SUFFIX .. op) == 1 then return {1} end
   return {0}
 end
-local ops = call('HGET', h, 'ops')
+local got = call('HMGET', h, 'ops', 'count')
+local ops = got[1]
 local done = seen(ops, op)
 if done then return {2, tonumber(done)} end
-local count = tonumber(call('HGET', h, 'count')) - 1
+local count = tonumber(got[2]) - 1
 if count > 0 then
   call('HSET', h, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
