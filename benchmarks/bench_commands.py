@@ -51,6 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import _common as c
@@ -336,15 +337,19 @@ def ours_cpu(worker_pid: int, lock_pid: int | None) -> Callable[[], float]:
 # -- (j)'s instruction counts ------------------------------------------------------------
 
 
-def instruction_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
-                                                         str | None]:
+def instruction_rows(rows: list[dict[str, Any]], path: Path
+                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(j)'s send and run instruction counts of the variants it shares with this
-    table, from ``results/bench_instructions.json`` (its source revision beside)."""
-    path = c.RESULTS / "bench_instructions.json"
+    table, from a ``bench_instructions.py`` result file, and where they come from
+    (its file, source revision and redis-py version)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return [], None
+        return [], {"file": str(path), "found": False}
+    machine = data.get("machine") or {}
+    origin = {"file": os.path.relpath(path, c.HERE), "found": True,
+              "source": machine.get("source"),
+              "redis": (machine.get("packages") or {}).get("redis")}
     tasks = {r["variant"]: r for r in data.get("tasks", [])}
     out = []
     for row in rows:
@@ -354,7 +359,7 @@ def instruction_rows(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
         out.append({"variant": row["variant"], "j_variant": j["variant"],
                     **{k: j.get(k) for k in ("send_client", "send_server",
                                              "run_client", "run_server", "added")}})
-    return out, (data.get("machine") or {}).get("source")
+    return out, origin
 
 
 # -- main --------------------------------------------------------------------------------
@@ -377,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-monitor", action="store_true",
                         help="no MONITOR of the lock store: no split between "
                              "commands run by scripts and by clients")
+    parser.add_argument("--instructions", metavar="PATH",
+                        default=str(c.RESULTS / "bench_instructions.json"),
+                        help="a bench_instructions.py result file whose instruction "
+                             "counts per task are printed beside (default: "
+                             "results/bench_instructions.json)")
     parser.add_argument("--variants", default=None,
                         help="comma-separated subset of the variants")
     args = parser.parse_args(argv)
@@ -443,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             results["idle_s"] = idle_s
             results["load"] = load.stop()
         results["rows"] = rows
-        j_rows, j_source = instruction_rows(rows)
-        results["instructions_j"] = {"source": j_source, "rows": j_rows}
+        j_rows, j_origin = instruction_rows(rows, Path(args.instructions))
+        results["instructions_j"] = j_origin | {"rows": j_rows}
 
     print(f"\n{TITLE}\n")
     print(f"{count} tasks per variant (after {warmup} unmeasured), distinct arguments; "
@@ -472,9 +482,9 @@ def main(argv: list[str] | None = None) -> int:
                 for k, v in sorted(r["keys_left_by_kind"].items())))
     if j_rows:
         print(f"\nInstructions per task from (j), bench_instructions.py "
-              f"(results/bench_instructions.json, source {j_source}): client and "
-              "server, send and run, counted under callgrind; added = beyond the "
-              "plain task.\n")
+              f"({j_origin['file']}: celery-dlock at {j_origin['source']}, redis-py "
+              f"{j_origin['redis']}): client and server, send and run, counted under "
+              "callgrind; added = beyond the plain task.\n")
         print(c.markdown_table(INSTR_COLUMNS, j_rows))
     c.print_load(results["load"])
     c.write_json(c.json_path(args, NAME), results)
