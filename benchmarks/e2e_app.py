@@ -9,6 +9,9 @@ configured from the environment, which the benchmark sets before either import:
 * ``DLOCK_E2E_LOCK_URL``   optional: the ``dlock_url`` of the ``LockedTask`` variants
                            (``bench_backends.py``: a PostgreSQL or ZooKeeper URL);
                            unset, the locks live in the broker's Redis
+* ``DLOCK_E2E_PEER_LOCK_URL``  optional: the Redis of celery-once's and
+                           celery-singleton's locks (``bench_commands.py``: a server
+                           apart from the broker); unset, the broker's Redis
 
 Every variant runs the same body: one ``INCR`` of the run's counter.  The benchmark
 sets the counter to ``DONE_AT - n`` before sending ``n`` tasks, so the task whose
@@ -19,6 +22,7 @@ that the benchmark waits for with ``BLPOP`` (no polling).  No results are stored
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import redis
 from celery import Celery
@@ -34,6 +38,7 @@ COUNTER = f"{PREFIX}:done"
 MARKER = f"{PREFIX}:last"
 DONE_AT = 1 << 40
 LOCK_URL = os.environ.get("DLOCK_E2E_LOCK_URL")
+PEER_LOCK_URL = os.environ.get("DLOCK_E2E_PEER_LOCK_URL") or URL
 
 app = Celery("e2e_app", broker=URL, set_as_current=False)
 app.conf.update(
@@ -43,10 +48,10 @@ app.conf.update(
     worker_hijack_root_logger=False,
     broker_transport_options={"polling_interval": 0.1},
     dlock_key_prefix=f"{PREFIX}:dlock",
-    singleton_backend_url=URL,
+    singleton_backend_url=PEER_LOCK_URL,
     singleton_key_prefix=f"{PREFIX}:singleton:",
     ONCE={"backend": "celery_once.backends.Redis",
-          "settings": {"url": URL, "default_timeout": 60}},
+          "settings": {"url": PEER_LOCK_URL, "default_timeout": 60}},
 )
 if LOCK_URL:
     app.conf.dlock_url = LOCK_URL
@@ -94,4 +99,25 @@ VARIANTS = {
     "LockedTask (template key)": locked_template,
     "celery-once QueueOnce": once,
     "celery-singleton Singleton": singleton,
+}
+
+
+def _locked_variant(name: str, **options: Any) -> Any:
+    """A ``LockedTask`` (hashed arguments) declared with ``options``, the same body."""
+
+    def body(n: int) -> None:
+        _done()
+
+    return app.task(name=f"e2e.{name}", base=LockedTask, ignore_result=True,
+                    **options)(body)
+
+
+#: ``bench_commands.py``: a ``LockedTask`` per ``lock_mode`` (the throttle's window is
+#: ``lock_ttl``, 30 s by default), and a semaphore of two slots.
+MODE_VARIANTS = {
+    **{f"LockedTask {mode}": _locked_variant(f"mode_{mode}", lock_mode=mode)
+       for mode in ("while_running", "until_started", "until_finished",
+                    "queued_and_running", "throttle")},
+    "LockedTask while_running, lock_limit=2": _locked_variant(
+        "mode_while_running_limit2", lock_mode="while_running", lock_limit=2),
 }

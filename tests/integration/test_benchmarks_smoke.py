@@ -33,6 +33,7 @@ SCRIPTS = {
     "bench_contention.py": "| variant | waiting | P | hand-offs | hand-offs/s |",
     "bench_backends.py": "| backend | names | p50 us | p99 us | mean us | x Redis |",
     "bench_web.py": "| page | locks | median ms | max ms | CPU ms |",
+    "bench_commands.py": "| variant | lock store cmds/task | EVALSHA+EVAL/task |",
 }
 #: The pool sizes of the e2e scaling smoke run: two small workers, one after the other.
 SCALING_ARGS = ["bench_e2e.py", "--smoke", "--concurrency", "1,2", "--tasks", "20",
@@ -104,6 +105,48 @@ def test_e2e_runs_one_worker_per_pool_size(results_dir: Path) -> None:
     assert [run["pool_children"] for run in data["runs"]] == [1, 2]
     assert {(r["workers"], r["variant"]) for r in data["rows"]} == {
         (n, v) for n in (1, 2) for v in ("plain task", "LockedTask (hashed args)")}
+
+
+def test_commands_counts_each_mode_on_a_lock_store_of_its_own(
+        results_dir: Path) -> None:
+    out = results_dir / "bench_commands.json"
+    if not out.exists():
+        proc = _run(["bench_commands.py", "--smoke", "--json", str(out)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    modes = ("while_running", "until_started", "until_finished", "queued_and_running",
+             "throttle")
+    assert set(rows) == {"plain task", *(f"LockedTask {m}" for m in modes),
+                         "LockedTask while_running, lock_limit=2",
+                         "celery-once QueueOnce", "celery-singleton Singleton"}
+    # The lock store serves the locks only: a plain task sends it nothing, and an
+    # idle worker nothing either.
+    assert rows["plain task"]["lock_cmds"] == 0, rows["plain task"]
+    assert sum(data["idle_lock_cmds"].values()) == 0, data["idle_lock_cmds"]
+    running = rows["LockedTask while_running"]
+    assert running["lock_cmds"] > 0 and running["script_calls"] == 2, running
+    assert rows["LockedTask until_finished"]["lock_cmds"] > running["lock_cmds"]
+    # docs/modes.md's cost: a marker costs one script call at the send and one at
+    # the start (the hand-over), throttle none at the start; a lock none at the send.
+    for mode, more in (("until_started", 2), ("until_finished", 2),
+                       ("queued_and_running", 2), ("throttle", 1)):
+        row = rows[f"LockedTask {mode}"]
+        assert row["script_calls"] == running["script_calls"] + more, row
+    # celery-once and celery-singleton: SET NX at the send, DEL after the run.
+    for peer in ("celery-once QueueOnce", "celery-singleton Singleton"):
+        assert rows[peer]["lock_cmds_by_name"] == {"SET": 1.0, "DEL": 1.0}, rows[peer]
+        assert rows[peer]["plain_cmds"] == 2, rows[peer]
+    for row in rows.values():
+        # Every command the MONITOR saw is one INFO commandstats counted, and the
+        # split adds up.
+        assert row["monitor"]["agrees_with_commandstats"], row
+        assert row["script_calls"] + row["in_scripts"] + row["plain_cmds"] == \
+            pytest.approx(row["lock_cmds"]), row
+        # Nothing is kept for ever; only throttle keeps its marker (its window).
+        assert not row["keys_left_no_expiry"], row
+        if row["variant"] != "LockedTask throttle":
+            assert ":m" not in row["keys_left_by_kind"], row
 
 
 def test_plot_draws_the_smoke_results(results_dir: Path) -> None:
