@@ -16,7 +16,13 @@ from celery.contrib.testing.worker import start_worker
 from celery_helpers import close_app, test_app
 from click.testing import CliRunner
 
-from celery_dlock import LockedTask, LockKeyConflict, RedisLock, is_skipped
+from celery_dlock import (
+    LockedTask,
+    LockKeyConflict,
+    RedisLock,
+    RedisSemaphore,
+    is_skipped,
+)
 from celery_dlock.backends.redis.inspect import (
     force_release,
     get_lock,
@@ -67,6 +73,19 @@ def run_workload(lock_url: str, broker_url: str, prefix: str,
     else:
         raise AssertionError("foreign data went unnoticed")
 
+    # -- a semaphore: a slot taken, a waiter in line, handed the slot at a release
+    s1 = RedisSemaphore(client, "slots", 1, ttl=5, owner="S1", prefix=prefix)
+    s2 = RedisSemaphore(client, "slots", 1, ttl=5, owner="S2", prefix=prefix)
+    assert s1.acquire(blocking=False)
+    slotted: list[bool] = []
+    in_line = threading.Thread(target=lambda: slotted.append(s2.acquire(timeout=10)))
+    in_line.start()
+    time.sleep(0.3)
+    s1.release()
+    in_line.join(15)
+    assert slotted == [True]
+    s2.release()
+
     # -- LockedTask on a worker, with contention recorded as an event
     @app.task(base=LockedTask, shared=False, bind=True, lock_key="t:{x}",
               on_contention="skip")
@@ -74,6 +93,34 @@ def run_workload(lock_url: str, broker_url: str, prefix: str,
         time.sleep(seconds)
         return self.lock.fence
 
+    # -- the enqueue-time modes (queue markers), a rate and a semaphore
+    @app.task(base=LockedTask, shared=False, lock_key="m:{x}", lock_mode="until_finished",
+              on_duplicate="return_existing")
+    def once(x: str) -> str:
+        return x
+
+    @app.task(base=LockedTask, shared=False, lock_key="q:{x}",
+              lock_mode="queued_and_running", on_duplicate="replace")
+    def newest(x: str) -> str:
+        return x
+
+    @app.task(base=LockedTask, shared=False, lock_key="th:{x}", lock_mode="throttle",
+              lock_ttl=5)
+    def throttled(x: str) -> str:
+        return x
+
+    @app.task(base=LockedTask, shared=False, lock_key="r:{x}", lock_rate="100/s")
+    def rated(x: str) -> str:
+        return x
+
+    @app.task(base=LockedTask, shared=False, lock_key="s:{x}", lock_limit=2)
+    def slot(x: str) -> str:
+        return x
+
+    # a replace while no worker runs: the first call is queued, and replaced
+    replaced = newest.delay("b")
+    latest = newest.delay("b")
+    assert latest.id != replaced.id
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
                           shutdown_timeout=20):
@@ -81,6 +128,14 @@ def run_workload(lock_url: str, broker_url: str, prefix: str,
             time.sleep(0.5)
             assert is_skipped(hold.delay("x", 0).get(timeout=30))
             assert isinstance(long.get(timeout=30), int)
+            first = once.delay("a")
+            again = once.delay("a")  # a duplicate: the queued or running call's result
+            assert again.id == first.id
+            assert first.get(timeout=30) == "a"
+            assert latest.get(timeout=30) == "b"
+            assert throttled.delay("c").get(timeout=30) == "c"
+            assert rated.delay("d").get(timeout=30) == "d"
+            assert slot.delay("e").get(timeout=30) == "e"
     finally:
         close_app(app)
 

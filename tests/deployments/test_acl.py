@@ -140,7 +140,7 @@ def test_the_rule_allows_only_what_the_library_sends(server, redis_url):
 # -- a user whose rule lacks one command the scripts run ------------------------------
 
 #: Every command the lock's scripts run; each is refused in turn below.
-SCRIPT_COMMANDS = ("time", "exists", "hget", "hgetall", "pttl", "get", "zrange",
+SCRIPT_COMMANDS = ("time", "exists", "hget", "hgetall", "hmget", "pttl", "get", "zrange",
                    "zrangebyscore", "set", "hset", "pexpire", "zadd", "rpush", "del",
                    "zrem")
 
@@ -248,4 +248,49 @@ def test_fail_open_does_not_run_a_body_unlocked_over_a_refused_command(
     finally:
         close_app(app)
         admin.execute_command("ACL", "DELUSER", "lacks-pexpire")
+        admin.close()
+
+
+@pytest.mark.parametrize(("options", "command"), [
+    ({"lock_mode": "until_started"}, "zscore"),      # the queue marker's claim
+    ({"lock_mode": "queued_and_running"}, "hmget"),  # its claim record
+    ({"lock_rate": "10/s"}, "hmget"),                # the rate's state
+])
+def test_a_refused_command_of_the_markers_or_a_rate_is_named(
+        server: EmbeddedRedis, redis_url: str, options: dict[str, str],
+        command: str) -> None:
+    """The queue markers' and the rates' scripts name a command the user may not run,
+    as the lock's do: InvalidLockConfig naming it, not an outage."""
+    from celery_helpers import close_app, test_app
+
+    from celery_dlock import LockedTask
+
+    prefix = f"dlm{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(server.url)
+    user = f"lacks-{command}"
+    admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{PASSWORD}",
+                          f"~{prefix}:*", "+@all", f"-{command}")
+    url = f"redis://{user}:{PASSWORD}@127.0.0.1:{server.port}/0"
+    app = test_app(f"mk-acl{uuid.uuid4().hex[:4]}", redis_url, dlock_url=url,
+                   dlock_key_prefix=prefix)
+
+    @app.task(base=LockedTask, shared=False, lock_key="k:{x}", **options)
+    def work(x: str) -> str:
+        return x
+
+    try:
+        with pytest.raises(InvalidLockConfig, match=command.upper()):
+            if "lock_rate" in options:
+                # a worker takes the rate where the body would start (an eager run
+                # takes none): the same call, on the store a worker asks
+                from celery_dlock.core.rates import parse_rate
+                from celery_dlock.task.backend import backend_for
+
+                backend_for(app).rates().take(prefix, "k:a",
+                                              parse_rate(options["lock_rate"]))
+            else:
+                work.apply_async(("a",))  # the marker is claimed where the call is sent
+    finally:
+        close_app(app)
+        admin.execute_command("ACL", "DELUSER", user)
         admin.close()

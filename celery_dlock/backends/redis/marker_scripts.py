@@ -4,7 +4,7 @@ says its KEYS, ARGV and reply)."""
 
 from __future__ import annotations
 
-from .scripts import LuaScript
+from .lua import CALL, LuaScript
 
 __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_SUFFIX",
            "UNDO", "WAITING_SUFFIX"]
@@ -35,7 +35,7 @@ WAITING_SUFFIX = "w"
 # The server's clock in ms, for the scripts that read it.
 _NOW = """
 local function now_ms()
-  local t = redis.call('TIME')
+  local t = call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 """
@@ -44,15 +44,15 @@ end
 # its longest-lived member); members whose time is past are dropped first.
 _REMEMBER = """
 local function remember(replaced, id, deadline, now)
-  redis.call('ZREMRANGEBYSCORE', replaced, '-inf', now)
-  local was = tonumber(redis.call('ZSCORE', replaced, id))
-  if not was or was < deadline then redis.call('ZADD', replaced, deadline, id) end
+  call('ZREMRANGEBYSCORE', replaced, '-inf', now)
+  local was = tonumber(call('ZSCORE', replaced, id))
+  if not was or was < deadline then call('ZADD', replaced, deadline, id) end
   local keep = deadline - now
-  if redis.call('PTTL', replaced) < keep then redis.call('PEXPIRE', replaced, keep) end
+  if call('PTTL', replaced) < keep then call('PEXPIRE', replaced, keep) end
 end
 """
 
-CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
+CLAIM = LuaScript("marker_claim", CALL + _NOW + _REMEMBER + """
 -- KEYS[1] marker, KEYS[2] the lock's hash, KEYS[3] the replaced calls, KEYS[4] the
 -- claim record, KEYS[5] the retries waiting.  ARGV[1] task id, ARGV[2] ttl (ms),
 -- ARGV[3] '1': a running holder (another task holding the lock) is a duplicate too,
@@ -74,8 +74,8 @@ CLAIM = LuaScript("marker_claim", _NOW + _REMEMBER + """
 -- call takes nothing (reply 2) and keeps it replaced for ARGV[2] more.
 local marker, lock, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
 local requeue = ARGV[5] == '1'
-local current = redis.call('GET', marker)
-local r = redis.call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
+local current = call('GET', marker)
+local r = call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
                     'run')
 if r[7] == ARGV[6] then return {2, '', 0} end
 if ARGV[8] == '1' then
@@ -83,7 +83,7 @@ if ARGV[8] == '1' then
   remember(KEYS[5], id, now + tonumber(ARGV[2]), now)
   return {1, id, 0}
 end
-local until_ms, now = tonumber(redis.call('ZSCORE', replaced, id)), nil
+local until_ms, now = tonumber(call('ZSCORE', replaced, id)), nil
 if until_ms then
   now = now_ms()
   if until_ms <= now then until_ms = nil end
@@ -96,16 +96,16 @@ if requeue and until_ms then
   local ttl = tonumber(ARGV[2])
   remember(replaced, id, now + ttl, now)
   if r[4] and r[5] == id and (tonumber(r[6]) or 0) < now + ttl then
-    redis.call('HSET', rec, 'pdl', now + ttl)
-    if redis.call('PTTL', rec) < ttl then redis.call('PEXPIRE', rec, ttl) end
+    call('HSET', rec, 'pdl', now + ttl)
+    if call('PTTL', rec) < ttl then call('PEXPIRE', rec, ttl) end
   end
-  return {2, current or '', redis.call('PTTL', marker)}
+  return {2, current or '', call('PTTL', marker)}
 end
 local function started()  -- a started call's re-queue holds the marker from now on
   if ARGV[7] == '1' then
-    redis.call('HSET', rec, 'run', id)
-    if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
-      redis.call('PEXPIRE', rec, ARGV[2])
+    call('HSET', rec, 'run', id)
+    if call('PTTL', rec) < tonumber(ARGV[2]) then
+      call('PEXPIRE', rec, ARGV[2])
     end
   end
 end
@@ -113,45 +113,45 @@ if current == id then
   if requeue then
     -- It was delivered, so its publish went through: a replace it made is confirmed.
     if r[4] == id then
-      redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
+      call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
     end
-    redis.call('PEXPIRE', marker, ARGV[2])
+    call('PEXPIRE', marker, ARGV[2])
     started()
     return {1, id, 0}
   end
   if r[1] == ARGV[6] then return {tonumber(r[2]), r[3], 0} end  -- a re-sent claim
-  return {2, id, redis.call('PTTL', marker)}
+  return {2, id, call('PTTL', marker)}
 end
 if not requeue then  -- a started call waiting for its retry: that call
-  local waits = tonumber(redis.call('ZSCORE', KEYS[5], id))
+  local waits = tonumber(call('ZSCORE', KEYS[5], id))
   if waits then
     now = now or now_ms()
     if waits > now then return {2, id, waits - now} end
   end
 end
 if until_ms then  -- replaced (its replace taken back, or its claim re-sent late)
-  return {2, current or '', redis.call('PTTL', marker)}
+  return {2, current or '', call('PTTL', marker)}
 end
 -- The running call: a send of its own task id is that call, also while another call
 -- is queued (a replace must not publish the running call's id a second time).
 if not requeue and ((not current and ARGV[3] == '1')
-    or redis.call('TYPE', lock)['ok'] == 'hash') then
-  if redis.call('EXISTS', lock) == 1 then
-    local holder = redis.call('HGET', lock, 'task_id')
+    or call('TYPE', lock)['ok'] == 'hash') then
+  if call('EXISTS', lock) == 1 then
+    local holder = call('HGET', lock, 'task_id')
     if holder == id or (ARGV[3] == '1' and not current) then
-      return {3, holder or '', redis.call('PTTL', lock)}
+      return {3, holder or '', call('PTTL', lock)}
     end
   end
 end
 if current then
   if requeue then
-    return {2, current, redis.call('PTTL', marker)}
+    return {2, current, call('PTTL', marker)}
   end
   if ARGV[4] == '1' and r[8] ~= current and r[4] == current then
     -- The queued call is itself a replace whose publish is not confirmed yet: wait
     -- (reply 5, nothing written) until it stands or is taken back, so a failed
     -- publish never takes a published call's place.
-    return {5, current, redis.call('PTTL', marker)}
+    return {5, current, call('PTTL', marker)}
   end
   if ARGV[4] == '1' and r[8] ~= current then
     -- The replaced call's id is kept as long as its message could be delivered (its
@@ -159,43 +159,43 @@ if current then
     -- after the new call started and removed the marker, and after a worker restart
     -- lost the revoke.  Until the caller confirms its publish the replace is pending:
     -- a failed publish gives the name back to the call queued before (``pold``).
-    redis.call('ZSCORE', replaced, current)
+    call('ZSCORE', replaced, current)
     local now, ttl = now_ms(), tonumber(ARGV[2])
-    local left = redis.call('PTTL', marker)
+    local left = call('PTTL', marker)
     if left < 0 then left = ttl end
     local pold, pdl = current, now + left
     if r[4] == current then pold, pdl = r[5], tonumber(r[6]) end
     remember(replaced, current, now + math.max(left, ttl), now)
-    redis.call('SET', marker, id, 'PX', ttl)
-    redis.call('HDEL', rec, 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode', 'pother')
-    redis.call('HSET', rec, 'op', ARGV[6], 'code', 4, 'other', current, 'pend', id)
-    if pold then redis.call('HSET', rec, 'pold', pold, 'pdl', pdl) end
+    call('SET', marker, id, 'PX', ttl)
+    call('HDEL', rec, 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode', 'pother')
+    call('HSET', rec, 'op', ARGV[6], 'code', 4, 'other', current, 'pend', id)
+    if pold then call('HSET', rec, 'pold', pold, 'pdl', pdl) end
     if r[1] then  -- the claim that wrote the replaced call's marker, for an undo
-      redis.call('HSET', rec, 'pop', r[1], 'pcode', r[2] or 0, 'pother', r[3] or '')
+      call('HSET', rec, 'pop', r[1], 'pcode', r[2] or 0, 'pother', r[3] or '')
     end
-    if redis.call('PTTL', rec) < ttl then redis.call('PEXPIRE', rec, ttl) end
+    if call('PTTL', rec) < ttl then call('PEXPIRE', rec, ttl) end
     return {4, current, 0}
   end
-  return {2, current, redis.call('PTTL', marker)}
+  return {2, current, call('PTTL', marker)}
 end
-redis.call('SET', marker, id, 'PX', ARGV[2])
+call('SET', marker, id, 'PX', ARGV[2])
 if not (r[1] or r[4] or r[5] or r[7] or r[8]) then
   -- no record of a claim, a replace or a take-back (the usual case): written anew
-  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
-  redis.call('PEXPIRE', rec, ARGV[2])
+  call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
+  call('PEXPIRE', rec, ARGV[2])
 else
-  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode',
+  call('HDEL', rec, 'pend', 'pold', 'pdl', 'conf', 'back', 'pop', 'pcode',
              'pother')
-  redis.call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
-  if redis.call('PTTL', rec) < tonumber(ARGV[2]) then
-    redis.call('PEXPIRE', rec, ARGV[2])
+  call('HSET', rec, 'op', ARGV[6], 'code', 0, 'other', '')
+  if call('PTTL', rec) < tonumber(ARGV[2]) then
+    call('PEXPIRE', rec, ARGV[2])
   end
 end
 started()
 return {0, '', 0}
 """)
 
-CONFIRM = LuaScript("marker_confirm", _NOW + """
+CONFIRM = LuaScript("marker_confirm", CALL + _NOW + """
 -- KEYS[1] the claim record, KEYS[2] the replaced calls.  ARGV[1] the task id of a
 -- replace whose publish went through.  1: the replace stands (the replaced call is to
 -- be revoked); 0: this call is replaced itself (the replaced call started first and
@@ -203,20 +203,20 @@ CONFIRM = LuaScript("marker_confirm", _NOW + """
 -- back decides for the call queued before): revoke nothing; -1: nothing is known of
 -- it (the record expired or was lost with a restart): the replaced call is to be
 -- revoked all the same.
-local r = redis.call('HMGET', KEYS[1], 'pend', 'conf', 'back')
+local r = call('HMGET', KEYS[1], 'pend', 'conf', 'back')
 if r[2] == ARGV[1] then return 1 end  -- a re-sent confirm, or it started first
 if r[3] == ARGV[1] then return 0 end
 if r[1] ~= ARGV[1] then
-  local until_ms = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]))
+  local until_ms = tonumber(call('ZSCORE', KEYS[2], ARGV[1]))
   if until_ms and until_ms > now_ms() then return 0 end
   return -1
 end
-redis.call('HDEL', KEYS[1], 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
-redis.call('HSET', KEYS[1], 'conf', ARGV[1])
+call('HDEL', KEYS[1], 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
+call('HSET', KEYS[1], 'conf', ARGV[1])
 return 1
 """)
 
-UNDO = LuaScript("marker_undo", _NOW + """
+UNDO = LuaScript("marker_undo", CALL + _NOW + """
 -- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record.  ARGV[1] the
 -- task id whose publish failed (or whose claim's reply never came), ARGV[2] its
 -- claim's operation id, ARGV[3] ttl (ms) of what is kept of it.  The claim is taken
@@ -228,43 +228,43 @@ UNDO = LuaScript("marker_undo", _NOW + """
 -- runs (``x``).  1: taken back; 0: nothing of it was left (not run yet, replaced in
 -- turn, or expired).  A re-sent take-back gets the first reply (``xr``).
 local marker, replaced, rec, id, op = KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2]
-local current = redis.call('GET', marker)
-local r = redis.call('HMGET', rec, 'op', 'pend', 'pold', 'pdl', 'x', 'xr', 'pop',
+local current = call('GET', marker)
+local r = call('HMGET', rec, 'op', 'pend', 'pold', 'pdl', 'x', 'xr', 'pop',
                     'pcode', 'pother')
-redis.call('ZSCORE', replaced, id)
+call('ZSCORE', replaced, id)
 if r[5] == op then return tonumber(r[6]) end  -- a re-sent take-back
 local undone = 0
 if r[1] == op then
   local back = false
   if r[2] == id and r[3] then
-    redis.call('ZREM', replaced, r[3])
+    call('ZREM', replaced, r[3])
     local left = tonumber(r[4]) - now_ms()
     if current == id then
-      if left > 0 then redis.call('SET', marker, r[3], 'PX', left); back = true
-      else redis.call('DEL', marker) end
+      if left > 0 then call('SET', marker, r[3], 'PX', left); back = true
+      else call('DEL', marker) end
     end
   elseif current == id then
-    redis.call('DEL', marker)
+    call('DEL', marker)
   end
-  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
+  call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
              'pother')
   if back and r[7] then  -- the marker given back is known by the claim that wrote it
-    redis.call('HSET', rec, 'op', r[7], 'code', r[8], 'other', r[9])
+    call('HSET', rec, 'op', r[7], 'code', r[8], 'other', r[9])
   end
   undone = 1
 elseif r[3] == id then
   -- This call, never published, was replaced by one still pending: that one's failed
   -- publish gives the name back to no call.
-  redis.call('HDEL', rec, 'pold', 'pdl')
+  call('HDEL', rec, 'pold', 'pdl')
 end
-redis.call('HSET', rec, 'x', op, 'xr', undone)
-if redis.call('PTTL', rec) < tonumber(ARGV[3]) then
-  redis.call('PEXPIRE', rec, ARGV[3])
+call('HSET', rec, 'x', op, 'xr', undone)
+if call('PTTL', rec) < tonumber(ARGV[3]) then
+  call('PEXPIRE', rec, ARGV[3])
 end
 return undone
 """)
 
-HAND_OVER = LuaScript("marker_hand_over", _NOW + _REMEMBER + """
+HAND_OVER = LuaScript("marker_hand_over", CALL + _NOW + _REMEMBER + """
 -- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record, KEYS[4] the
 -- retries waiting (the starting call's task id leaves them).  ARGV[1] the
 -- starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1': another task
@@ -275,44 +275,44 @@ HAND_OVER = LuaScript("marker_hand_over", _NOW + _REMEMBER + """
 -- replace is taken back (the replacing call, if its publish went through, is
 -- recorded replaced and never runs).  The replacing call starting first confirms it.
 local marker, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
-local current = redis.call('GET', marker)
-local r = redis.call('HMGET', rec, 'pend', 'pold')
-local until_ms = tonumber(redis.call('ZSCORE', replaced, id))
-redis.call('ZREM', KEYS[4], id)
+local current = call('GET', marker)
+local r = call('HMGET', rec, 'pend', 'pold')
+local until_ms = tonumber(call('ZSCORE', replaced, id))
+call('ZREM', KEYS[4], id)
 if r[1] and r[1] == id then
-  redis.call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
-  redis.call('HSET', rec, 'conf', id)
+  call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
+  call('HSET', rec, 'conf', id)
 elseif r[1] and r[2] == id and ARGV[3] == '1' then
   local now = now_ms()
-  local left = redis.call('PTTL', marker)
+  local left = call('PTTL', marker)
   if left < 0 then left = 0 end
-  redis.call('ZREM', replaced, id)
+  call('ZREM', replaced, id)
   remember(replaced, r[1], now + math.max(left, 1), now)
-  if ARGV[2] == '1' and current == r[1] then redis.call('DEL', marker) end
-  redis.call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
+  if ARGV[2] == '1' and current == r[1] then call('DEL', marker) end
+  call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
              'pother')
-  redis.call('HSET', rec, 'back', r[1])
+  call('HSET', rec, 'back', r[1])
   return {1, ''}
 end
 if ARGV[3] == '1' and until_ms and until_ms > now_ms() then
   return {0, current or 'a later call'}
 end
 if current == id then
-  if ARGV[2] == '1' then redis.call('DEL', marker, rec) end
+  if ARGV[2] == '1' then call('DEL', marker, rec) end
   return {1, ''}
 end
 if current and ARGV[3] == '1' then return {0, current} end
 return {1, ''}
 """)
 
-CLEAR = LuaScript("marker_clear", """
+CLEAR = LuaScript("marker_clear", CALL + """
 -- KEYS[1] marker, KEYS[2] the retries waiting.  ARGV[1] task id: the call ends
 -- without running (or ended): remove the marker if it is this call's, and the task id
 -- from the retries waiting.  1: the marker was removed.
-local current = redis.call('GET', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
+local current = call('GET', KEYS[1])
+call('ZREM', KEYS[2], ARGV[1])
 if current == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  return call('DEL', KEYS[1])
 end
 return 0
 """)

@@ -65,6 +65,7 @@ from .marker_scripts import (
     UNDO,
     WAITING_SUFFIX,
 )
+from .refusals import acl_refusal
 from .scripts import LuaScript
 
 __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "UNDO", "RedisMarkers"]
@@ -90,6 +91,9 @@ class RedisMarkers:
                     f"{keys[0]!r} or {keys[-1]!r} holds another application's data "
                     f"(not a queue marker or a lock): it was left untouched (use another "
                     f"prefix or lock name)", lock_name=name) from exc
+            refused = acl_refusal(exc, "the queue markers' scripts need it", name)
+            if refused is not None:
+                raise refused from exc
             raise BackendUnavailable(f"Redis refused {script.name}: {exc}",
                                      lock_name=name) from exc
         except RedisError as exc:

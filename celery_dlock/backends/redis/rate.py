@@ -24,6 +24,8 @@ from ...core.rates import Rate, RateDecision, RateState
 from .cluster import node_clients
 from .hashtag import lock_key, name_of_key, scan_pattern
 from .keyspace import UNTOUCHED, decode
+from .lua import CALL
+from .refusals import acl_refusal
 from .scripts import OPS_KEPT, LuaScript
 
 __all__ = ["RATE_SUFFIX", "TAKE", "RedisRates", "rate_key"]
@@ -44,18 +46,18 @@ RATE_SUFFIX = ":rate"
 # delivered again after a worker died, or a retry that kept the header) asks afresh,
 # as one back more than an interval late does.  Slots past their last moment are
 # dropped at every write.
-TAKE = LuaScript("rate_take", """
+TAKE = LuaScript("rate_take", CALL + """
 local key = KEYS[1]
 local interval, tau = tonumber(ARGV[1]), tonumber(ARGV[2])
 local op = ARGV[4]
-local t = redis.call('TIME')
+local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local slot = nil
 if ARGV[3] ~= '' then
   slot = tonumber(ARGV[3])
   if now < slot then return {2, slot - now, slot} end
 end
-local state = redis.call('HMGET', key, 'tat', 'ops', 'slots')
+local state = call('HMGET', key, 'tat', 'ops', 'slots')
 local ops = state[2] or ''
 if op ~= '' then
   local code, given = string.match(ops, ' ' .. op .. ':(%d):(%d+)')
@@ -81,7 +83,7 @@ local function remember(code, given)
 end
 if mine and now <= slot + interval then
   -- The key lives at least one interval past every slot it reserved: no expiry here.
-  redis.call('HSET', key, 'slots', pending, 'ops', remember(1, slot))
+  call('HSET', key, 'slots', pending, 'ops', remember(1, slot))
   return {1, 0, slot}
 end
 local tat = tonumber(state[1] or '0')
@@ -94,21 +96,21 @@ local code = 0
 if at <= now then code = 1 else pending = pending .. ' ' .. string.format('%.0f', at) end
 -- The expiry first (on a missing key it changes nothing): a refused command stops the
 -- script before the write.
-redis.call('PEXPIRE', key, ms)
-redis.call('HSET', key, 'tat', string.format('%.0f', new), 'interval', ARGV[1],
+call('PEXPIRE', key, ms)
+call('HSET', key, 'tat', string.format('%.0f', new), 'interval', ARGV[1],
            'tau', ARGV[2], 'ops', remember(code, at), 'slots', pending)
-redis.call('PEXPIRE', key, ms)
+call('PEXPIRE', key, ms)
 if code == 1 then return {1, 0, now} end
 return {0, at - now, at}
 """.replace("OPS_KEPT", str(OPS_KEPT)))
 
 # KEYS[1] the rate state.  Replies {tat, interval, tau, now} (us; empty when none).
-READ = LuaScript("rate_read", """
-local tat = redis.call('HGET', KEYS[1], 'tat')
+READ = LuaScript("rate_read", CALL + """
+local tat = call('HGET', KEYS[1], 'tat')
 if not tat then return {} end
-local t = redis.call('TIME')
+local t = call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-return {tat, redis.call('HGET', KEYS[1], 'interval'), redis.call('HGET', KEYS[1], 'tau'),
+return {tat, call('HGET', KEYS[1], 'interval'), call('HGET', KEYS[1], 'tau'),
         string.format('%.0f', now)}
 """)
 
@@ -137,6 +139,9 @@ class RedisRates:
             if "WRONGTYPE" in str(exc):
                 raise LockKeyConflict(f"{key!r} is not a hash: {UNTOUCHED}",
                                       lock_name=name) from exc
+            refused = acl_refusal(exc, "the rate's scripts need it", name)
+            if refused is not None:
+                raise refused from exc
             raise BackendUnavailable(f"Redis refused the rate of {name!r}: {exc}",
                                      lock_name=name) from exc
         except RedisError as exc:

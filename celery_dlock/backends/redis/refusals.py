@@ -22,7 +22,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from ...core.errors import DLockError, InvalidLockConfig, LockKeyConflict
 from .keyspace import UNTOUCHED, LockKeys, foreign_keys
 
-__all__ = ["NOT_A_FENCE", "NOT_A_HOLD", "REFUSED", "refusal"]
+__all__ = ["NOT_A_FENCE", "NOT_A_HOLD", "REFUSED", "acl_refusal", "refusal"]
 
 #: The scripts' error for a hash at the lock's key that is not one of their holds,
 #: followed by `` (no FIELD)``: the first field of a hold it lacks.
@@ -60,13 +60,21 @@ def refusal(exc: BaseException, client: Any, keys: LockKeys,
         return LockKeyConflict(
             f"{keys.fence!r} does not hold an integer fence counter: {UNTOUCHED}",
             lock_name=name)
+    return acl_refusal(exc, "the lock's scripts need it, and stopped before writing "
+                            "anything that would not expire", name)
+
+
+def acl_refusal(exc: BaseException, what: str, name: str | None) -> DLockError | None:
+    """:class:`InvalidLockConfig` naming the command when ``exc`` is a command the
+    connection's user may not run (a script's :data:`REFUSED`, or Redis's own
+    ``NOPERM``); ``what`` says who needs it.  None for any other error."""
+    text = str(exc)
     refused = _REFUSED.search(text)
     if refused:
         said = _NOISE.sub("", refused[2]).strip()
         return InvalidLockConfig(
-            f"Redis refused {refused[1]} to this connection's user ({said}): the "
-            f"lock's scripts need it, and stopped before writing anything that would "
-            f"not expire; {ACL_HINT}", lock_name=name)
+            f"Redis refused {refused[1]} to this connection's user ({said}): {what}; "
+            f"{ACL_HINT}", lock_name=name)
     if isinstance(exc, NoPermissionError):
         return InvalidLockConfig(f"Redis refused a command to this connection's "
                                  f"user ({text}): {ACL_HINT}", lock_name=name)
