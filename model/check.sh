@@ -115,7 +115,7 @@ expect_fail "a canvas duplicate's id gets no outcome (6)" "$MUTANT_BITS" -DMODE=
   -DNO_FORWARD
 expect_fail "a replace replaces a started call's retry" "$MUTANT_BITS" -DMODE=UF -DREPLACE \
   -DREPLACE_STARTED
-expect_fail "a confirm with no record revokes anyway" "$MUTANT_BITS" -DMODE=US -DREPLACE \
+expect_fail "a confirm with no record revokes anyway" "$MUTANT_BITS" -DMODE=UF -DREPLACE \
   -DPARK -DCONFIRM_BLIND
 expect_fail "a re-sent claim of a call taken back is claimed" "$MUTANT_BITS" -DMODE=US \
   -DREPLACE -DRESTART -DLOST_REPLY -DCLAIM_REPLACED
@@ -125,4 +125,6 @@ expect_fail "until_started: the retry state read apart from the claim" "$MUTANT_
   -DMODE=US -DSAME_ID -DRESULT_STORE_CHECK
 expect_fail "an undo forgets the op that wrote the marker it gives back" "$MUTANT_BITS" \
   -DNS=2 -DMODE=UF -DREPLACE -DLOST_REPLY -DOP_IN_RECORD
+expect_fail "until_started: a replace taken back never runs" "$MUTANT_BITS" -DMODE=US \
+  -DREPLACE -DOLD_TAKE_BACK
 exit $status

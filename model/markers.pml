@@ -46,7 +46,10 @@
  *      (only the call's own re-queue publishes it again);
  *   P5 (TH) the window counts from the accepted enqueue: a send is a duplicate only
  *      within TTL of the last claim, and claims only after that;
- *   P6 a call that started is never superseded nor replaced (its retry runs).
+ *   P6 a call that started is never superseded nor replaced (its retry runs);
+ *   P7 (US) a call is never superseded by the call it replaced: when that one starts
+ *      before the replace is confirmed, it takes the replace back and both run (a
+ *      running call is no duplicate in until_started and queued_and_running).
  *
  * Mutants (each must produce a counterexample): the defects of issue 31, items 1-6,
  * and of the code on its way to the fix (the last four the model found in the code
@@ -88,6 +91,9 @@
  *                     lock: a send of the same task id in between is published (now:
  *                     the retry's re-queue leaves the id for the claim to read, in the
  *                     claim's own step, and the retry's start takes it out)
+ *   OLD_TAKE_BACK     (US) a replaced call that starts before the replace is
+ *                     confirmed takes it back and the replacing call never runs (as in
+ *                     until_finished): the latest call is lost to an earlier one
  *   OP_IN_RECORD      an undo that gives a marker back clears the claim record's
  *                     operation id instead of giving back the one that wrote that
  *                     marker: 1 claims, its reply is lost, 2 replaces 1 and its publish
@@ -183,6 +189,8 @@ bool lost_budget = true; /* one claim's reply may be lost (-DLOST_REPLY) */
 /* -- ghosts, for the properties only --------------------------------------------- */
 byte out[NS + 1];
 byte sup_by[NS + 1];     /* the send that superseded it */
+byte repl_of[NS + 1];    /* the send its replace replaced (0: none) */
+bool tb[NS + 1];         /* its replace was taken back, it stays queued (P:{N}:mb) */
 byte dup_of[NS + 1];     /* the send it was told a duplicate of */
 byte rep_by[NS + 1];     /* the send that replaced it (0: none, or taken back) */
 bool pub[NS + 1];        /* accepted: its message was published */
@@ -550,17 +558,19 @@ proctype Send(byte k) {
   atomic {
     if
     :: ok && code == REPLACED ->
+       repl_of[k] = other;
        /* CONFIRM: the replace stands unless the call it replaced started first */
        if
-       :: rec_conf == k -> stands = true     /* a re-send, or it started first */
-       :: rec_conf != k && rec_back == k -> stands = false   /* taken back */
-       :: rec_conf != k && rec_back != k && rec_pend != k ->
+       :: tb[k] -> stands = false; tb[k] = false  /* taken back: it stays queued */
+       :: !tb[k] && rec_conf == k -> stands = true  /* a re-send, or it started first */
+       :: !tb[k] && rec_conf != k && rec_back == k -> stands = false   /* taken back */
+       :: !tb[k] && rec_conf != k && rec_back != k && rec_pend != k ->
 #ifdef CONFIRM_BLIND
           stands = true                      /* nothing known of it: revoke anyway */
 #else
           stands = !IS_REPLACED(k)           /* unless it is replaced itself */
 #endif
-       :: rec_conf != k && rec_back != k && rec_pend == k ->
+       :: !tb[k] && rec_conf != k && rec_back != k && rec_pend == k ->
           replaced[rec_pold] = true;
           rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0; rec_conf = k;
           stands = true
@@ -673,9 +683,19 @@ inline work(w, k, st) {
     :: rec_pend == k -> replaced[rec_pold] = true;      /* it started first: confirmed */
                         rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0;
                         rec_conf = k
+#if MODE == US && !defined(OLD_TAKE_BACK)
     :: rec_pend != 0 && rec_pend != k && rec_pold == k && CHECKED(st) ->
        /* replaced by a call whose publish is not confirmed: it takes the replace back
-        * and runs; the replacing call never does */
+        * and runs; the replacing call stays queued under the marker and runs after
+        * it (a running call is no duplicate here), as one sent just after it
+        * started would */
+       r_until[ID(k)] = 0; rep_by[k] = 0; tb[rec_pend] = true;
+       rec_back = rec_pend; rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0;
+       goto handed
+#else
+    :: rec_pend != 0 && rec_pend != k && rec_pold == k && CHECKED(st) ->
+       /* replaced by a call whose publish is not confirmed: it takes the replace back
+        * and runs; the replacing call never does (a running call is a duplicate) */
        r_until[ID(k)] = 0; rep_by[k] = 0;
        if
        :: m_exp > now + 1 -> remember(rec_pend, m_exp)
@@ -689,6 +709,7 @@ inline work(w, k, st) {
        rec_back = rec_pend; rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_op = 0;
        rec_pop = 0;
        goto handed
+#endif
     :: else -> skip
     fi;
     if
@@ -841,6 +862,11 @@ init {
      assert(out[k] != NONE);
      assert(out[k] != SUP || (sup_by[k] != 0 && pub[sup_by[k]]));
      assert(out[k] != DUP || dup_of[k] != k);   /* never a duplicate of itself */
+#if MODE == US
+     /* P7 (US): never superseded by the call it replaced (that one started first:
+      * both run, as when it started before this send) */
+     assert(out[k] != SUP || repl_of[k] == 0 || sup_by[k] != repl_of[k]);
+#endif
      k++
   od
 }

@@ -52,7 +52,8 @@ def hand_over(task: Any, request: Any, lock: Lock) -> None:
     try:
         replaced_by = markers_for(task.app).hand_over(
             record.prefix, record.name, record.task_id, remove=not bare,
-            replaced_check=not record.started)
+            replaced_check=not record.started,
+            running_counts=record.mode == "until_finished")
     except DLockError as exc:
         logger.warning("Task %s[%s]: could not hand its queue marker of %r over (it "
                        "expires within lock_queue_ttl): %s", task.name, request.id,

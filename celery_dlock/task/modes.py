@@ -246,9 +246,14 @@ def _replaced(app: Any, task: Any, store: MarkerStore, prefix: str, lock_name: s
         return
     if not stands:  # ``old`` started first and took it back, or a later call
         # replaced this one (whose confirm or take-back decides for ``old``)
-        logger.info("Task %s[%s] does not replace %s (it started first, or a later "
-                    "call replaced %s): %s never runs (superseded)", task.name, new,
-                    old, new, new)
+        if mode == "until_finished":
+            logger.info("Task %s[%s] does not replace %s (it started first, or a later "
+                        "call replaced %s): %s never runs (superseded)", task.name,
+                        new, old, new, new)
+        else:
+            logger.info("Task %s[%s] does not replace %s (it started first, and %s "
+                        "runs after it; or a later call replaced %s)", task.name, new,
+                        old, new, new)
         return
     signals.send(signals.lock_duplicate, task, lock_name, task_id=new, existing=old,
                  mode=mode, policy="replace")

@@ -343,7 +343,9 @@ def _by_a_replace(call: dict[str, Any], by: dict[str, Any] | None) -> bool:
         return False
     if by["t0"] > call["t0"]:
         return bool(by["policy"] == "replace")
-    return bool(call["policy"] == "replace")
+    # Its own replace lost to the start of the call it replaced: only where a running
+    # call is a duplicate (until_finished); in the other modes it stays queued and runs.
+    return bool(call["policy"] == "replace" and call["mode"] == "until_finished")
 
 
 def _unnamed_replace(call: dict[str, Any], t: float, published: list[dict[str, Any]],
@@ -356,7 +358,7 @@ def _unnamed_replace(call: dict[str, Any], t: float, published: list[dict[str, A
     if any(p["key"] == key and p["policy"] == "replace" and since < p["t0"] < t
            for p in published):
         return True
-    return call["policy"] == "replace" and any(
+    return call["policy"] == "replace" and call["mode"] == "until_finished" and any(
         b["key"] == key and b["task_id"] != call["task_id"] and since < b["start"] < t
         for b in bodies)
 

@@ -193,6 +193,25 @@ def test_a_call_superseded_before_it_started_is_not_lost(tmp_path: Path) -> None
     assert sorted(kinds(run.check())) == ["lost", "two_live"]
 
 
+@pytest.mark.parametrize("mode", ("until_finished", "until_started",
+                                  "queued_and_running"))
+def test_a_replace_lost_to_the_start_of_the_call_it_replaced(
+        tmp_path: Path, mode: str) -> None:
+    # B replaced A, and A started before B's replace was confirmed: A runs.  Where a
+    # running call is a duplicate (until_finished) B then never runs, superseded by
+    # A; in the other modes B stays queued and must run: superseded by A, it is lost.
+    run = Run(tmp_path)
+    run.call(0.0, "A", policy="replace", mode=mode)
+    run.call(1.0, "B", policy="replace", mode=mode)
+    run.body("A", 1.2, 1.4, pid=10)
+    run.ignored("B", 1.5, by="A")
+    rep = run.check()
+    if mode == "until_finished":
+        assert rep["violations"] == [] and rep["broker"]["superseded_at_start"] == 1
+    else:
+        assert kinds(rep) == ["lost"], rep["violations"]
+
+
 def test_a_replace_whose_publish_failed_replaces_nothing(tmp_path: Path) -> None:
     # B's replace of A could not be published (the serializer refused it): A must
     # still run; superseded at its start by B, it is lost.

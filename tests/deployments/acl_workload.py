@@ -80,7 +80,9 @@ def run_workload(lock_url: str, broker_url: str, prefix: str,
     slotted: list[bool] = []
     in_line = threading.Thread(target=lambda: slotted.append(s2.acquire(timeout=10)))
     in_line.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while not client.zcard(f"{prefix}:{{slots}}:q") and time.monotonic() < deadline:
+        time.sleep(0.02)  # until S2 waits in line (the release then hands it the slot)
     s1.release()
     in_line.join(15)
     assert slotted == [True]

@@ -48,26 +48,69 @@ pytestmark = pytest.mark.slow
 
 
 def claim(m: RedisMarkers, prefix: str, name: str, task_id: str, op: str, *,
-          replace: bool = False, ttl: float = 60.0) -> tuple[int, str, float | None]:
-    return m.claim(prefix, name, task_id, ttl, running_counts=True, replace=replace,
-                   requeue=False, op=op)
+          replace: bool = False, ttl: float = 60.0,
+          running_counts: bool = True) -> tuple[int, str, float | None]:
+    """A send's claim; by default as ``until_finished`` makes it (a running call is
+    a duplicate), ``running_counts=False`` as ``until_started`` and
+    ``queued_and_running`` do."""
+    return m.claim(prefix, name, task_id, ttl, running_counts=running_counts,
+                   replace=replace, requeue=False, op=op)
 
 
-def start(m: RedisMarkers, prefix: str, name: str, task_id: str) -> str | None:
-    return m.hand_over(prefix, name, task_id, remove=True, replaced_check=True)
+def start(m: RedisMarkers, prefix: str, name: str, task_id: str, *,
+          running_counts: bool = True) -> str | None:
+    """A call's hand-over at its start (the mode as for :func:`claim`)."""
+    return m.hand_over(prefix, name, task_id, remove=True, replaced_check=True,
+                       running_counts=running_counts)
 
 
 # -- a replace and the starts of the calls it involves (no fault) -----------------------
 
+#: The marker modes by whether a running call is a duplicate of a new one.
+RUNNING_COUNTS = {"until_finished": True, "until_started": False,
+                  "queued_and_running": False}
+
+
+@pytest.mark.parametrize("mode", RUNNING_COUNTS)
 def test_the_replaced_call_starting_before_the_confirm_takes_the_replace_back(
-        r: redis.Redis, prefix: str) -> None:
-    m = RedisMarkers(r)
-    assert claim(m, prefix, "n", "old", "op1")[0] == CLAIMED
-    assert claim(m, prefix, "n", "new", "op2", replace=True)[:2] == (REPLACED, "old")
-    assert start(m, prefix, "n", "old") is None  # it runs
+        r: redis.Redis, prefix: str, mode: str) -> None:
+    """old is queued, new replaces it, and old starts before new's publish is
+    confirmed: old runs, and new's caller revokes nothing.  In ``until_finished`` a
+    running call is a duplicate: new never runs.  In the other modes new stays queued
+    under the marker and runs after old, as a call sent just after old started
+    would: the latest call is never lost to an earlier one."""
+    m, counts = RedisMarkers(r), RUNNING_COUNTS[mode]
+    assert claim(m, prefix, "n", "old", "op1", running_counts=counts)[0] == CLAIMED
+    assert claim(m, prefix, "n", "new", "op2", replace=True,
+                 running_counts=counts)[:2] == (REPLACED, "old")
+    assert start(m, prefix, "n", "old", running_counts=counts) is None  # it runs
     assert m.confirm(prefix, "n", "new") is False  # the caller revokes nothing
-    assert start(m, prefix, "n", "new") is not None  # it never runs
-    assert m.read(prefix, "n") is None
+    if counts:
+        assert start(m, prefix, "n", "new", running_counts=counts) is not None
+        assert m.read(prefix, "n") is None
+    else:
+        assert (m.read(prefix, "n") or ("",))[0] == "new"  # queued: a new call
+        assert start(m, prefix, "n", "new", running_counts=counts) is None  # runs
+        assert m.read(prefix, "n") is None
+
+
+@pytest.mark.parametrize("order", ("new starts first", "a later claim first"))
+def test_a_take_back_that_leaves_the_replacing_call_queued_is_known_to_its_confirm(
+        r: redis.Redis, prefix: str, order: str) -> None:
+    """(until_started, queued_and_running) old took new's replace back; new's confirm
+    comes late: after new itself started (which deletes the claim record) or after a
+    later claim rewrote the record.  It still revokes nothing: old is running, and a
+    revoke would make workers discard old's retry."""
+    m = RedisMarkers(r)
+    claim(m, prefix, "n", "old", "op1", running_counts=False)
+    claim(m, prefix, "n", "new", "op2", replace=True, running_counts=False)
+    assert start(m, prefix, "n", "old", running_counts=False) is None
+    if order == "new starts first":
+        assert start(m, prefix, "n", "new", running_counts=False) is None
+    else:
+        assert claim(m, prefix, "n", "later", "op3", replace=True,
+                     running_counts=False)[:2] == (REPLACED, "new")
+    assert m.confirm(prefix, "n", "new") is False
 
 
 def test_the_replacing_call_starting_before_the_confirm_confirms_it(
@@ -78,6 +121,42 @@ def test_the_replacing_call_starting_before_the_confirm_confirms_it(
     assert start(m, prefix, "n", "new") is None
     assert m.confirm(prefix, "n", "new") is True
     assert start(m, prefix, "n", "old") is not None
+
+
+@pytest.mark.parametrize("mode", RUNNING_COUNTS)
+def test_a_replace_sent_while_a_worker_takes_the_queued_call_at_once(
+        redis_url: str, mode: str) -> None:
+    """Two sends of one name back to back, the second a replace, to a worker that is
+    idle: the first is often taken and started before the replace is confirmed (the
+    order above), else it is revoked, or it has even ended.  Either way, in
+    ``until_started`` and ``queued_and_running`` the latest call runs.  In
+    ``until_finished`` a running call is a duplicate: the second runs, gets the
+    first's outcome (sent while the first ran), or ends revoked (the first started
+    before the replace was confirmed); never both lost."""
+    from celery.exceptions import TaskRevokedError
+    from task_env import new_app, running
+
+    env = new_app(redis_url)
+
+    @env.app.task(base=LockedTask, shared=False, lock_key="rp:{key}", lock_mode=mode,
+                  on_duplicate="replace")
+    def latest(key: str, n: int) -> int:
+        return n
+
+    def outcome(result: Any) -> int | None:
+        try:
+            return int(result.get(timeout=30))
+        except TaskRevokedError:
+            return None
+
+    with running(env, concurrency=2):
+        pairs = [(latest.delay(f"k{i}", 1), latest.delay(f"k{i}", 2)) for i in range(6)]
+        got = [(outcome(first), outcome(second)) for first, second in pairs]
+    if RUNNING_COUNTS[mode]:
+        assert all(first in (1, None) and second in (1, 2, None)
+                   and (first, second) != (None, None) for first, second in got), got
+    else:
+        assert all(second == 2 and first in (1, None) for first, second in got), got
 
 
 @pytest.mark.parametrize("mid", ("stands", "taken back"))

@@ -35,7 +35,8 @@ def claim(m: RedisMarkers, prefix: str, task_id: str, op: str, *,
 
 
 def start(m: RedisMarkers, prefix: str, task_id: str) -> str | None:
-    return m.hand_over(prefix, "n", task_id, remove=True, replaced_check=True)
+    return m.hand_over(prefix, "n", task_id, remove=True, replaced_check=True,
+                       running_counts=True)  # as claim(): until_finished
 
 
 def test_a_resent_claim_is_known_after_a_failed_replace_gave_its_marker_back(

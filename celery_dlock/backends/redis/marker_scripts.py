@@ -7,7 +7,7 @@ from __future__ import annotations
 from .lua import CALL, LuaScript
 
 __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_SUFFIX",
-           "UNDO", "WAITING_SUFFIX"]
+           "TAKEN_BACK_SUFFIX", "UNDO", "WAITING_SUFFIX"]
 
 # The keys of one lock name's markers, after the marker's own (``P:{NAME}:m``): the
 # replaced calls (a sorted set: task id -> the ms, on the server's clock, until which
@@ -31,6 +31,13 @@ __all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_
 REPLACED_SUFFIX = "r"
 RECORD_SUFFIX = "c"
 WAITING_SUFFIX = "w"
+# The replaces taken back that do not stop the replacing call (until_started,
+# queued_and_running: the replaced call started first, the replacing one stays
+# queued): a hash, task id of the replacing call -> 1, read once by that call's
+# CONFIRM (so that it revokes nothing, also after its record was rewritten or
+# deleted), kept TAKEN_BACK_MS.
+TAKEN_BACK_SUFFIX = "b"
+TAKEN_BACK_MS = 60_000
 
 # The server's clock in ms, for the scripts that read it.
 _NOW = """
@@ -196,13 +203,16 @@ return {0, '', 0}
 """)
 
 CONFIRM = LuaScript("marker_confirm", CALL + _NOW + """
--- KEYS[1] the claim record, KEYS[2] the replaced calls.  ARGV[1] the task id of a
+-- KEYS[1] the claim record, KEYS[2] the replaced calls, KEYS[3] the replaces taken
+-- back.  ARGV[1] the task id of a
 -- replace whose publish went through.  1: the replace stands (the replaced call is to
--- be revoked); 0: this call is replaced itself (the replaced call started first and
--- took the replace back, or a later replace replaced this one, whose confirm or take-
--- back decides for the call queued before): revoke nothing; -1: nothing is known of
+-- be revoked); 0: the replaced call started first and took the replace back (this
+-- call runs after it, or, in until_finished, never), or this call is replaced itself
+-- (a later replace, whose confirm or take-back decides for the call queued before):
+-- revoke nothing; -1: nothing is known of
 -- it (the record expired or was lost with a restart): the replaced call is to be
 -- revoked all the same.
+if call('HDEL', KEYS[3], ARGV[1]) == 1 then return 0 end
 local r = call('HMGET', KEYS[1], 'pend', 'conf', 'back')
 if r[2] == ARGV[1] then return 1 end  -- a re-sent confirm, or it started first
 if r[3] == ARGV[1] then return 0 end
@@ -264,16 +274,22 @@ end
 return undone
 """)
 
-HAND_OVER = LuaScript("marker_hand_over", CALL + _NOW + _REMEMBER + """
+HAND_OVER = LuaScript("marker_hand_over", CALL + _NOW + _REMEMBER
+                      + f"local TAKEN_BACK_MS = {TAKEN_BACK_MS}\n" + """
 -- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record, KEYS[4] the
--- retries waiting (the starting call's task id leaves them).  ARGV[1] the
+-- retries waiting (the starting call's task id leaves them), KEYS[5] the replaces
+-- taken back that leave the replacing call queued.  ARGV[1] the
 -- starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1': another task
--- id in the marker means this call was replaced.
+-- id in the marker means this call was replaced, ARGV[4] '1': a running call is a
+-- duplicate (until_finished).
 -- 1: go on; 0: this call was replaced (element 2: by which task id, or 'a later
 -- call' when the one that replaced it has started already).
 -- A call replaced by one whose publish is not confirmed yet starts all the same: the
--- replace is taken back (the replacing call, if its publish went through, is
--- recorded replaced and never runs).  The replacing call starting first confirms it.
+-- replace is taken back.  Where a running call is a duplicate (until_finished), the
+-- replacing call, if its publish went through, is recorded replaced and never runs;
+-- in the other modes it stays queued under the marker and runs after this one, as a
+-- call sent just after this one started would.  The replacing call starting first
+-- confirms it.
 local marker, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local current = call('GET', marker)
 local r = call('HMGET', rec, 'pend', 'pold')
@@ -282,6 +298,17 @@ call('ZREM', KEYS[4], id)
 if r[1] and r[1] == id then
   call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   call('HSET', rec, 'conf', id)
+elseif r[1] and r[2] == id and ARGV[3] == '1' and ARGV[4] ~= '1' then
+  -- The replacing call's confirm reads this even after the record is rewritten (a
+  -- later claim) or deleted (that call's own start): it revokes nothing.
+  local back = KEYS[5]
+  if call('PTTL', back) < TAKEN_BACK_MS then call('PEXPIRE', back, TAKEN_BACK_MS) end
+  call('HSET', back, r[1], 1)
+  if call('PTTL', back) < 0 then call('PEXPIRE', back, TAKEN_BACK_MS) end
+  call('ZREM', replaced, id)
+  call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
+  call('HSET', rec, 'back', r[1])
+  return {1, ''}
 elseif r[1] and r[2] == id and ARGV[3] == '1' then
   local now = now_ms()
   local left = call('PTTL', marker)

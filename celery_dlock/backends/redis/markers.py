@@ -62,6 +62,7 @@ from .marker_scripts import (
     HAND_OVER,
     RECORD_SUFFIX,
     REPLACED_SUFFIX,
+    TAKEN_BACK_SUFFIX,
     UNDO,
     WAITING_SUFFIX,
 )
@@ -127,7 +128,8 @@ class RedisMarkers:
         took the replace back, or a later replace replaced this one), else True (the
         replaced call is to be revoked)."""
         marker = self.key(prefix, name)
-        return int(self._run(CONFIRM, (marker + RECORD_SUFFIX, marker + REPLACED_SUFFIX),
+        return int(self._run(CONFIRM, (marker + RECORD_SUFFIX, marker + REPLACED_SUFFIX,
+                                       marker + TAKEN_BACK_SUFFIX),
                              (task_id,), name)) != 0
 
     def undo(self, prefix: str, name: str, task_id: str, op: str, ttl: float) -> bool:
@@ -140,13 +142,17 @@ class RedisMarkers:
                               (task_id, op, max(1, int(ttl * 1000))), name))
 
     def hand_over(self, prefix: str, name: str, task_id: str, *, remove: bool,
-                  replaced_check: bool) -> str | None:
+                  replaced_check: bool, running_counts: bool = False) -> str | None:
         """At the start of ``task_id``'s run: remove its marker (``remove``); the task
-        id that replaced it, or None to go on."""
+        id that replaced it, or None to go on.  ``running_counts``: a running call is
+        a duplicate (``until_finished``): a replace of this call not confirmed yet
+        never runs; otherwise it stays queued and runs after this one."""
         marker = self.key(prefix, name)
         reply = self._run(HAND_OVER, (marker, marker + REPLACED_SUFFIX,
-                                      marker + RECORD_SUFFIX, marker + WAITING_SUFFIX),
-                          (task_id, _flag(remove), _flag(replaced_check)), name)
+                                      marker + RECORD_SUFFIX, marker + WAITING_SUFFIX,
+                                      marker + TAKEN_BACK_SUFFIX),
+                          (task_id, _flag(remove), _flag(replaced_check),
+                           _flag(running_counts)), name)
         return None if int(reply[0]) == 1 else decode(reply[1])
 
     def clear(self, prefix: str, name: str, task_id: str) -> bool:
