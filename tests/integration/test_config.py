@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -86,24 +87,30 @@ def test_url_errors_say_what_to_set(conf):
         resolve_url(_app(**conf).conf)
 
 
+def _in_child(check: Callable[[], object]) -> bool:
+    """Whether ``check()`` is true in a child this process forks now."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.write(write, b"1" if check() else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        return os.read(read, 1) == b"1"
+    finally:
+        os.waitpid(pid, 0)
+        os.close(read)
+
+
 def test_one_client_per_process_and_a_new_one_after_fork(redis_url):
     app = _app(dlock_url=redis_url)
     client = get_client(app)
     assert get_client(app) is client
     assert client.ping()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: must not reuse the parent's client object
-        try:
-            other = get_client(app)
-            ok = other is not client and other.ping()
-            os.write(write, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.waitpid(pid, 0)
-    os.close(read)
+    # the child must not reuse the parent's client object
+    assert _in_child(lambda: get_client(app) is not client and get_client(app).ping())
 
 
 def test_an_apps_client_and_backend_are_kept_once_and_made_anew_after_fork(redis_url):
@@ -116,20 +123,9 @@ def test_an_apps_client_and_backend_are_kept_once_and_made_anew_after_fork(redis
     kept = lookup(app)
     assert kept is not None and kept.client is client and kept.backend is backend
     assert backend_for(app) is backend and get_client(app) is client
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: nothing of the parent's entry is its own
-        try:
-            fresh = lookup(app) is None
-            mine = backend_for(app)
-            ok = fresh and mine is not backend and get_client(app) is not client
-            os.write(write, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    assert os.read(read, 1) == b"1"
-    os.waitpid(pid, 0)
-    os.close(read)
+    # nothing of the parent's entry is the child's own
+    assert _in_child(lambda: lookup(app) is None and backend_for(app) is not backend
+                     and get_client(app) is not client)
     # forget_app drops the one entry: both are made again from the settings
     forget_app(app)
     assert lookup(app) is None
