@@ -286,6 +286,38 @@ local function wake_head(lock, now)
   end
   return head
 end
+
+-- ``owner`` leaves the line of the lock or semaphore at ``key``: its place, its lease
+-- and its doorbell.  Returns 1 when it had a place.
+local function leave_line(key, owner)
+  local was = call('ZREM', key .. QUEUE_SUFFIX, owner)
+  call('ZREM', key .. LEASES_SUFFIX, owner)
+  call('DEL', bell(key, owner))
+  return was
+end
+
+-- Not acquired: the caller joins the line when it passed a lease (ARGV[3], ms; 0:
+-- it does not wait), and is told the holder's remaining ``pttl`` and ``fields``.
+local function refused(queue, leases, owner, now, pttl, fields)
+  local lease = tonumber(ARGV[3])
+  if lease > 0 then
+    join_line(queue, leases, owner, now, lease)
+  end
+  local reply = {0, pttl, now}
+  for i = 1, #fields do reply[i + 3] = fields[i] end
+  return reply
+end
+
+-- One more acquire of the owner's hold in hash ``key``: its count, the operation
+-- remembered with it, and its ttl field raised to ``ttl`` (written as ``ttl_value``)
+-- when ``held_ttl`` is shorter; one HSET.
+local function count_again(key, ops, op, count, held_ttl, ttl, ttl_value)
+  local fields = {'count', count, 'ops', remembered(ops, op, count)}
+  if tonumber(held_ttl or 0) < ttl then
+    fields[5], fields[6] = 'ttl', ttl_value
+  end
+  call('HSET', key, unpack(fields))
+end
 """
 
 

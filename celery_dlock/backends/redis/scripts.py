@@ -137,11 +137,7 @@ if holder == owner then
     call('PEXPIRE', lock, ttl_arg)
   end
   local count = tonumber(h['count']) + 1
-  local fields = {'count', count, 'ops', remembered(ops, op, count)}
-  if tonumber(h['ttl'] or 0) < ttl then
-    fields[5], fields[6] = 'ttl', ttl_arg
-  end
-  call('HSET', lock, unpack(fields))
+  count_again(lock, ops, op, count, h['ttl'], ttl, ttl_arg)
   return {1, fence, count}
 end
 if expect ~= '' then
@@ -167,9 +163,7 @@ if not holder then
     local fence, prev = next_fence(lock, t)
     if type(fence) == 'table' then return fence end
     if head then
-      call('ZREM', queue, owner)
-      call('ZREM', leases, owner)
-      call('DEL', bell(lock, owner))
+      leave_line(lock, owner)
     end
     local token = digits(fence)
     call('SET', lock .. FENCE_SUFFIX, token, 'PX', digits(ttl + tonumber(ARGV[6])))
@@ -185,13 +179,7 @@ if not holder then
 else
   pttl = call('PTTL', lock)
 end
-local lease = tonumber(ARGV[3])
-if lease > 0 then
-  join_line(queue, leases, owner, now, lease)
-end
-local reply = {0, pttl, now}
-for i = 1, #flat do reply[i + 3] = flat[i] end
-return reply
+return refused(queue, leases, owner, now, pttl, flat)
 """,
 )
 
@@ -413,9 +401,7 @@ LEAVE_QUEUE = LuaScript(
 local lock, owner = KEYS[1], ARGV[1]
 local queue = lock .. QUEUE_SUFFIX
 local head = call('ZRANGE', queue, 0, 0)[1]
-local was = call('ZREM', queue, owner)
-call('ZREM', lock .. LEASES_SUFFIX, owner)
-call('DEL', bell(lock, owner))
+local was = leave_line(lock, owner)
 if head == owner and call('EXISTS', lock) == 0 then
   wake_head(lock, now_ms())
 end

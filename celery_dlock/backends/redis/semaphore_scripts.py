@@ -147,11 +147,7 @@ if score then
   end
   lengthen(main, h, owner, score, now, ttl)
   local count = tonumber(got[3]) + 1
-  local fields = {'count', count, 'ops', remembered(ops, op, count)}
-  if tonumber(got[4] or 0) < ttl then
-    fields[5], fields[6] = 'ttl', ttl
-  end
-  call('HSET', h, unpack(fields))
+  count_again(h, ops, op, count, got[4], ttl, ttl)
   return {1, fence, count}
 end
 if expect ~= '' then
@@ -190,9 +186,7 @@ if free > 0 then
   end
   if ahead < free then
     call('PEXPIRE', h, ttl)
-    call('ZREM', queue, owner)
-    call('ZREM', leases, owner)
-    call('DEL', bell(main, owner))
+    leave_line(main, owner)
     call('SET', main .. FENCE_SUFFIX, ms(fence), 'PX', ms(ttl + tonumber(ARGV[7])))
     call('DEL', h)
     call('HSET', h, 'owner', owner, 'count', 1, 'fence', ms(fence),
@@ -215,13 +209,7 @@ if first[1] then
   fields = call('HGETALL', holder_key(main, first[1]))
 end
 if not pttl then pttl = -1 end
-local lease = tonumber(ARGV[3])
-if lease > 0 then
-  join_line(queue, leases, owner, now, lease)
-end
-local reply = {0, pttl, now}
-for i = 1, #fields do reply[i + 3] = fields[i] end
-return reply
+return refused(queue, leases, owner, now, pttl, fields)
 """,
 )
 
@@ -352,10 +340,7 @@ SEM_LEAVE_QUEUE = LuaScript(
     _SEM
     + """
 local main, owner = KEYS[1], ARGV[1]
-local queue = main .. QUEUE_SUFFIX
-local was = call('ZREM', queue, owner)
-call('ZREM', main .. LEASES_SUFFIX, owner)
-call('DEL', bell(main, owner))
+local was = leave_line(main, owner)
 local now = now_ms()
 local free = tonumber(ARGV[2]) - call('ZCOUNT', main, '(' .. now, '+inf')
 wake_n(main, now, free)
