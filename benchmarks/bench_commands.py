@@ -409,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DLOCK_E2E_PREFIX"] = prefix
         os.environ["DLOCK_E2E_LOCK_URL"] = lock_url
         os.environ["DLOCK_E2E_PEER_LOCK_URL"] = lock_url
+        os.environ["DLOCK_E2E_MODES"] = "1"  # e2e_app declares MODE_VARIANTS
         import e2e_app
 
         variants: dict[str, Any] = {
@@ -436,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         lock_port = client_port(lock)
         lock_pid = e2e.local_redis_pid(lock, lock_server)
         numbers = itertools.count(secrets.randbelow(1 << 30) << 22)
-        env = {"DLOCK_E2E_LOCK_URL": lock_url, "DLOCK_E2E_PEER_LOCK_URL": lock_url}
+        env = {"DLOCK_E2E_LOCK_URL": lock_url, "DLOCK_E2E_PEER_LOCK_URL": lock_url,
+               "DLOCK_E2E_MODES": "1"}
         rows = []
         with e2e.worker(broker_url, prefix, 1, log_dir, env=env) as (proc, name, log):
             e2e.wait_ready(e2e_app.app, name, proc, log)

@@ -112,12 +112,14 @@ def _locked_variant(name: str, **options: Any) -> Any:
                     **options)(body)
 
 
-#: ``bench_commands.py``: a ``LockedTask`` per ``lock_mode`` (the throttle's window is
-#: ``lock_ttl``, 30 s by default), and a semaphore of two slots.
+#: ``bench_commands.py`` (which sets ``DLOCK_E2E_MODES``): a ``LockedTask`` per
+#: ``lock_mode`` (the throttle's window is ``lock_ttl``, 30 s by default), and a
+#: semaphore of two slots.  Declared only then: a lock store without markers or
+#: semaphores (``bench_backends.py``'s PostgreSQL, MySQL, ZooKeeper) refuses them.
 MODE_VARIANTS = {
     **{f"LockedTask {mode}": _locked_variant(f"mode_{mode}", lock_mode=mode)
        for mode in ("while_running", "until_started", "until_finished",
                     "queued_and_running", "throttle")},
     "LockedTask while_running, lock_limit=2": _locked_variant(
         "mode_while_running_limit2", lock_mode="while_running", lock_limit=2),
-}
+} if os.environ.get("DLOCK_E2E_MODES") else {}

@@ -25,6 +25,48 @@ from celery_dlock.core.scheduler import get_scheduler
 # Python 3.12+ warns when forking a process that runs threads (the scheduler does).
 pytestmark = pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
 
+#: While a test of this module runs, a child it forks prints every thread's stack to
+#: stderr (shown with the failing test) and exits if it is still alive after 20 s: a
+#: child stuck anywhere after the fork, even before its first line of test code,
+#: says where.
+_ARMED = False
+
+
+def _arm_in_child() -> None:
+    if _ARMED:
+        faulthandler.dump_traceback_later(20, exit=True)
+
+
+os.register_at_fork(after_in_child=_arm_in_child)
+
+
+@pytest.fixture(autouse=True)
+def _children_say_where_they_are_stuck() -> Any:
+    global _ARMED
+    _ARMED = True
+    try:
+        yield
+    finally:
+        _ARMED = False
+
+
+@pytest.fixture
+def mp_fork() -> Any:
+    """The ``fork`` context of multiprocessing, its child running only the after-fork
+    hooks of what this test makes.  A multiprocessing child runs every hook registered
+    with ``multiprocessing.util.register_after_fork`` in its process; this pytest
+    process keeps other tests' Celery apps, whose hooks close their result consumers'
+    connections, and one of them caught mid-read by the fork can block the child
+    before it runs a line of the test.  A program that forks has only its own."""
+    from multiprocessing import util
+
+    saved = dict(util._afterfork_registry)
+    util._afterfork_registry.clear()
+    try:
+        yield multiprocessing.get_context("fork")
+    finally:
+        util._afterfork_registry.update(saved)
+
 
 def _fence(lock: RedisLock) -> int | str | None:
     """``lock.fence``, or "unavailable" where it raises FencingUnavailable (Redlock)."""
@@ -73,7 +115,6 @@ def _fork_and_report(kind: Any, lock: RedisLock, prefix: str, name: str) -> dict
         code = 1
         try:
             os.close(read_fd)
-            _dump_if_stuck()
             try:
                 payload = _child_report(kind, lock, prefix, name)
                 code = 0
@@ -130,16 +171,9 @@ def test_forked_child_neither_owns_renews_nor_releases(lock_kind, prefix, name):
     assert not r.exists(lock.keys.lock)
 
 
-def _dump_if_stuck() -> None:
-    """A child that has not answered within 20 s prints every thread's stack to
-    stderr (shown with the failing test) and exits, so a hang says where it is."""
-    faulthandler.dump_traceback_later(20, exit=True)
-
-
 def _answer(queue, work) -> None:
     """Put ``("ok", work())`` on ``queue``, or ``("error", its traceback)``: a child
     that fails says why at once, rather than leaving its parent to wait."""
-    _dump_if_stuck()
     try:
         queue.put(("ok", work()))
     except BaseException:
@@ -157,9 +191,9 @@ def _mp_child(lock: RedisLock, queue) -> None:
                             lock.acquire(blocking=False)))
 
 
-def test_multiprocessing_fork_child_contends(lock_kind, prefix, name):
+def test_multiprocessing_fork_child_contends(lock_kind, prefix, name, mp_fork):
     r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
-    ctx = multiprocessing.get_context("fork")
+    ctx = mp_fork
     with lock_kind.make(name, prefix=prefix) as lock:
         queue = ctx.Queue()
         proc = ctx.Process(target=_mp_child, args=(lock, queue))
@@ -179,9 +213,9 @@ def _mp_child_in_context(kind: Any, prefix: str, name: str, queue) -> None:
     _answer(queue, lambda: kind.make(name, prefix=prefix).acquire(blocking=False))
 
 
-def test_context_owner_does_not_cross_fork(lock_kind, prefix, name):
+def test_context_owner_does_not_cross_fork(lock_kind, prefix, name, mp_fork):
     r = lock_kind.server  # its server (on Redlock: what a quorum of its nodes says)
-    ctx = multiprocessing.get_context("fork")
+    ctx = mp_fork
     with owner_context("attempt-token"):
         lock = lock_kind.make(name, prefix=prefix)
         lock.acquire()
