@@ -302,9 +302,10 @@ elseif r[1] and r[2] == id and ARGV[3] == '1' and ARGV[4] ~= '1' then
   -- The replacing call's confirm reads this even after the record is rewritten (a
   -- later claim) or deleted (that call's own start): it revokes nothing.
   local back = KEYS[5]
+  call('HGET', back, r[1])  -- another application's key there stops it before a write
   if call('PTTL', back) < TAKEN_BACK_MS then call('PEXPIRE', back, TAKEN_BACK_MS) end
   call('HSET', back, r[1], 1)
-  if call('PTTL', back) < 0 then call('PEXPIRE', back, TAKEN_BACK_MS) end
+  if call('PTTL', back) < TAKEN_BACK_MS then call('PEXPIRE', back, TAKEN_BACK_MS) end
   call('ZREM', replaced, id)
   call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   call('HSET', rec, 'back', r[1])
