@@ -27,7 +27,8 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -94,8 +95,8 @@ def interrupt_thread(thread_id: int) -> bool:
 class Attempt:
     """The lock of one running attempt, as the task body sees it (``self.lock``)."""
 
-    __slots__ = ("_told", "fence", "key", "lock", "lost_reason", "running", "started",
-                 "task_id", "thread_id")
+    __slots__ = ("_gate", "_told", "fence", "key", "lock", "lost_reason", "running",
+                 "started", "task_id", "thread_id")
 
     def __init__(self, lock: Lock, thread_id: int, task_id: str | None) -> None:
         self.task_id = task_id
@@ -108,6 +109,33 @@ class Attempt:
         #: Set (from the scheduler thread) when the hold is found lost.
         self.lost_reason: str | None = None
         self._told = threading.Lock()
+        #: Held while an interrupt is decided and while ``running`` changes, so that
+        #: none is sent once the body stopped being interruptible.
+        self._gate = threading.Lock()
+
+    def interrupt(self) -> bool:
+        """Raise :class:`LockLostInterrupt` in the body's thread, if it still runs
+        and may be interrupted (False otherwise)."""
+        with self._gate:
+            return self.running and interrupt_thread(self.thread_id)
+
+    def stop(self) -> None:
+        """The body has ended: no interrupt is sent from here on."""
+        with self._gate:
+            self.running = False
+
+    @contextmanager
+    def uninterrupted(self) -> Iterator[None]:
+        """No interrupt is sent inside the block (one sent before it is raised on
+        entry, at the body's next instruction), nor after it when it raises: the body
+        is ending with that exception.  ``self.retry()`` publishes its retry in one:
+        an interrupt raised inside that publish would make Celery reject the message
+        (``Reject(requeue=False)``), and the call would be lost untold."""
+        with self._gate:
+            was, self.running = self.running, False
+        yield
+        with self._gate:
+            self.running = was
 
     def found_lost(self, reason: str) -> bool:
         """Record that the hold was lost; True for the first finder only (the

@@ -59,7 +59,6 @@ from .attempt import (
     first_run_ended,
     header,
     hold_info,
-    interrupt_thread,
     relation,
     requeue_duplicate,
 )
@@ -247,6 +246,17 @@ class LockedTask(Task):  # type: ignore[misc]
         take_call_options(options)
         return super().apply_async(*args, **options)
 
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """``Task.retry``, whose publish a lost lock never interrupts
+        (``lock_lost_action="interrupt"``): Celery would reject the message of a
+        retry interrupted there, and the call would never run again.  The attempt
+        ends with the retry; a loss found meanwhile is reported as usual."""
+        attempt = attempts.get().get(self.name)
+        if attempt is None:
+            return super().retry(*args, **kwargs)
+        with attempt.uninterrupted():
+            return super().retry(*args, **kwargs)
+
     @property
     def lock(self) -> Lock | None:
         """The lock held by the current run of this task (None outside one, or when it
@@ -409,7 +419,7 @@ class LockedTask(Task):  # type: ignore[misc]
             # may hold by now.
             if attempt.found_lost(lock.lost_reason or "lost"):
                 self._report_lost(attempt, attempt.lost_reason or "lost")
-            attempt.running = False
+            attempt.stop()
             self._end_attempt(attempt, "FAILURE", settings)
             raise LockLost(f"lock {attempt.key!r} was lost before the task's body "
                            f"started ({attempt.lost_reason}); the body did not run",
@@ -427,11 +437,11 @@ class LockedTask(Task):  # type: ignore[misc]
                 # task already: Task.__call__ would push a copy of them.
                 result = self.run(*args, **kwargs)
         except BaseException as exc:
-            attempt.running = False
+            attempt.stop()
             attempts.reset(reset)
             self._end_attempt(attempt, _state_of(exc), settings)
             raise
-        attempt.running = False
+        attempt.stop()
         attempts.reset(reset)
         lost = self._end_attempt(attempt, "SUCCESS", settings)
         if lost is None:
@@ -492,8 +502,8 @@ class LockedTask(Task):  # type: ignore[misc]
                       lock: Lock) -> None:
         if attempt.found_lost(lock.lost_reason or "lost"):
             self._report_lost(attempt, attempt.lost_reason or "lost")
-        if attempt.running and settings["lock_lost_action"] == "interrupt":
-            interrupt_thread(attempt.thread_id)
+        if settings["lock_lost_action"] == "interrupt":
+            attempt.interrupt()
 
     def _report_lost(self, attempt: Attempt, reason: str) -> None:
         logger.warning("Task %s[%s]: lock %r lost while running: %s", self.name,

@@ -66,6 +66,37 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
     e.tasks["reenter"] = e.app.task(base=LockedTask, shared=False, bind=True,
                                     name="lost_reenter", lock_key="l:{x}",
                                     lock_ttl=30)(reenter)
+
+    def retry_once(self: Any, x: str) -> str:
+        e.log(kind="retry-body", x=x, retries=self.request.retries)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0, max_retries=1)
+        return "retried"
+
+    def lose_while_publishing(x: str) -> None:
+        """The lock's keys go, and the retry's publish lasts until the watchdog found
+        the loss, and 0.5 s more (an interrupt would be raised in there)."""
+        e.r.delete(e.lock_key(f"l:{x}"))
+        lock = retrying.lock
+        assert lock is not None
+        deadline = time.monotonic() + 5.0
+        while not lock.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        found = time.monotonic()
+        while time.monotonic() < found + 0.5:
+            time.sleep(0.02)
+        e.log(kind="publish-end", x=x, lost=lock.lost)
+
+    class SlowRetryPublish(LockedTask):
+        def apply_async(self, args: Any = None, kwargs: Any = None,
+                        **options: Any) -> Any:
+            if options.get("retries") == 1:  # the retry's publish, in the body
+                lose_while_publishing(args[0])
+            return super().apply_async(args, kwargs, **options)
+
+    retrying = e.tasks["retry_interrupt"] = e.app.task(
+        base=SlowRetryPublish, shared=False, bind=True, name="lost_retry_interrupt",
+        lock_key="l:{x}", lock_ttl=1, lock_lost_action="interrupt")(retry_once)
     with running(e):
         yield e
 
@@ -124,6 +155,20 @@ def test_interrupt_stops_the_body_and_fails(env: TaskEnv) -> None:
         res.get(timeout=RESULT_TIMEOUT)
     assert res.state == states.FAILURE
     assert not env.events(kind="body-end", x=x)
+
+
+def test_an_interrupt_never_loses_the_retry_being_published(
+        env: TaskEnv, lost_signals: list[dict[str, Any]]) -> None:
+    """The lock is lost while the body's ``self.retry()`` publishes: the retry stands
+    and runs.  (Raised inside the publish, the interrupt made Celery reject the
+    message: the call never ran again, and its caller was not told.)"""
+    x = _x()
+    res = env.tasks["retry_interrupt"].delay(x)
+    assert res.get(timeout=15) == "retried"
+    assert [b["retries"] for b in env.events(kind="retry-body", x=x)] == [0, 1]
+    (published,) = env.events(kind="publish-end", x=x)
+    assert published["lost"] is True  # the loss was found while it published
+    assert len([s for s in lost_signals if s["name"] == f"l:{x}"]) == 1  # told once
 
 
 def test_a_reentry_that_finds_the_hold_gone_fails_the_attempt(
