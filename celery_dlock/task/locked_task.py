@@ -29,20 +29,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 from celery import Task
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Retry
 
 from ..core.errors import (
     BackendUnavailable,
     DLockError,
     InvalidLockConfig,
-    LockLost,
     LockNotAcquired,
 )
 from ..core.lock_options import LockOptions
@@ -53,7 +51,6 @@ from .attempt import (
     DUPLICATE,
     DUPLICATE_GRACE,
     DUPLICATE_HEADER,
-    Attempt,
     LockLostInterrupt,
     attempts,
     first_run_ended,
@@ -63,6 +60,7 @@ from .attempt import (
     requeue_duplicate,
 )
 from .backend import backend_for, check_limit_supported
+from .body import run_body
 from .config import (
     SETTINGS,
     apply_annotations,
@@ -410,76 +408,10 @@ class LockedTask(Task):  # type: ignore[misc]
     def _run_body(self, request: Any, lock: Lock, args: tuple[Any, ...],
                   kwargs: dict[str, Any], started: float,
                   settings: Mapping[str, Any]) -> Any:
-        attempt = Attempt(lock, threading.get_ident(), request.id)
-        lock.on_lost = functools.partial(self._on_lock_lost, attempt, settings)
-        if lock.lost:
-            # Found lost between the acquire and here (a rate or marker call that
-            # hung past the hold's deadline, a release by force), while no on_lost
-            # was there to tell: the body must not start on a lock another owner
-            # may hold by now.
-            if attempt.found_lost(lock.lost_reason or "lost"):
-                self._report_lost(attempt, attempt.lost_reason or "lost")
-            attempt.stop()
-            self._end_attempt(attempt, "FAILURE", settings)
-            raise LockLost(f"lock {attempt.key!r} was lost before the task's body "
-                           f"started ({attempt.lost_reason}); the body did not run",
-                           lock_name=attempt.key)
-        reset = attempts.set({**attempts.get(), self.name: attempt})
-        signals.send(signals.lock_acquired, self, lock.name, fence=attempt.fence,
-                     task_id=request.id, wait=time.monotonic() - started)
-        # Everything the body runs (its except and finally blocks, with-exits, a
-        # fallback after MaxRetriesExceededError) runs before the release below.
-        try:
-            if request.called_directly:
-                result = super().__call__(*args, **kwargs)
-            else:
-                # The worker's (or apply()'s) tracer pushed this call's request and
-                # task already: Task.__call__ would push a copy of them.
-                result = self.run(*args, **kwargs)
-        except BaseException as exc:
-            attempt.stop()
-            attempts.reset(reset)
-            self._end_attempt(attempt, _state_of(exc), settings)
-            raise
-        attempt.stop()
-        attempts.reset(reset)
-        lost = self._end_attempt(attempt, "SUCCESS", settings)
-        if lost is None:
-            return result
-        action = settings["lock_lost_action"]
-        if action == "warn":
-            logger.warning("Task %s[%s]: its lock %r was lost while it ran (%s); its "
-                           "result stands (lock_lost_action='warn')", self.name,
-                           request.id, attempt.key, lost)
-            return result
-        raise LockLost(f"lock {attempt.key!r} was lost while the task ran ({lost}); "
-                       f"the attempt fails (lock_lost_action={action!r})",
-                       lock_name=attempt.key)
-
-    def _end_attempt(self, attempt: Attempt, state: str,
-                     settings: Mapping[str, Any]) -> str | None:
-        """Release the attempt's lock; returns why the hold was lost, if it was."""
-        lock = attempt.lock
-        lost = attempt.lost_reason
-        if lock.depth > 0:  # 0 once release_all() ran (a warm shutdown)
-            try:
-                lock.release()
-            except LockLost as exc:
-                # found out only now (unless on_lost is telling right now): tell
-                if attempt.found_lost(lock.lost_reason or exc.message):
-                    self._report_lost(attempt, attempt.lost_reason or exc.message)
-                lost = attempt.lost_reason
-            except DLockError as exc:
-                logger.warning("Task %s[%s]: releasing lock %r: %s", self.name,
-                               attempt.task_id, attempt.key, exc)
-        if lost is not None and state == "SUCCESS" and \
-                settings["lock_lost_action"] != "warn":
-            state = "FAILURE"
-        signals.send(signals.lock_released, self, attempt.key, fence=attempt.fence,
-                     task_id=attempt.task_id,
-                     held_for=time.monotonic() - attempt.started,
-                     state=state)
-        return lost
+        # The worker's (or apply()'s) tracer pushed this call's request and task
+        # already: Task.__call__ would push a copy of them.
+        call = super().__call__ if request.called_directly else self.run
+        return run_body(self, request, lock, call, args, kwargs, started, settings)
 
     def signature_from_request(self, request: Any = None, args: Any = None,
                                kwargs: Any = None, queue: Any = None,
@@ -495,29 +427,3 @@ class LockedTask(Task):  # type: ignore[misc]
                                       if k not in (CONTENTION_HEADER, DUPLICATE_HEADER,
                                                    SLOT_HEADER)}
         return sig
-
-    # -- lock lost ----------------------------------------------------------------------
-
-    def _on_lock_lost(self, attempt: Attempt, settings: Mapping[str, Any],
-                      lock: Lock) -> None:
-        if attempt.found_lost(lock.lost_reason or "lost"):
-            self._report_lost(attempt, attempt.lost_reason or "lost")
-        if settings["lock_lost_action"] == "interrupt":
-            attempt.interrupt()
-
-    def _report_lost(self, attempt: Attempt, reason: str) -> None:
-        logger.warning("Task %s[%s]: lock %r lost while running: %s", self.name,
-                       attempt.task_id, attempt.key, reason)
-        signals.send(signals.lock_lost, self, attempt.key, fence=attempt.fence,
-                     task_id=attempt.task_id, reason=reason)
-
-
-def _state_of(exc: BaseException) -> str:
-    """The state an attempt that raised ``exc`` ends in (for ``lock_released``)."""
-    if isinstance(exc, Retry):
-        return "RETRY"
-    if isinstance(exc, Ignore):
-        return "IGNORED"
-    if isinstance(exc, Reject):
-        return "REJECTED"
-    return "FAILURE"
