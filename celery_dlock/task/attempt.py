@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -52,6 +52,7 @@ __all__ = [
     "header",
     "hold_info",
     "interrupt_thread",
+    "interrupts_deferred",
     "relation",
     "requeue_duplicate",
 ]
@@ -95,8 +96,8 @@ def interrupt_thread(thread_id: int) -> bool:
 class Attempt:
     """The lock of one running attempt, as the task body sees it (``self.lock``)."""
 
-    __slots__ = ("_gate", "_told", "fence", "key", "lock", "lost_reason", "running",
-                 "started", "task_id", "thread_id")
+    __slots__ = ("_asked", "_gate", "_told", "fence", "key", "lock", "lost_reason",
+                 "running", "started", "task_id", "thread_id")
 
     def __init__(self, lock: Lock, thread_id: int, task_id: str | None) -> None:
         self.task_id = task_id
@@ -112,17 +113,42 @@ class Attempt:
         #: Held while an interrupt is decided and while ``running`` changes, so that
         #: none is sent once the body stopped being interruptible.
         self._gate = threading.Lock()
+        #: An interrupt was asked for while the body could not take one.
+        self._asked = False
 
     def interrupt(self) -> bool:
         """Raise :class:`LockLostInterrupt` in the body's thread, if it still runs
-        and may be interrupted (False otherwise)."""
+        and may be interrupted (False otherwise: :meth:`deferred` raises it later)."""
         with self._gate:
-            return self.running and interrupt_thread(self.thread_id)
+            if self.running:
+                return interrupt_thread(self.thread_id)
+            self._asked = True
+            return False
 
     def stop(self) -> None:
         """The body has ended: no interrupt is sent from here on."""
         with self._gate:
             self.running = False
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """An interrupt asked for inside the block waits for its end, and is raised
+        there when the block ends normally (one that raises is the body's to handle;
+        the loss was reported).  A send of a call with a ``lock_mode`` runs in one: an
+        interrupt between its marker's claim and its publish would leave the marker
+        behind with nothing published, the name taken for the marker's ttl by a call
+        that never runs."""
+        with self._gate:
+            was, self.running = self.running, False
+            outer, self._asked = self._asked, False
+        try:
+            yield
+        finally:
+            with self._gate:
+                self.running = was
+                asked, self._asked = self._asked, outer
+        if asked and was:
+            raise LockLostInterrupt(lock_name=self.key)
 
     @contextmanager
     def uninterrupted(self) -> Iterator[None]:
@@ -151,6 +177,17 @@ class Attempt:
 _NO_ATTEMPTS: Mapping[str, Attempt] = MappingProxyType({})
 attempts: ContextVar[Mapping[str, Attempt]] = ContextVar("celery_dlock_attempts",
                                                          default=_NO_ATTEMPTS)
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """:meth:`Attempt.deferred` for every body running in this thread."""
+    here = threading.get_ident()
+    with ExitStack() as stack:
+        for attempt in attempts.get().values():
+            if attempt.thread_id == here:
+                stack.enter_context(attempt.deferred())
+        yield
 
 
 def _int(value: Any) -> int:

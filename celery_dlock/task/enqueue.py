@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .attempt import interrupts_deferred
 from .config import take_call_options
 from .settings import enabled
 
@@ -74,5 +75,9 @@ def _send(app: Any, original: Callable[..., Any], name: str, args: Any, kwargs: 
         return original(name, args, kwargs, **options)
     from . import modes  # noqa: PLC0415 (only calls with a mode pay for its import)
 
-    return modes.send(app, original, task if task is not None else app.tasks.get(name),
-                      name, args, kwargs, options, per_call)
+    # Sent from a body (lock_lost_action="interrupt"): an interrupt between the
+    # marker's claim and the publish would leave the marker with nothing published.
+    with interrupts_deferred():
+        return modes.send(app, original,
+                          task if task is not None else app.tasks.get(name),
+                          name, args, kwargs, options, per_call)

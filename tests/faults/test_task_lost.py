@@ -13,17 +13,42 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery import states
 from task_env import TaskEnv, new_app, running
 
 from celery_dlock import LockedTask, LockLost, signals
+from celery_dlock.backends.redis.marker_scripts import CLAIM
 
 RESULT_TIMEOUT = 30
 
 
+class LateClaimReplies(redis.Redis):
+    """A real client whose marker claims of a name in :attr:`late` get their reply
+    late: the claim ran on the server, then ``late[name]()`` runs before the reply is
+    read (a reply delayed on its way)."""
+
+    late: dict[str, Any] = {}
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
+        reply = super().evalsha(sha, numkeys, *keys_and_args)
+        self._late(sha == CLAIM.sha, keys_and_args[:numkeys])
+        return reply
+
+    def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> Any:
+        reply = super().eval(script, numkeys, *keys_and_args)  # (its first call)
+        self._late(script == CLAIM.source, keys_and_args[:numkeys])
+        return reply
+
+    def _late(self, claim: bool, keys: tuple[Any, ...]) -> None:
+        for name, wait in list(self.late.items()) if claim else ():
+            if any(name in str(key) for key in keys):
+                wait()
+
+
 @pytest.fixture(scope="module")
 def env(redis_url: str) -> Iterator[TaskEnv]:
-    e = new_app(redis_url)
+    e = new_app(redis_url, dlock_client=lambda: LateClaimReplies.from_url(redis_url))
 
     def body(self: Any, x: str, after: float) -> str:
         """Delete the lock's keys, then run ``after`` seconds more."""
@@ -97,6 +122,34 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
     retrying = e.tasks["retry_interrupt"] = e.app.task(
         base=SlowRetryPublish, shared=False, bind=True, name="lost_retry_interrupt",
         lock_key="l:{x}", lock_ttl=1, lock_lost_action="interrupt")(retry_once)
+    def sink(x: str) -> str:
+        e.log(kind="sink-ran", x=x)
+        return "sink ran"
+
+    e.tasks["sink"] = e.app.task(base=LockedTask, shared=False, name="lost_sink",
+                                 lock_key="s:{x}", lock_mode="until_finished")(sink)
+
+    def send(self: Any, x: str) -> str:
+        e.tasks["sink"].apply_async((x,), task_id=f"sink-{x}")
+        e.log(kind="sent", x=x)
+        return "sent"
+
+    sender = e.tasks["send"] = e.app.task(
+        base=LockedTask, shared=False, bind=True, name="lost_sender", lock_key="l:{x}",
+        lock_ttl=1, lock_lost_action="interrupt")(send)
+
+    def lose_holders_lock(x: str) -> None:
+        e.r.delete(e.lock_key(f"l:{x}"))
+        lock = sender.lock
+        assert lock is not None
+        deadline = time.monotonic() + 5.0
+        while not lock.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        found = time.monotonic()
+        while time.monotonic() < found + 0.5:
+            time.sleep(0.02)  # (an interrupt would be raised here)
+
+    e.tasks["lose"] = lose_holders_lock  # type: ignore[assignment]
     with running(e):
         yield e
 
@@ -169,6 +222,29 @@ def test_an_interrupt_never_loses_the_retry_being_published(
     (published,) = env.events(kind="publish-end", x=x)
     assert published["lost"] is True  # the loss was found while it published
     assert len([s for s in lost_signals if s["name"] == f"l:{x}"]) == 1  # told once
+
+
+def test_an_interrupt_waits_for_the_send_of_a_marked_call(env: TaskEnv) -> None:
+    """The sender's lock is lost while its send of an ``until_finished`` call waits
+    for the claim's reply: the send completes (the call is published, and runs), then
+    the interrupt stops the sender.  (Raised inside the send, it left the claimed
+    marker with nothing published: the name stayed taken, for the marker's ttl, by a
+    call that never ran.)"""
+    x = _x()
+    LateClaimReplies.late[f"s:{x}"] = lambda: env.tasks["lose"](x)
+    try:
+        res = env.tasks["send"].delay(x)
+        with pytest.raises(LockLost):
+            res.get(timeout=RESULT_TIMEOUT)
+    finally:
+        LateClaimReplies.late.pop(f"s:{x}", None)
+    assert res.state == states.FAILURE
+    assert not env.events(kind="sent", x=x)  # stopped right after the send
+    sunk = env.tasks["sink"].AsyncResult(f"sink-{x}")
+    assert sunk.get(timeout=15) == "sink ran"
+    # The marker went with the call: the name takes a new call.
+    again = env.tasks["sink"].apply_async((x,), task_id=f"again-{x}")
+    assert again.id == f"again-{x}" and again.get(timeout=15) == "sink ran"
 
 
 def test_a_reentry_that_finds_the_hold_gone_fails_the_attempt(
