@@ -7,15 +7,22 @@ import logging
 from typing import Any
 
 from celery.exceptions import Ignore
+from celery.worker import state as worker_state
+from kombu.utils.uuid import uuid
 
 from ..core.errors import DLockError
 from ..core.protocol import Lock
 from .backend import markers_for
 from .markers import MARKER_HEADER, MarkerRecord, record_of
 
-__all__ = ["free_marker", "free_marker_of", "hand_over"]
+__all__ = ["TIMED_OUT", "free_marker", "free_marker_of", "hand_over",
+           "wait_for_redelivery"]
 
 logger = logging.getLogger("celery_dlock.task")
+
+#: Set on a worker's request killed for its hard time limit (Celery acknowledges its
+#: message: it never comes back).
+TIMED_OUT = "_dlock_timed_out"
 
 #: Set on a request whose marker :func:`free_marker` freed (skip frees it before it
 #: stores its result; the attempt's end then need not ask again).
@@ -113,3 +120,29 @@ def free_marker_of(app: Any, source: Any, what: str) -> bool:
         logger.warning("%s: could not remove the queue marker of %r (it expires within "
                        "lock_queue_ttl): %s", what, record.name, exc)
         return False
+
+
+def wait_for_redelivery(task: Any, request: Any) -> None:
+    """The process running ``request`` died, and its message will be delivered
+    again (``acks_late`` with ``reject_on_worker_lost``): its task id is kept as
+    waiting, as a started call's retry's is, so that a send of that task id meanwhile
+    is a duplicate of this call, not a second message of it.  Written before the dead
+    process's lock is freed (the lock said "running" until then).  The redelivery's
+    start takes it out; it lapses after ``lock_queue_ttl`` if none comes."""
+    record = _own_record(request)
+    if record is None or not record.removed_at_start:
+        return
+    if not (getattr(task, "acks_late", False) and
+            getattr(task, "reject_on_worker_lost", False)):
+        return  # Celery ends the call (WorkerLostError): nothing comes back
+    if request.id in worker_state.revoked or getattr(request, TIMED_OUT, False):
+        return  # revoke(terminate=True), a hard time limit: nothing comes back either
+    try:
+        markers_for(task.app).claim(
+            record.prefix, record.name, record.task_id,
+            float(task.dlock_settings()["lock_queue_ttl"]), running_counts=False,
+            replace=False, requeue=True, op=uuid(), started=True, waits=True)
+    except DLockError as exc:
+        logger.warning("Task %s[%s]: could not keep its task id as waiting for its "
+                       "redelivery (a send of it meanwhile is a second message): %s",
+                       task.name, request.id, exc)

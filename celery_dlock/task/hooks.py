@@ -37,7 +37,7 @@ from ..core.scheduler import get_scheduler
 from . import events
 from .backend import backend_for
 from .config import read_setting
-from .handover import free_marker_of
+from .handover import free_marker_of, wait_for_redelivery
 
 __all__ = [
     "CHILD_WATCH_INTERVAL",
@@ -134,10 +134,12 @@ def _pid_gone(pid: int) -> bool:
 
 
 def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
-                        args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> Callable[[], None]:
+                        args: tuple[Any, ...], kwargs: dict[str, Any],
+                        request: Any = None) -> Callable[[], None]:
     """A function freeing ``task``'s lock for this call if that task id in that pid
-    still holds it (to be called once ``pid`` is gone)."""
+    still holds it (to be called once ``pid`` is gone).  ``request``: the worker's
+    request of a child that died (not one terminated): a marked call's task id is
+    kept waiting for its redelivery first."""
     key = task.lock_name(args, kwargs)
     prefix = read_setting(task, "lock_prefix")
     # The conditions name the hold: that task id in that dead pid, which no newer hold
@@ -148,6 +150,8 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
         conditions["worker"] = hostname
 
     def release() -> None:
+        if request is not None:
+            wait_for_redelivery(task, request)
         try:
             freed = backend_for(task.app).force_release(prefix, key,
                                                         conditions=conditions)
@@ -163,13 +167,14 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
 
 
 def free_lock_after_exit(task: Any, task_id: str, pid: int, hostname: str | None,
-                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                         args: tuple[Any, ...], kwargs: dict[str, Any],
+                         request: Any = None) -> None:
     """Free ``task``'s lock for this call once process ``pid`` has exited.
 
     Runs in the background (the worker's main loop must not block); gives up after the
     lock's ttl, by which time the hold has expired anyway.
     """
-    release = _dead_child_release(task, task_id, pid, hostname, args, kwargs)
+    release = _dead_child_release(task, task_id, pid, hostname, args, kwargs, request)
     ttl = float(read_setting(task, "lock_ttl"))
 
     def run() -> None:
@@ -254,7 +259,7 @@ def _release_dead(request: Any, pid: int) -> None:
     """Free the lock of ``request``, whose child ``pid`` died while running it."""
     try:
         _dead_child_release(request.task, request.id, pid, request.hostname,
-                            tuple(request.args), dict(request.kwargs))()
+                            tuple(request.args), dict(request.kwargs), request)()
     except Exception as exc:
         logger.warning("could not free the lock of dead process %s: %s", pid, exc)
 

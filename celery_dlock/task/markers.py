@@ -125,9 +125,14 @@ def record_of(source: Any) -> MarkerRecord | None:
     raw = getattr(source, MARKER_HEADER, None) if not isinstance(source, Mapping) \
         else source.get(MARKER_HEADER)
     if raw is None and not isinstance(source, Mapping):
-        headers = getattr(source, "headers", None)
-        if isinstance(headers, Mapping):
-            raw = headers.get(MARKER_HEADER)
+        # a task's request (its headers), or a worker's Request in the main process
+        # (the message's headers, as its request_dict)
+        for where in ("headers", "request_dict"):
+            headers = getattr(source, where, None)
+            if isinstance(headers, Mapping):
+                raw = headers.get(MARKER_HEADER)
+                if raw is not None:
+                    break
     if not isinstance(raw, Mapping):
         return None
     try:

@@ -29,7 +29,8 @@ mode                   a second call is a duplicate while ...      the name free
   stands once its publish went through (the claim, the publish, then a confirm); a
   failed publish takes it back: the queued call keeps its marker and runs.
 
-A send of a task id already queued, running or waiting for its retry is a duplicate
+A send of a task id already queued, running, waiting for its retry or for the
+redelivery of a message whose worker process died is a duplicate
 of that call (in every mode; ``replace`` acts as ``return_existing`` then), and so is
 a send of a replaced task id: only the call's own re-queue takes the marker again.
 Each send's claim carries an operation id, so a claim re-sent after a lost reply gets

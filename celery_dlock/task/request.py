@@ -13,6 +13,7 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
 from ..core.errors import DLockError, InvalidLockConfig, UnkeyableArgument
+from .handover import TIMED_OUT
 from .hooks import free_lock_after_exit, unwatch_child, watch_child
 from .settings import enabled
 
@@ -48,22 +49,27 @@ class LockedRequest(Request):  # type: ignore[misc]
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)
         if isinstance(exc, (WorkerLostError, Terminated)):
-            self._free_dead_child_lock()
+            self._free_dead_child_lock(lost=isinstance(exc, WorkerLostError))
         return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                   return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         if not soft:
-            self._free_dead_child_lock()
+            # (told before the pool kills the child: its death is no loss then)
+            self.__dict__[TIMED_OUT] = True
+            self._free_dead_child_lock(lost=False)
         return super().on_timeout(soft, timeout)
 
-    def _free_dead_child_lock(self) -> None:
+    def _free_dead_child_lock(self, lost: bool) -> None:
+        """``lost``: the child died (its message may come back), rather than being
+        terminated or killed for its time limit."""
         pid = self.worker_pid
         if not pid or not enabled(self.task.app):
             return
         try:
             free_lock_after_exit(self.task, self.id, int(pid), self.hostname,
-                                 tuple(self.args), dict(self.kwargs))
+                                 tuple(self.args), dict(self.kwargs),
+                                 self if lost else None)
         except (DLockError, InvalidLockConfig, UnkeyableArgument) as exc:
             logger.warning("could not free the lock of dead task %s[%s]: %s",
                            self.task.name, self.id, exc)

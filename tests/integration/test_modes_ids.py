@@ -9,6 +9,7 @@ Messages are counted in the broker's own list (as in test_modes.py).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -225,3 +226,38 @@ def test_a_failed_replace_never_takes_the_place_of_a_published_one(
     time.sleep(0.5)
     assert tags(h, "chain") == ["mid"]
     assert old.id not in queued_ids(h, "chain")
+
+
+@pytest.mark.parametrize("mode", ("until_started", "until_finished",
+                                  "queued_and_running"))
+def test_a_task_id_sent_again_while_its_killed_run_comes_back_is_the_same_call(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """``acks_late`` with ``reject_on_worker_lost``: the child running a call is
+    killed, and its message will be delivered again.  A send of its task id between
+    the kill and that delivery is that call, not a second message: only the
+    redelivery runs.  (The worker's main process held back meanwhile, so that the
+    redelivery cannot start first.)"""
+    h = harness
+    monkeypatch.setenv("DLOCK_PF_CONF", json.dumps(
+        {"task_acks_late": True, "task_reject_on_worker_lost": True}))
+    (worker,) = h.start_workers(count=1, concurrency=1)
+    key, task_id = f"kr-{mode}", f"killed-{mode}"
+    send(h, key, "first", 1.5, lock_mode=mode, task_id=task_id)
+    wait_for(lambda: h.records("mode-start", key), 20, what="the call to start")
+    pid = int(h.r.hget(h.lock_key(f"mode:{key}"), "pid") or 0)
+    assert pid and pid != worker.pid
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: h.owner(f"mode:{key}") is None, 10, 0.01,
+             what="the main process to free the dead child's lock")
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        assert len(h.records("mode-start", key)) == 1  # not delivered again yet
+        again = send(h, key, "again", 0.0, lock_mode=mode, task_id=task_id)
+        assert again.id == task_id
+        assert queued_ids(h, key) in ([], [task_id])  # (its redelivery, if requeued)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    assert again.get(timeout=30) == "first"  # the call's own run: the redelivery
+    time.sleep(0.5)
+    assert [s["tag"] for s in h.records("mode-start", key)] == ["first", "first"]
+    assert tags(h, key) == ["first"]
