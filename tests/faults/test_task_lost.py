@@ -7,6 +7,7 @@ FAILURE), ``warn`` (the explicit opt-in to warn and keep the body's result).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -98,11 +99,12 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
             raise self.retry(countdown=0, max_retries=1)
         return "retried"
 
-    def lose_while_publishing(x: str) -> None:
-        """The lock's keys go, and the retry's publish lasts until the watchdog found
-        the loss, and 0.5 s more (an interrupt would be raised in there)."""
+    def lose_while_running(task: Any, x: str) -> bool:
+        """In the body of ``task`` (lock ``l:{x}``): the lock's keys go, and this
+        lasts until the watchdog found the loss, and 0.5 s more (an interrupt would be
+        raised in here).  Whether the loss was found."""
         e.r.delete(e.lock_key(f"l:{x}"))
-        lock = retrying.lock
+        lock = task.lock
         assert lock is not None
         deadline = time.monotonic() + 5.0
         while not lock.lost and time.monotonic() < deadline:
@@ -110,7 +112,11 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
         found = time.monotonic()
         while time.monotonic() < found + 0.5:
             time.sleep(0.02)
-        e.log(kind="publish-end", x=x, lost=lock.lost)
+        return bool(lock.lost)
+
+    def lose_while_publishing(x: str) -> None:
+        """The retry's publish lasts until its lock was found lost."""
+        e.log(kind="publish-end", x=x, lost=lose_while_running(retrying, x))
 
     class SlowRetryPublish(LockedTask):
         def apply_async(self, args: Any = None, kwargs: Any = None,
@@ -122,6 +128,7 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
     retrying = e.tasks["retry_interrupt"] = e.app.task(
         base=SlowRetryPublish, shared=False, bind=True, name="lost_retry_interrupt",
         lock_key="l:{x}", lock_ttl=1, lock_lost_action="interrupt")(retry_once)
+
     def sink(x: str) -> str:
         e.log(kind="sink-ran", x=x)
         return "sink ran"
@@ -138,18 +145,7 @@ def env(redis_url: str) -> Iterator[TaskEnv]:
         base=LockedTask, shared=False, bind=True, name="lost_sender", lock_key="l:{x}",
         lock_ttl=1, lock_lost_action="interrupt")(send)
 
-    def lose_holders_lock(x: str) -> None:
-        e.r.delete(e.lock_key(f"l:{x}"))
-        lock = sender.lock
-        assert lock is not None
-        deadline = time.monotonic() + 5.0
-        while not lock.lost and time.monotonic() < deadline:
-            time.sleep(0.02)
-        found = time.monotonic()
-        while time.monotonic() < found + 0.5:
-            time.sleep(0.02)  # (an interrupt would be raised here)
-
-    e.tasks["lose"] = lose_holders_lock  # type: ignore[assignment]
+    e.tasks["lose"] = functools.partial(lose_while_running, sender)  # type: ignore[assignment]
     with running(e):
         yield e
 
