@@ -679,6 +679,15 @@ inline work(w, k, st) {
     :: else -> skip
     fi;
     expire();
+#ifndef RESULT_STORE_CHECK
+    /* found among the waiting: a started call's message come back (its worker
+     * process died): it started before any call that took the marker since, and is
+     * never superseded */
+    if
+    :: rs[k] -> rs[k] = false; st = true
+    :: else -> skip
+    fi;
+#endif
     if
     :: rec_pend == k -> replaced[rec_pold] = true;      /* it started first: confirmed */
                         rec_pend = 0; rec_pold = 0; rec_pdl = 0; rec_pop = 0;

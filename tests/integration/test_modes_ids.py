@@ -261,3 +261,39 @@ def test_a_task_id_sent_again_while_its_killed_run_comes_back_is_the_same_call(
     time.sleep(0.5)
     assert [s["tag"] for s in h.records("mode-start", key)] == ["first", "first"]
     assert tags(h, key) == ["first"]
+
+
+@pytest.mark.parametrize("mode", ("until_started", "until_finished",
+                                  "queued_and_running"))
+def test_a_killed_run_that_comes_back_runs_whatever_was_sent_meanwhile(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """As above, but a call of another task id is sent between the kill and the
+    redelivery.  ``until_finished``: the name is still taken (by the call coming
+    back): a duplicate.  The other modes: it is queued, and runs after the
+    redelivery, which runs and is never taken for superseded by it."""
+    h = harness
+    monkeypatch.setenv("DLOCK_PF_CONF", json.dumps(
+        {"task_acks_late": True, "task_reject_on_worker_lost": True}))
+    (worker,) = h.start_workers(count=1, concurrency=1)
+    key, task_id = f"kn-{mode}", f"killed-then-other-{mode}"
+    first = send(h, key, "first", 1.5, lock_mode=mode, task_id=task_id)
+    wait_for(lambda: h.records("mode-start", key), 20, what="the call to start")
+    pid = int(h.r.hget(h.lock_key(f"mode:{key}"), "pid") or 0)
+    assert pid and pid != worker.pid
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: h.owner(f"mode:{key}") is None, 10, 0.01,
+             what="the main process to free the dead child's lock")
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        other = send(h, key, "other", 0.0, lock_mode=mode)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    assert first.get(timeout=30) == "first"
+    if mode == "until_finished":
+        assert other.id == task_id
+        time.sleep(0.5)
+        assert tags(h, key) == ["first"]
+    else:
+        assert other.id != task_id
+        assert other.get(timeout=30) == "other"
+        assert sorted(tags(h, key)) == ["first", "other"]  # (in either order)

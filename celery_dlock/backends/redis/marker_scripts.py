@@ -281,7 +281,9 @@ HAND_OVER = LuaScript("marker_hand_over", CALL + _NOW + _REMEMBER
 -- taken back that leave the replacing call queued.  ARGV[1] the
 -- starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1': another task
 -- id in the marker means this call was replaced, ARGV[4] '1': a running call is a
--- duplicate (until_finished).
+-- duplicate (until_finished).  A call found among the waiting (a started call whose
+-- message came back after its worker process died) is never superseded: it started
+-- before any call that took the marker since.
 -- 1: go on; 0: this call was replaced (element 2: by which task id, or 'a later
 -- call' when the one that replaced it has started already).
 -- A call replaced by one whose publish is not confirmed yet starts all the same: the
@@ -294,11 +296,12 @@ local marker, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
 local current = call('GET', marker)
 local r = call('HMGET', rec, 'pend', 'pold')
 local until_ms = tonumber(call('ZSCORE', replaced, id))
-call('ZREM', KEYS[4], id)
+local waited = call('ZREM', KEYS[4], id) == 1
+local check = ARGV[3] == '1' and not waited
 if r[1] and r[1] == id then
   call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   call('HSET', rec, 'conf', id)
-elseif r[1] and r[2] == id and ARGV[3] == '1' and ARGV[4] ~= '1' then
+elseif r[1] and r[2] == id and check and ARGV[4] ~= '1' then
   -- The replacing call's confirm reads this even after the record is rewritten (a
   -- later claim) or deleted (that call's own start): it revokes nothing.
   local back = KEYS[5]
@@ -310,7 +313,7 @@ elseif r[1] and r[2] == id and ARGV[3] == '1' and ARGV[4] ~= '1' then
   call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   call('HSET', rec, 'back', r[1])
   return {1, ''}
-elseif r[1] and r[2] == id and ARGV[3] == '1' then
+elseif r[1] and r[2] == id and check then
   local now = now_ms()
   local left = call('PTTL', marker)
   if left < 0 then left = 0 end
@@ -322,14 +325,14 @@ elseif r[1] and r[2] == id and ARGV[3] == '1' then
   call('HSET', rec, 'back', r[1])
   return {1, ''}
 end
-if ARGV[3] == '1' and until_ms and until_ms > now_ms() then
+if check and until_ms and until_ms > now_ms() then
   return {0, current or 'a later call'}
 end
 if current == id then
   if ARGV[2] == '1' then call('DEL', marker, rec) end
   return {1, ''}
 end
-if current and ARGV[3] == '1' then return {0, current} end
+if current and check then return {0, current} end
 return {1, ''}
 """)
 
