@@ -24,6 +24,9 @@ logger = logging.getLogger("celery_dlock.task")
 #: message: it never comes back).
 TIMED_OUT = "_dlock_timed_out"
 
+#: Set on a worker's request whose call :func:`wait_for_redelivery` kept live.
+_KEPT = "_dlock_kept_for_redelivery"
+
 #: Set on a request whose marker :func:`free_marker` freed (skip frees it before it
 #: stores its result; the attempt's end then need not ask again).
 _FREED = "_dlock_marker_freed"
@@ -133,7 +136,7 @@ def wait_for_redelivery(task: Any, request: Any) -> None:
     then).  The redelivery's start takes it out; it lapses after ``lock_queue_ttl``
     if none comes."""
     record = _own_record(request)
-    if record is None or not record.removed_at_start:
+    if record is None or not record.removed_at_start or getattr(request, _KEPT, False):
         return
     if not (getattr(task, "acks_late", False) and
             getattr(task, "reject_on_worker_lost", False)):
@@ -148,6 +151,7 @@ def wait_for_redelivery(task: Any, request: Any) -> None:
             record.prefix, record.name, record.task_id,
             float(task.dlock_settings()["lock_queue_ttl"]), running_counts=marked,
             replace=False, requeue=True, op=uuid(), started=True, waits=not marked)
+        setattr(request, _KEPT, True)  # (once: the watch of the child, or Celery)
     except DLockError as exc:
         logger.warning("Task %s[%s]: could not keep its task id as waiting for its "
                        "redelivery (a send of it meanwhile is a second message): %s",

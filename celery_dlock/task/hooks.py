@@ -167,14 +167,13 @@ def _dead_child_release(task: Any, task_id: str, pid: int, hostname: str | None,
 
 
 def free_lock_after_exit(task: Any, task_id: str, pid: int, hostname: str | None,
-                         args: tuple[Any, ...], kwargs: dict[str, Any],
-                         request: Any = None) -> None:
+                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Free ``task``'s lock for this call once process ``pid`` has exited.
 
     Runs in the background (the worker's main loop must not block); gives up after the
     lock's ttl, by which time the hold has expired anyway.
     """
-    release = _dead_child_release(task, task_id, pid, hostname, args, kwargs, request)
+    release = _dead_child_release(task, task_id, pid, hostname, args, kwargs)
     ttl = float(read_setting(task, "lock_ttl"))
 
     def run() -> None:

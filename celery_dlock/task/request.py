@@ -13,7 +13,7 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
 from ..core.errors import DLockError, InvalidLockConfig, UnkeyableArgument
-from .handover import TIMED_OUT
+from .handover import TIMED_OUT, wait_for_redelivery
 from .hooks import free_lock_after_exit, unwatch_child, watch_child
 from .settings import enabled
 
@@ -49,7 +49,14 @@ class LockedRequest(Request):  # type: ignore[misc]
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)
         if isinstance(exc, (WorkerLostError, Terminated)):
-            self._free_dead_child_lock(lost=isinstance(exc, WorkerLostError))
+            if isinstance(exc, WorkerLostError) and enabled(self.task.app):
+                # before Celery re-queues the message (below), unless the watch of
+                # the child did it when it saw the death
+                try:
+                    wait_for_redelivery(self.task, self)
+                except Exception as error:  # never break the worker's main loop
+                    logger.warning("task %s[%s]: %s", self.task.name, self.id, error)
+            self._free_dead_child_lock()
         return super().on_failure(exc_info, send_failed_event=send_failed_event,
                                   return_ok=return_ok)
 
@@ -57,19 +64,16 @@ class LockedRequest(Request):  # type: ignore[misc]
         if not soft:
             # (told before the pool kills the child: its death is no loss then)
             self.__dict__[TIMED_OUT] = True
-            self._free_dead_child_lock(lost=False)
+            self._free_dead_child_lock()
         return super().on_timeout(soft, timeout)
 
-    def _free_dead_child_lock(self, lost: bool) -> None:
-        """``lost``: the child died (its message may come back), rather than being
-        terminated or killed for its time limit."""
+    def _free_dead_child_lock(self) -> None:
         pid = self.worker_pid
         if not pid or not enabled(self.task.app):
             return
         try:
             free_lock_after_exit(self.task, self.id, int(pid), self.hostname,
-                                 tuple(self.args), dict(self.kwargs),
-                                 self if lost else None)
+                                 tuple(self.args), dict(self.kwargs))
         except (DLockError, InvalidLockConfig, UnkeyableArgument) as exc:
             logger.warning("could not free the lock of dead task %s[%s]: %s",
                            self.task.name, self.id, exc)
