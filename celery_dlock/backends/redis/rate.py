@@ -20,13 +20,13 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ...core.errors import BackendUnavailable, LockKeyConflict
-from ...core.rates import Rate, RateDecision, RateState
+from ...core.rates import OPS_KEPT, Rate, RateDecision, RateState, rate_state
 from .cluster import node_clients
 from .hashtag import lock_key, name_of_key, scan_pattern
 from .keyspace import UNTOUCHED, decode
 from .lua import CALL
 from .refusals import acl_refusal
-from .scripts import OPS_KEPT, LuaScript
+from .scripts import LuaScript
 
 __all__ = ["RATE_SUFFIX", "TAKE", "RedisRates", "rate_key"]
 
@@ -45,7 +45,8 @@ RATE_SUFFIX = ":rate"
 # and starts; one whose slot is not there (claimed already: the same message
 # delivered again after a worker died, or a retry that kept the header) asks afresh,
 # as one back more than an interval late does.  Slots past their last moment are
-# dropped at every write.
+# dropped at every write.  The same rule, in Python, for the stores that decide
+# outside the server: celery_dlock.core.rates.gcra_take (keep the two alike).
 TAKE = LuaScript("rate_take", CALL + """
 local key = KEYS[1]
 local interval, tau = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -166,13 +167,7 @@ class RedisRates:
         if not reply:
             return None
         tat, interval, tau, now = (int(float(decode(x))) for x in reply)
-        interval = max(1, interval)
-        tat = max(tat, now)
-        # Calls that may start now: the burst left, as GCRA counts it.
-        available = (now + tau - tat) // interval + 1 if tat - tau <= now else 0
-        return RateState(interval=interval / 1_000_000, burst=tau // interval + 1,
-                         available=int(available),
-                         next_in=max(0, tat - tau - now) / 1_000_000)
+        return rate_state(tat, interval, tau, now)
 
     def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
         """Every name under ``prefix`` with a rate state, each once."""
