@@ -45,8 +45,8 @@ from typing import Any, NamedTuple
 from .errors import InvalidLockConfig
 
 __all__ = ["OPS_KEPT", "PERIODS", "Rate", "RateDecision", "RateDocument", "RateState",
-           "RateTake", "gcra_take", "ops_of", "ops_text", "parse_rate", "rate_state",
-           "slots_of", "slots_text"]
+           "RateTake", "gcra_take", "interval_tau", "ops_of", "ops_text", "parse_rate",
+           "rate_state", "slots_of", "slots_text"]
 
 #: The periods a rate may name, in seconds.
 PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -201,6 +201,13 @@ def gcra_take(document: RateDocument | None, now_us: int, interval: int, tau: in
     if code:
         return RateTake(1, 0, now_us, stored)
     return RateTake(0, at - now_us, at, stored)
+
+
+def interval_tau(rate: Rate) -> tuple[int, int]:
+    """``rate``'s interval and tau (``(burst - 1) * interval``) in whole
+    microseconds (at least 1 for the interval), as every store counts them."""
+    interval = max(1, round(rate.interval * 1_000_000))
+    return interval, interval * (rate.burst - 1)
 
 
 def rate_state(tat: int, interval: int, tau: int, now_us: int) -> RateState:

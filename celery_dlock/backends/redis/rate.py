@@ -20,7 +20,14 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ...core.errors import BackendUnavailable, LockKeyConflict
-from ...core.rates import OPS_KEPT, Rate, RateDecision, RateState, rate_state
+from ...core.rates import (
+    OPS_KEPT,
+    Rate,
+    RateDecision,
+    RateState,
+    interval_tau,
+    rate_state,
+)
 from .cluster import node_clients
 from .hashtag import lock_key, name_of_key, scan_pattern
 from .keyspace import UNTOUCHED, decode
@@ -121,10 +128,6 @@ def rate_key(prefix: str, name: str) -> str:
     return lock_key(prefix, name) + RATE_SUFFIX
 
 
-def _us(seconds: float) -> int:
-    return max(1, round(seconds * 1_000_000))
-
-
 class RedisRates:
     """The :class:`~celery_dlock.core.protocol.RateStore` of one Redis (any topology
     one client reaches)."""
@@ -151,12 +154,16 @@ class RedisRates:
 
     def take(self, prefix: str, name: str, rate: Rate,
              slot: int | None = None) -> RateDecision:
-        interval = _us(rate.interval)
         # One operation id per call: a re-send of it (redis-py's, after a lost reply)
         # gets the first answer and takes no second slot.
+        return self.take_op(prefix, name, rate, slot, uuid.uuid4().hex)
+
+    def take_op(self, prefix: str, name: str, rate: Rate, slot: int | None,
+                op: str) -> RateDecision:
+        """:meth:`take` as the call ``op`` (the same op twice takes one slot)."""
+        interval, tau = interval_tau(rate)
         reply = self._run(TAKE, rate_key(prefix, name),
-                          (interval, interval * (rate.burst - 1),
-                           "" if slot is None else int(slot), uuid.uuid4().hex), name)
+                          (interval, tau, "" if slot is None else int(slot), op), name)
         code, wait, given = (int(x) for x in reply)
         if code == 1:
             return RateDecision(True)
