@@ -169,7 +169,7 @@ ENTRIES: tuple[Entry, ...] = (
                            "on its own, and a quorum of them could each grant a "
                            "different set, so more than lock_limit could run at once"),)),
     Entry("postgres", ("postgresql", "postgres"),
-          "celery_dlock.backends.sql.postgres", frozenset({FENCING, INSPECT}),
+          "celery_dlock.backends.sql.postgres", frozenset({FENCING, INSPECT, RATES}),
           "postgres", "psycopg 3"),
     Entry("mysql", ("mysql", "mariadb"), "celery_dlock.backends.sql.mysql",
           frozenset({FENCING, INSPECT}), "mysql", "PyMySQL"),

@@ -12,6 +12,7 @@ from ..lease import hold_info as _info
 from ..lease_backend import LeaseBackend
 from .keys import row_key, row_part
 from .lock import PostgresLock
+from .rates import PgRates
 from .server import PgServer
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
 from .waiting import channel_of
@@ -33,6 +34,14 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
         return self.server.run(statement.format(t=self.server.table,
                                                 w=self.server.line_table),
                                params, what, name)
+
+    def rates(self) -> PgRates:
+        """Per-name rates (``lock_rate``), in the lease table's ``_rates`` table
+        (made at the first take)."""
+        found: PgRates | None = getattr(self, "_rates", None)
+        if found is None:
+            found = self._rates = PgRates(self.server)
+        return found
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         row_prefix, row_name = row_key(prefix, name)
