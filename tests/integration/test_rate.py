@@ -349,10 +349,25 @@ def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
     yield from open_harness(redis_url, r, prefix, tmp_path, request)
 
 
+@pytest.fixture(params=["redis", "postgres"])
+def store_harness(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis,
+                  prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                  ) -> Iterator[Harness]:
+    """A harness whose locks and rates are on each store that keeps rates in turn
+    (the broker, results and the tasks' records stay on Redis)."""
+    if request.param == "postgres":
+        from prefork_app import ENV_CONF
+
+        url = str(request.getfixturevalue("postgres_server").url)
+        monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
+    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_two_nodes_keep_the_rate_and_park_without_dropping(harness: Harness) -> None:
-    h = harness
+def test_two_nodes_keep_the_rate_and_park_without_dropping(store_harness: Harness
+                                                          ) -> None:
+    h = store_harness
     h.start_workers(count=2, concurrency=2)
     key = uuid.uuid4().hex[:8]
     task = h.app.tasks["pf.rated"]
@@ -376,12 +391,12 @@ def test_two_nodes_keep_the_rate_and_park_without_dropping(harness: Harness) -> 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["wait", "retry"])
-def test_waiting_for_the_lock_lets_no_more_starts_through(harness: Harness,
+def test_waiting_for_the_lock_lets_no_more_starts_through(store_harness: Harness,
                                                           policy: str) -> None:
     """1/s: the first call holds the lock 2.5 s; three more, parked for their slots
     (1, 2 and 3 s), meet the held lock and wait for it (or retry): when it frees,
     they must not all start at once."""
-    h = harness
+    h = store_harness
     h.start_workers(count=1, concurrency=4)
     key = uuid.uuid4().hex[:8]
     task = h.app.tasks["pf.rated_slow"]
