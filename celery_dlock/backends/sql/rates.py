@@ -58,7 +58,7 @@ class SqlRates:
     def _read(self, prefix: str, name: str, *, create: bool = True
               ) -> tuple[int, RateRow | None]:
         """The server's clock (us) and ``name``'s row (live or not), or None; with
-        ``create`` false, (clock, None) where the table was never made."""
+        ``create`` false, (0, None) where the table was never made (none is)."""
         raise NotImplementedError
 
     def _insert(self, prefix: str, name: str, document: RateDocument) -> bool:

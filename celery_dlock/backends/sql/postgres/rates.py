@@ -48,8 +48,6 @@ ROWS = sql.SQL(
     f"SELECT r.shown, c.now, r.tat, r.interval_us, r.tau_us FROM {{r}} r, "
     f"(SELECT {_NOW} AS now) c WHERE r.prefix = %(prefix)s "
     f"AND {_US.format(col='r.expires_at')} > c.now ORDER BY r.name")
-#: The clock alone (where no rates table was made).
-NOW = sql.Composed([sql.SQL(f"SELECT {_NOW}")])
 
 
 def _written(document: RateDocument) -> dict[str, Any]:
@@ -74,7 +72,7 @@ class PgRates(SqlRates):
     def _read(self, prefix: str, name: str, *, create: bool = True
               ) -> tuple[int, RateRow | None]:
         if not create and not self.server.ensure_rates_table(name, create=False):
-            return int(self.server.run(NOW, (), "a read", name)[0][0]), None
+            return 0, None  # no table: no state, and none is made by reading
         row_prefix, row_name = row_key(prefix, name)
         rows = self._run(READ, {"prefix": row_prefix, "name": row_name},
                          "a rate read", name)
