@@ -172,7 +172,7 @@ ENTRIES: tuple[Entry, ...] = (
           "celery_dlock.backends.sql.postgres", frozenset({FENCING, INSPECT, RATES}),
           "postgres", "psycopg 3"),
     Entry("mysql", ("mysql", "mariadb"), "celery_dlock.backends.sql.mysql",
-          frozenset({FENCING, INSPECT}), "mysql", "PyMySQL"),
+          frozenset({FENCING, INSPECT, RATES}), "mysql", "PyMySQL"),
     Entry("zookeeper", ("zookeeper",), "celery_dlock.backends.zookeeper",
           frozenset({FENCING, INSPECT}), "zookeeper", "kazoo"),
 )

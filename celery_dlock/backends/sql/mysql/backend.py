@@ -11,6 +11,7 @@ from ....core.text import clean_text
 from ..lease import hold_info
 from ..lease_backend import LeaseBackend
 from .lock import MySQLLock
+from .rates import MyRates
 from .schema import lock_id
 from .server import MyServer
 from .statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
@@ -42,6 +43,14 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
             cur.execute(statement.format(t=self.server.table), params)
             return [tuple(row) for row in cur.fetchall()]
         return self.server.run(work, what, name)
+
+    def rates(self) -> MyRates:
+        """Per-name rates (``lock_rate``), in the lease table's ``_rates`` table
+        (made at the first take)."""
+        found: MyRates | None = getattr(self, "_rates", None)
+        if found is None:
+            found = self._rates = MyRates(self.server)
+        return found
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         rows = self._rows(HOLD, {"id": lock_id(prefix, name)}, "a read", name)
