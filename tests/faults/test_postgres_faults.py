@@ -1,6 +1,5 @@
 """The PostgreSQL lock under a fault of its own: connections making the lease table
-at the same moment; and its rates (``lock_rate``): the rates table needed (and its
-GRANT named) only at the first rate take, an unreachable server.
+at the same moment.
 
 The faults both SQL locks share (a partition, restarts, a re-sent release, an
 unreachable server, another application's table, a user without CREATE, the renewal's
@@ -92,48 +91,3 @@ def test_the_longest_table_names_work_and_a_missing_schema_is_invalid_config(own
     with pytest.raises(InvalidLockConfig, match="no such schema"):
         lock.acquire(blocking=False)
 
-
-def test_a_user_without_create_needs_the_rates_table_only_for_lock_rate(own_pg):
-    """The least-privilege setup of the lease table and its line serves every lock
-    (no rates table is made nor needed); the first rate take asks for the rates
-    table, naming its GRANT; made and granted as docs/backends.md says, it works."""
-    from celery_dlock import InvalidLockConfig
-    from celery_dlock.backends.sql.postgres.backend import PostgresBackend
-    from celery_dlock.core.rates import parse_rate
-
-    db = own_pg
-    limited = db.limited() + "?dlock_table=made_for_you"
-    for create, table, grant in (
-            (db.schema.create_sql, "made_for_you", "SELECT, INSERT, UPDATE"),
-            (db.schema.create_line_sql, "made_for_you_waiters",
-             "SELECT, INSERT, UPDATE, DELETE")):
-        db.execute(create(table))
-        db.grant(grant, table)
-    with lock_from_url(limited, _name(), ttl=5) as lock:
-        assert lock.owned()
-    rates = PostgresBackend(limited).rates()
-    assert rates.state("p", "n") is None and list(rates.states("p")) == []
-    assert db.query("SELECT to_regclass('made_for_you_rates')") == [(None,)]
-    with pytest.raises(InvalidLockConfig) as info:
-        rates.take("p", "n", parse_rate("5/s"))
-    said = str(info.value)
-    assert "rates table made_for_you_rates does not exist" in said
-    assert "GRANT SELECT, INSERT, UPDATE ON made_for_you_rates" in said
-    assert "pw-limited" not in said
-    db.execute(db.schema.create_rates_sql("made_for_you_rates"))
-    db.grant("SELECT, INSERT, UPDATE", "made_for_you_rates")
-    assert rates.take("p", "n", parse_rate("5/s")).run
-    assert not rates.take("p", "n", parse_rate("5/s")).run
-    state = rates.state("p", "n")
-    assert state is not None and state.available == 0
-
-
-def test_an_unreachable_server_keeps_no_rate_and_says_so():
-    from celery_dlock import BackendUnavailable
-    from celery_dlock.backends.sql.postgres.backend import PostgresBackend
-    from celery_dlock.core.rates import parse_rate
-
-    rates = PostgresBackend("postgresql://dlock:secret-pw@127.0.0.1:1/postgres").rates()
-    with pytest.raises(BackendUnavailable, match="PostgreSQL unavailable") as info:
-        rates.take("p", "n", parse_rate("5/s"))
-    assert "secret-pw" not in str(info.value)

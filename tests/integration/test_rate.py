@@ -49,20 +49,36 @@ class Store(NamedTuple):
     rates: Any
 
 
-@pytest.fixture(params=["redis", "postgres"])
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """Each store that keeps rates in turn (PostgreSQL skipped, with the reason, where
-    there is no server)."""
-    if request.param == "redis":
+def _store(kind: str, request: pytest.FixtureRequest) -> Iterator[Store]:
+    if kind == "redis":
         url = request.getfixturevalue("redis_url")
         client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
         yield Store("redis", url, RedisRates(client))
         client.close()
         return
+    if kind == "mysql":
+        from celery_dlock.backends.sql.mysql.backend import MySQLBackend
+
+        url = str(request.getfixturevalue("mariadb_url"))
+        yield Store("mysql", url, MySQLBackend(url).rates())
+        return
     from celery_dlock.backends.sql.postgres.backend import PostgresBackend
 
     url = str(request.getfixturevalue("postgres_server").url)
     yield Store("postgres", url, PostgresBackend(url).rates())
+
+
+@pytest.fixture(params=["redis", "postgres", "mysql"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """Each store that keeps rates in turn (PostgreSQL and MariaDB skipped, with the
+    reason, where there is no server)."""
+    yield from _store(request.param, request)
+
+
+@pytest.fixture(params=["postgres", "mysql"])
+def sql_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """Each SQL store that keeps rates in turn."""
+    yield from _store(request.param, request)
 
 
 @pytest.fixture
@@ -208,36 +224,67 @@ def test_two_threads_never_get_more_than_the_rate_and_burst(rates, prefix, name)
     assert len(starts) >= 20 and worst <= 22, (worst, len(starts))
 
 
-def test_a_foreign_table_at_the_rates_table_name_is_a_conflict(postgres_server, prefix,
+def _sql(store: Store, *statements: str) -> list[tuple[Any, ...]]:
+    """Run ``statements`` on the SQL store's server as its administrator: the last
+    one's rows."""
+    rows: list[tuple[Any, ...]] = []
+    if store.kind == "postgres":
+        import psycopg
+
+        with psycopg.connect(store.url, autocommit=True) as conn:
+            for statement in statements:
+                cur = conn.execute(statement)
+                rows = cur.fetchall() if cur.description else []
+        return rows
+    import pymysql
+
+    from celery_dlock.backends.sql.mysql.server import connect_args
+
+    conn = pymysql.connect(**connect_args(store.url)[0], autocommit=True)
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+                rows = [tuple(row) for row in cur.fetchall()]
+    finally:
+        conn.close()
+    return rows
+
+
+def _rates_of(store: Store, table: str) -> Any:
+    url = f"{store.url}{'&' if '?' in store.url else '?'}dlock_table={table}"
+    if store.kind == "postgres":
+        from celery_dlock.backends.sql.postgres.backend import PostgresBackend
+
+        return PostgresBackend(url).rates()
+    from celery_dlock.backends.sql.mysql.backend import MySQLBackend
+
+    return MySQLBackend(url).rates()
+
+
+def test_a_foreign_table_at_the_rates_table_name_is_a_conflict(sql_store, prefix,
                                                                name):
-    """PostgreSQL: a table of another shape where the rates table would be is
+    """SQL: a table of another shape where the rates table would be is
     LockKeyConflict at the first take, and left as it was; reading rates (celery
-    dlock ls) makes no rates table where none is."""
-    import psycopg
-
-    from celery_dlock.backends.sql.postgres.backend import PostgresBackend
-
+    dlock ls) makes no rates table where none is.  (Redis: another application's
+    data at the rate's key, test_a_rate_it_cannot_keep_leaves_no_lock_behind.)"""
+    store = sql_store
     table = f"t_{uuid.uuid4().hex[:8]}"
-    base = str(postgres_server.url)
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {table}_rates (a integer)")
-        conn.execute(f"INSERT INTO {table}_rates VALUES (7)")
-    rates = PostgresBackend(f"{base}?dlock_table={table}").rates()
+    _sql(store, f"CREATE TABLE {table}_rates (a integer)",
+         f"INSERT INTO {table}_rates VALUES (7)")
+    rates = _rates_of(store, table)
     with pytest.raises(LockKeyConflict, match=f"{table}_rates"):
         rates.take(prefix, name, parse_rate("5/s"))
-    with psycopg.connect(base, autocommit=True) as conn:
-        assert conn.execute(f"SELECT * FROM {table}_rates").fetchall() == [(7,)]
-        cols = conn.execute("SELECT attname FROM pg_attribute WHERE attrelid = "
-                            f"'{table}_rates'::regclass AND attnum > 0").fetchall()
-        assert cols == [("a",)]
+    assert _sql(store, f"SELECT * FROM {table}_rates") == [(7,)]
+    columns = _sql(store, "SELECT column_name FROM information_schema.columns "
+                          f"WHERE table_name = '{table}_rates'")
+    assert [c[0].lower() for c in columns] == ["a"]
     # No rates table made by reading: a user without lock_rate never needs one.
     other = f"t_{uuid.uuid4().hex[:8]}"
-    reader = PostgresBackend(f"{base}?dlock_table={other}").rates()
-    assert rates is not reader
+    reader = _rates_of(store, other)
     assert reader.state(prefix, name) is None and list(reader.states(prefix)) == []
-    with psycopg.connect(base, autocommit=True) as conn:
-        found = conn.execute("SELECT to_regclass(%s)", (f"{other}_rates",)).fetchone()
-        assert found == (None,)
+    assert _sql(store, "SELECT table_name FROM information_schema.tables "
+                       f"WHERE table_name = '{other}_rates'") == []
 
 
 @pytest.mark.parametrize("bad", ["5", "5/d", "5 / s", "/s", "0/s", "-1/s", "5/sec",
@@ -269,7 +316,7 @@ def test_a_rate_cannot_be_set_per_call(redis_url):
 
 @pytest.mark.parametrize("url", [
     ";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3)),
-    "mysql://dlock@127.0.0.1:1/dlock", "zookeeper://127.0.0.1:1/dlock"])
+    "zookeeper://127.0.0.1:1/dlock"])
 def test_a_backend_without_rates_refuses_lock_rate_at_worker_start(url):
     app = Celery("rate-redlock", broker="memory://", set_as_current=False)
     app.finalize()
@@ -280,12 +327,15 @@ def test_a_backend_without_rates_refuses_lock_rate_at_worker_start(url):
         check_app(app)
 
 
-def test_postgres_keeps_rates_at_worker_start():
-    """PostgreSQL keeps rates: lock_rate passes the worker-start check (no call)."""
-    app = Celery("rate-pg", broker="memory://", set_as_current=False)
+@pytest.mark.parametrize("url", ["postgresql://dlock@127.0.0.1:1/dlock",
+                                 "mysql://dlock@127.0.0.1:1/dlock"])
+def test_the_sql_stores_keep_rates_at_worker_start(url):
+    """PostgreSQL and MySQL keep rates: lock_rate passes the worker-start check (no
+    call)."""
+    app = Celery("rate-sql", broker="memory://", set_as_current=False)
     app.finalize()
-    app.conf.dlock_url = "postgresql://dlock@127.0.0.1:1/dlock"
-    app.task(base=LockedTask, name="rated_pg", lock_rate="5/s", shared=False)(_body)
+    app.conf.dlock_url = url
+    app.task(base=LockedTask, name="rated_sql", lock_rate="5/s", shared=False)(_body)
     check_app(app)
 
 
@@ -349,16 +399,18 @@ def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
     yield from open_harness(redis_url, r, prefix, tmp_path, request)
 
 
-@pytest.fixture(params=["redis", "postgres"])
+@pytest.fixture(params=["redis", "postgres", "mysql"])
 def store_harness(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis,
                   prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                   ) -> Iterator[Harness]:
     """A harness whose locks and rates are on each store that keeps rates in turn
     (the broker, results and the tasks' records stay on Redis)."""
-    if request.param == "postgres":
+    if request.param != "redis":
         from prefork_app import ENV_CONF
 
-        url = str(request.getfixturevalue("postgres_server").url)
+        url = str(request.getfixturevalue(
+            "postgres_server").url) if request.param == "postgres" else str(
+            request.getfixturevalue("mariadb_url"))
         monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
     yield from open_harness(redis_url, r, prefix, tmp_path, request)
 
