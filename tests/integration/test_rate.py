@@ -224,6 +224,35 @@ def test_two_threads_never_get_more_than_the_rate_and_burst(rates, prefix, name)
     assert len(starts) >= 20 and worst <= 22, (worst, len(starts))
 
 
+@pytest.mark.parametrize("write", ["_insert", "_update"])
+def test_a_write_sent_twice_takes_one_slot(sql_store, prefix, name, monkeypatch,
+                                          write):
+    """SQL: the server ran a take's write but its reply was lost, and the statement
+    was sent again (the server object re-sends once on a fresh connection): the
+    second changes nothing (its compare-and-set fails), the re-read finds the
+    call's op and answers as the first, and one slot is taken."""
+    rates = sql_store.rates
+    rate = parse_rate("5/s")
+    if write == "_update":
+        assert rates.take(prefix, name, rate).run  # a row to update
+    sent = getattr(rates, write)
+
+    def twice(*args: Any) -> bool:
+        sent(*args)  # ran; its reply lost
+        return bool(sent(*args))
+
+    monkeypatch.setattr(rates, write, twice)
+    first = rates.take(prefix, name, rate)
+    monkeypatch.undo()
+    after = rates.take(prefix, name, rate)
+    if write == "_insert":
+        assert first.run and not after.run
+        assert after.slot is not None and after.delay > 0.15, "one slot, not two"
+    else:
+        assert not first.run and first.slot is not None
+        assert after.slot == first.slot + 200_000, "one slot, not two"
+
+
 def _sql(store: Store, *statements: str) -> list[tuple[Any, ...]]:
     """Run ``statements`` on the SQL store's server as its administrator: the last
     one's rows."""
