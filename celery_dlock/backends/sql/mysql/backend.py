@@ -36,6 +36,7 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
 
     kind = "mysql"
     lock_class = MySQLLock
+    rates_class = MyRates
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
@@ -43,14 +44,6 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
             cur.execute(statement.format(t=self.server.table), params)
             return [tuple(row) for row in cur.fetchall()]
         return self.server.run(work, what, name)
-
-    def rates(self) -> MyRates:
-        """Per-name rates (``lock_rate``), in the lease table's ``_rates`` table
-        (made at the first take)."""
-        found: MyRates | None = getattr(self, "_rates", None)
-        if found is None:
-            found = self._rates = MyRates(self.server)
-        return found
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         rows = self._rows(HOLD, {"id": lock_id(prefix, name)}, "a read", name)

@@ -28,20 +28,13 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
 
     kind = "postgres"
     lock_class = PostgresLock
+    rates_class = PgRates
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
         return self.server.run(statement.format(t=self.server.table,
                                                 w=self.server.line_table),
                                params, what, name)
-
-    def rates(self) -> PgRates:
-        """Per-name rates (``lock_rate``), in the lease table's ``_rates`` table
-        (made at the first take)."""
-        found: PgRates | None = getattr(self, "_rates", None)
-        if found is None:
-            found = self._rates = PgRates(self.server)
-        return found
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
         row_prefix, row_name = row_key(prefix, name)
