@@ -90,4 +90,3 @@ def test_the_longest_table_names_work_and_a_missing_schema_is_invalid_config(own
     lock = lock_from_url(f"{own_pg.url}?dlock_table=nosuch.locks", _name(), ttl=5)
     with pytest.raises(InvalidLockConfig, match="no such schema"):
         lock.acquire(blocking=False)
-
