@@ -20,8 +20,10 @@ from celery_dlock import LockedTask
 
 def register(app: Celery, dp: str, record: Callable[..., None],
              data: Callable[[], Any]) -> None:
-    if not str(app.conf.get("dlock_url") or "").startswith(("redis", "unix")):
-        return  # a test of another backend (only Redis keeps rates)
+    if not str(app.conf.get("dlock_url") or "").startswith(("redis", "unix",
+                                                            "postgres", "mysql",
+                                                            "mariadb")):
+        return  # a test of another backend (one that keeps no rates)
     @app.task(shared=False, name="pf.rated", base=LockedTask, bind=True,
               lock_key="rated:{key}", lock_rate="5/s", max_retries=0)
     def rated(self: Any, key: str, n: int) -> int:

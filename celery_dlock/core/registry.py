@@ -169,10 +169,10 @@ ENTRIES: tuple[Entry, ...] = (
                            "on its own, and a quorum of them could each grant a "
                            "different set, so more than lock_limit could run at once"),)),
     Entry("postgres", ("postgresql", "postgres"),
-          "celery_dlock.backends.sql.postgres", frozenset({FENCING, INSPECT}),
+          "celery_dlock.backends.sql.postgres", frozenset({FENCING, INSPECT, RATES}),
           "postgres", "psycopg 3"),
     Entry("mysql", ("mysql", "mariadb"), "celery_dlock.backends.sql.mysql",
-          frozenset({FENCING, INSPECT}), "mysql", "PyMySQL"),
+          frozenset({FENCING, INSPECT, RATES}), "mysql", "PyMySQL"),
     Entry("zookeeper", ("zookeeper",), "celery_dlock.backends.zookeeper",
           frozenset({FENCING, INSPECT}), "zookeeper", "kazoo"),
 )

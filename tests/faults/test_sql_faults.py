@@ -1,7 +1,8 @@
 """The SQL locks (PostgreSQL, MySQL/MariaDB) under the faults they share: a partition,
 a server restart while held (short and past the ttl), a re-sent release, a server
 that refuses, a table of another application at the lease table's name, a user
-without CREATE, the renewal's cost, threads waiting in turn.
+without CREATE (and the rates table it needs only for ``lock_rate``), an unreachable
+server under a rate, the renewal's cost, threads waiting in turn.
 
 Each test runs on both (``[postgres]``, ``[mysql]``), on a server of the test's own
 or of this module's (tests/faults/sql_dbs.py), the fault proxy in front of it.  The
@@ -232,6 +233,58 @@ def test_a_user_without_create_is_told_the_grants_it_needs(db):
         other = lock_from_url(limited, name, ttl=5, owner="other")
         assert other.acquire(timeout=0.5) is False
         assert other.waiting_count() == 0
+
+
+def _rates_of(url: str) -> Any:
+    from celery_dlock.core.registry import entry_for
+
+    entry = entry_for(url)
+    assert entry is not None
+    return entry.driver().backend_from_url(url).rates()
+
+
+def test_a_user_without_create_needs_the_rates_table_only_for_lock_rate(own):
+    """The least-privilege setup of the lease table and its line serves every lock
+    (no rates table is made nor needed, reading rates makes none); the first rate
+    take asks for the rates table, naming its GRANT; made and granted as
+    docs/backends.md says, it works."""
+    from celery_dlock.core.rates import parse_rate
+
+    db = own
+    limited = db.limited() + "?dlock_table=made_for_you"
+    db.execute(db.schema.create_sql("made_for_you"),
+               db.schema.create_line_sql("made_for_you_waiters"))
+    db.grant("SELECT, INSERT, UPDATE", "made_for_you")
+    db.grant("SELECT, INSERT, UPDATE, DELETE", "made_for_you_waiters")
+    with lock_from_url(limited, _name(), ttl=5) as lock:
+        assert lock.owned()
+    rates = _rates_of(limited)
+    assert rates.state("p", "n") is None and list(rates.states("p")) == []
+    assert db.tables_like("made_for_you_rates") == 0
+    with pytest.raises(InvalidLockConfig) as info:
+        rates.take("p", "n", parse_rate("5/s"))
+    said = str(info.value)
+    assert "rates table made_for_you_rates does not exist" in said
+    assert "GRANT SELECT, INSERT, UPDATE ON made_for_you_rates" in said
+    assert "pw-limited" not in said
+    db.execute(db.schema.create_rates_sql("made_for_you_rates"))
+    db.grant("SELECT, INSERT, UPDATE", "made_for_you_rates")
+    assert rates.take("p", "n", parse_rate("5/s")).run
+    assert not rates.take("p", "n", parse_rate("5/s")).run
+    state = rates.state("p", "n")
+    assert state is not None and state.available == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_unreachable_server_keeps_no_rate_and_says_so(kind):
+    from celery_dlock.core.rates import parse_rate
+
+    scheme = "postgresql" if kind == "postgres" else "mysql"
+    rates = _rates_of(f"{scheme}://dlock:secret-pw@127.0.0.1:1/dlock")
+    store = "PostgreSQL" if kind == "postgres" else "MySQL"
+    with pytest.raises(BackendUnavailable, match=f"{store} unavailable") as info:
+        rates.take("p", "n", parse_rate("5/s"))
+    assert "secret-pw" not in str(info.value)
 
 
 def test_a_user_without_its_grants_is_found_by_the_check_and_at_worker_start(own):

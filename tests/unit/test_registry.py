@@ -135,17 +135,19 @@ def test_a_missing_capability_names_the_setting_and_who_has_it() -> None:
     assert "zookeeper backend does not keep" in text and "kept by: redis" in text
 
 
-@pytest.mark.parametrize(("settings", "refused"), [
-    ({"dlock_url": "zookeeper://127.0.0.1:1/x"}, "zookeeper"),
-    ({"dlock_url": "mysql://u@127.0.0.1:1/app"}, "mysql"),
-    ({"dlock_url": ["redis://a:1/0", "redis://b:1/0", "redis://c:1/0"]}, "redlock"),
+@pytest.mark.parametrize(("settings", "refused", "keeps_rates"), [
+    ({"dlock_url": "zookeeper://127.0.0.1:1/x"}, "zookeeper", False),
+    ({"dlock_url": "mysql://u@127.0.0.1:1/app"}, "mysql", True),
+    ({"dlock_url": ["redis://a:1/0", "redis://b:1/0", "redis://c:1/0"]}, "redlock",
+     False),
     # no dlock_url: the locks follow a PostgreSQL broker, and so does the check
-    ({"broker_url": "sqla+postgresql://u@127.0.0.1:1/app"}, "postgres"),
-    ({"broker_url": "redis://127.0.0.1:1/0"}, None),
-    ({"dlock_url": "redis+cluster://127.0.0.1:1"}, None),
+    # (PostgreSQL keeps rates, not semaphores)
+    ({"broker_url": "sqla+postgresql://u@127.0.0.1:1/app"}, "postgres", True),
+    ({"broker_url": "redis://127.0.0.1:1/0"}, None, True),
+    ({"dlock_url": "redis+cluster://127.0.0.1:1"}, None, True),
 ])
 def test_the_checks_at_declaration_ask_the_backend_the_settings_name(
-        settings: dict[str, object], refused: str | None) -> None:
+        settings: dict[str, object], refused: str | None, keeps_rates: bool) -> None:
     from celery import Celery
 
     from celery_dlock.core.errors import NotSupported
@@ -160,5 +162,8 @@ def test_the_checks_at_declaration_ask_the_backend_the_settings_name(
         return
     with pytest.raises(InvalidLockConfig, match=f"the {refused} backend does not keep"):
         check_limit_supported(app, 3, "task 't'")
+    if keeps_rates:
+        check_rates_supported(app, "task 't'")
+        return
     with pytest.raises(NotSupported, match=f"the {refused} backend does not keep"):
         check_rates_supported(app, "task 't'")

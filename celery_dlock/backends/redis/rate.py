@@ -20,13 +20,20 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ...core.errors import BackendUnavailable, LockKeyConflict
-from ...core.rates import Rate, RateDecision, RateState
+from ...core.rates import (
+    OPS_KEPT,
+    Rate,
+    RateDecision,
+    RateState,
+    interval_tau,
+    rate_state,
+)
 from .cluster import node_clients
 from .hashtag import lock_key, name_of_key, scan_pattern
 from .keyspace import UNTOUCHED, decode
 from .lua import CALL
 from .refusals import acl_refusal
-from .scripts import OPS_KEPT, LuaScript
+from .scripts import LuaScript
 
 __all__ = ["RATE_SUFFIX", "TAKE", "RedisRates", "rate_key"]
 
@@ -45,7 +52,8 @@ RATE_SUFFIX = ":rate"
 # and starts; one whose slot is not there (claimed already: the same message
 # delivered again after a worker died, or a retry that kept the header) asks afresh,
 # as one back more than an interval late does.  Slots past their last moment are
-# dropped at every write.
+# dropped at every write.  The same rule, in Python, for the stores that decide
+# outside the server: celery_dlock.core.rates.gcra_take (keep the two alike).
 TAKE = LuaScript("rate_take", CALL + """
 local key = KEYS[1]
 local interval, tau = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -120,10 +128,6 @@ def rate_key(prefix: str, name: str) -> str:
     return lock_key(prefix, name) + RATE_SUFFIX
 
 
-def _us(seconds: float) -> int:
-    return max(1, round(seconds * 1_000_000))
-
-
 class RedisRates:
     """The :class:`~celery_dlock.core.protocol.RateStore` of one Redis (any topology
     one client reaches)."""
@@ -150,12 +154,16 @@ class RedisRates:
 
     def take(self, prefix: str, name: str, rate: Rate,
              slot: int | None = None) -> RateDecision:
-        interval = _us(rate.interval)
         # One operation id per call: a re-send of it (redis-py's, after a lost reply)
         # gets the first answer and takes no second slot.
+        return self.take_op(prefix, name, rate, slot, uuid.uuid4().hex)
+
+    def take_op(self, prefix: str, name: str, rate: Rate, slot: int | None,
+                op: str) -> RateDecision:
+        """:meth:`take` as the call ``op`` (the same op twice takes one slot)."""
+        interval, tau = interval_tau(rate)
         reply = self._run(TAKE, rate_key(prefix, name),
-                          (interval, interval * (rate.burst - 1),
-                           "" if slot is None else int(slot), uuid.uuid4().hex), name)
+                          (interval, tau, "" if slot is None else int(slot), op), name)
         code, wait, given = (int(x) for x in reply)
         if code == 1:
             return RateDecision(True)
@@ -166,13 +174,7 @@ class RedisRates:
         if not reply:
             return None
         tat, interval, tau, now = (int(float(decode(x))) for x in reply)
-        interval = max(1, interval)
-        tat = max(tat, now)
-        # Calls that may start now: the burst left, as GCRA counts it.
-        available = (now + tau - tat) // interval + 1 if tat - tau <= now else 0
-        return RateState(interval=interval / 1_000_000, burst=tau // interval + 1,
-                         available=int(available),
-                         next_in=max(0, tat - tau - now) / 1_000_000)
+        return rate_state(tat, interval, tau, now)
 
     def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
         """Every name under ``prefix`` with a rate state, each once."""

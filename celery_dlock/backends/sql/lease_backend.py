@@ -8,6 +8,7 @@ No driver is imported here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ...core.errors import InvalidLockConfig
@@ -16,6 +17,7 @@ from ...core.lock_options import LockOptions
 from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .lease import LeaseLock
+from .rates import SqlRates
 
 __all__ = ["LeaseBackend"]
 
@@ -53,6 +55,16 @@ class LeaseBackend(Generic[S, L]):
 
     #: The dialect's lock class (it knows the dialect's server objects).
     lock_class: type[L]
+    #: The dialect's rates (``lock_rate``), made of its server object.
+    rates_class: Callable[[Any], SqlRates]
+
+    def rates(self) -> SqlRates:
+        """Per-name rates (``lock_rate``), in the lease table's ``_rates`` table
+        (made at the first take of a process)."""
+        found: SqlRates | None = getattr(self, "_rates", None)
+        if found is None:
+            found = self._rates = self.rates_class(self.server)
+        return found
 
 
     def lock(self, options: LockOptions) -> L:

@@ -25,7 +25,15 @@ from ...core.errors import (
     LockKeyConflict,
 )
 from ...core.urls import mask_url
-from .shape import GRANTS, Tables, check_shape, line_table_of, missing_columns
+from .shape import (
+    GRANTS,
+    RATES_GRANTS,
+    Tables,
+    check_shape,
+    line_table_of,
+    missing_columns,
+    rates_table_of,
+)
 
 __all__ = ["LeaseServer", "close_quietly"]
 
@@ -68,10 +76,13 @@ class LeaseServer(Generic[C]):
         self.table = self._quoted(self.table_name)
         self.line_table_name = line_table_of(self.table_name)
         self.line_table = self._quoted(self.line_table_name)
+        self.rates_table_name = rates_table_of(self.table_name)
+        self.rates_table = self._quoted(self.rates_table_name)
         self._lock = threading.Lock()
         self._conn: C | None = None
         self._pid = os.getpid()
         self._checked = False
+        self._rates_checked = False
 
     # -- what a dialect provides ----------------------------------------------------
 
@@ -154,7 +165,10 @@ class LeaseServer(Generic[C]):
     @property
     def grants(self) -> str:
         """The GRANTs a user of these tables needs."""
-        return GRANTS.format(table=self.table_name, line=self.line_table_name)
+        text = GRANTS.format(table=self.table_name, line=self.line_table_name)
+        if self.tables.rates_columns is not None:
+            text += "; " + RATES_GRANTS.format(rates=self.rates_table_name)
+        return text
 
     def _forget_if_forked(self) -> None:
         """In a forked child, the parent's connection is not its own: forget it."""
@@ -168,9 +182,40 @@ class LeaseServer(Generic[C]):
         if self._checked:
             return
         t = self.tables
-        tables = ((self.table_name, self.table, "lease table", t.create, t.columns),
-                  (self.line_table_name, self.line_table, "line of waiters",
-                   t.create_line, t.line_columns))
+        self._ensure(((self.table_name, self.table, "lease table", t.create, t.columns),
+                      (self.line_table_name, self.line_table, "line of waiters",
+                       t.create_line, t.line_columns)), lock_name)
+        self._checked = True
+
+    def ensure_rates_table(self, lock_name: str | None = None, *,
+                           create: bool = True) -> bool:
+        """Check the rates table once per process (create it when missing, unless
+        not ``create``: then False, nothing made), at the first rate call only: a
+        user without ``lock_rate`` needs neither it nor its GRANT, and reading
+        rates (``celery dlock ls``) makes nothing.
+        :class:`~celery_dlock.core.errors.LockKeyConflict`, and nothing made, when a
+        table of another shape is at its name."""
+        if self._rates_checked:
+            return True
+        t = self.tables
+        if t.rates_columns is None or t.create_rates is None:
+            raise AssertionError(f"{self.label} keeps no rates")  # pragma: no cover
+        if not self._ensure(((self.rates_table_name, self.rates_table, "rates table",
+                              t.create_rates, t.rates_columns),), lock_name, create):
+            return False
+        self._rates_checked = True
+        return True
+
+    def forget_tables(self) -> None:
+        """A table went away (a restore, a new server): check them all again."""
+        self._checked = self._rates_checked = False
+
+    def _ensure(self, tables: tuple[tuple[str, Any, str, Callable[[str], str],
+                                          dict[str, str]], ...],
+                lock_name: str | None, make: bool = True) -> bool:
+        """Check ``tables`` (name, quoted, what, create, columns), creating those
+        missing (unless not ``make``: then False when one is), on a connection of
+        its own."""
         conn = self.connect()
         try:
             with self._reader(conn) as reader:
@@ -180,6 +225,8 @@ class LeaseServer(Generic[C]):
                                                                strict=True):
                     if columns is not None:
                         self._check_shape(name, what, columns, wanted, lock_name)
+                if not make and None in found:
+                    return False
                 for (name, quoted, what, create, wanted), columns in zip(
                         tables, found, strict=True):
                     if columns is None:
@@ -194,7 +241,7 @@ class LeaseServer(Generic[C]):
             raise self.error(exc, "the table check", lock_name) from None
         finally:
             close_quietly(conn, self.driver_errors)
-        self._checked = True
+        return True
 
     def _check_shape(self, name: str, what: str, found: dict[str, str],
                      wanted: dict[str, str], lock_name: str | None) -> None:

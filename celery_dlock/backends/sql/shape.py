@@ -1,7 +1,7 @@
-"""What the lease and line tables of every SQL dialect share: the lease row's
-columns, the GRANTs a user who may not create tables needs, and the refusal of a
-table of another shape at their names (PostgreSQL: :mod:`.postgres.schema`, MySQL/MariaDB:
-:mod:`.mysql.schema`).
+"""What the lease and line tables (and the rates table, made only for ``lock_rate``)
+of every SQL dialect share: the lease row's columns, the GRANTs a user who may not
+create tables needs, and the refusal of a table of another shape at their names
+(PostgreSQL: :mod:`.postgres.schema`, MySQL/MariaDB: :mod:`.mysql.schema`).
 
 No driver is imported here.
 """
@@ -13,15 +13,18 @@ from dataclasses import dataclass
 
 from ...core.errors import LockKeyConflict
 
-__all__ = ["DEFAULT_TABLE", "GRANTS", "LEASE_COLUMNS", "LINE_SUFFIX", "Tables",
-           "check_shape", "create_table", "lease_columns", "line_table_of",
-           "missing_columns"]
+__all__ = ["DEFAULT_TABLE", "GRANTS", "LEASE_COLUMNS", "LINE_SUFFIX", "RATES_GRANTS",
+           "RATES_SUFFIX", "Tables", "check_shape", "create_table", "lease_columns",
+           "line_table_of", "missing_columns", "rates_table_of"]
 
 #: The table's name unless told otherwise (``?dlock_table=`` in the URL).
 DEFAULT_TABLE = "dlock_locks"
 
 #: The line table's name is the lease table's and this.
 LINE_SUFFIX = "_waiters"
+
+#: The rates table's name is the lease table's and this (``lock_rate`` only).
+RATES_SUFFIX = "_rates"
 
 #: The lease row's columns, in the dialects' order.
 LEASE_COLUMNS = ("prefix", "name", "owner", "count", "fence", "acquired_at",
@@ -32,11 +35,21 @@ LEASE_COLUMNS = ("prefix", "name", "owner", "count", "fence", "acquired_at",
 GRANTS = ("GRANT SELECT, INSERT, UPDATE ON {table} TO <user>; "
           "GRANT SELECT, INSERT, UPDATE, DELETE ON {line} TO <user>")
 
+#: What such a user needs besides, only where a task has ``lock_rate`` (``{rates}``
+#: the rates table).
+RATES_GRANTS = "GRANT SELECT, INSERT, UPDATE ON {rates} TO <user> (only for lock_rate)"
+
 
 def line_table_of(table: str) -> str:
     """The line table's name beside the lease table ``table`` (``schema.table``
     keeps its schema)."""
     return table + LINE_SUFFIX
+
+
+def rates_table_of(table: str) -> str:
+    """The rates table's name beside the lease table ``table`` (``schema.table``
+    keeps its schema)."""
+    return table + RATES_SUFFIX
 
 
 def lease_columns(*types: str) -> dict[str, str]:
@@ -47,13 +60,16 @@ def lease_columns(*types: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Tables:
-    """A dialect's two tables: each one's columns (name and the type the server
-    reports for it) and its ``CREATE TABLE`` (given the quoted name)."""
+    """A dialect's tables: each one's columns (name and the type the server reports
+    for it) and its ``CREATE TABLE`` (given the quoted name); the rates table only
+    where the dialect keeps rates."""
 
     columns: dict[str, str]
     create: Callable[[str], str]
     line_columns: dict[str, str]
     create_line: Callable[[str], str]
+    rates_columns: dict[str, str] | None = None
+    create_rates: Callable[[str], str] | None = None
 
 
 def create_table(table: str, columns: str, options: str = "") -> str:

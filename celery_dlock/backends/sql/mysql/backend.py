@@ -11,6 +11,7 @@ from ....core.text import clean_text
 from ..lease import hold_info
 from ..lease_backend import LeaseBackend
 from .lock import MySQLLock
+from .rates import MyRates
 from .schema import lock_id
 from .server import MyServer
 from .statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
@@ -35,6 +36,7 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
 
     kind = "mysql"
     lock_class = MySQLLock
+    rates_class = MyRates
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

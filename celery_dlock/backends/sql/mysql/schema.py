@@ -9,6 +9,11 @@ name of any length is one short key and is compared byte for byte (``prefix``,
 The line table (the lease table's name and ``_waiters``) has a row per blocked
 acquirer: ``lock_id``, ``owner_id`` (:func:`owner_id`, the SHA-256 of the owner) and
 ``owner``, ``arrived_at`` (its order) and ``expires_at`` (its lease).
+The rates table (the lease table's name and ``_rates``, made at the first rate take
+of a process only) has a row per rated name: ``lock_id`` (as the lease row's),
+``prefix`` and ``name``, ``version`` (compare-and-set), ``tat``, ``interval_us``,
+``tau_us`` (server microseconds), ``ops``, ``slots`` and ``expires_at``
+(:mod:`celery_dlock.core.rates`, docs/backends.md).
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import re
 
 from ..shape import GRANTS, Tables, create_table, lease_columns
 
-__all__ = ["BLOB_MAX_BYTES", "COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS", "TABLES",
-           "create_line_sql", "create_sql", "lock_id", "owner_id", "quote_table"]
+__all__ = ["BLOB_MAX_BYTES", "COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS",
+           "RATES_COLUMNS", "TABLES", "create_line_sql", "create_rates_sql",
+           "create_sql", "lock_id", "owner_id", "quote_table"]
 
 #: Each column and the ``DATA_TYPE`` information_schema reports for it.
 COLUMNS: dict[str, str] = {"lock_id": "char", **lease_columns(
@@ -38,6 +44,20 @@ LINE_COLUMNS: dict[str, str] = {
     "owner_id": "char",
     "owner": "blob",
     "arrived_at": "datetime",
+    "expires_at": "datetime",
+}
+
+#: The rates table's columns, as :data:`COLUMNS`.
+RATES_COLUMNS: dict[str, str] = {
+    "lock_id": "char",
+    "prefix": "blob",
+    "name": "blob",
+    "version": "bigint",
+    "tat": "bigint",
+    "interval_us": "bigint",
+    "tau_us": "bigint",
+    "ops": "text",
+    "slots": "text",
     "expires_at": "datetime",
 }
 
@@ -98,5 +118,16 @@ def create_line_sql(table: str) -> str:
         "expires_at DATETIME(6) NOT NULL, PRIMARY KEY (lock_id, owner_id)"), _OPTIONS)
 
 
-#: Both tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
-TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql)
+def create_rates_sql(table: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for the rates table ``table`` (quoted)."""
+    return create_table(table, (
+        "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+        "prefix BLOB NOT NULL, name BLOB NOT NULL, version BIGINT NOT NULL, "
+        "tat BIGINT NOT NULL, interval_us BIGINT NOT NULL, tau_us BIGINT NOT NULL, "
+        "ops TEXT NOT NULL, slots TEXT NOT NULL, expires_at DATETIME(6) NOT NULL, "
+        "PRIMARY KEY (lock_id), KEY dlock_prefix (prefix(64))"), _OPTIONS)
+
+
+#: The tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
+TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql, RATES_COLUMNS,
+                create_rates_sql)

@@ -43,7 +43,7 @@ from ....core.errors import (
 from ....core.urls import mask_url
 from ..registry import PerUrl
 from ..server import LeaseServer
-from ..shape import DEFAULT_TABLE, line_table_of
+from ..shape import DEFAULT_TABLE, line_table_of, rates_table_of
 from .schema import TABLES, quote_table
 
 __all__ = ["CONNECT_TIMEOUT", "READ_TIMEOUT", "MyServer", "server_for"]
@@ -152,6 +152,10 @@ def connect_args(url: str) -> tuple[dict[str, Any], str]:
         raise InvalidLockConfig(f"dlock_table={table!r} is too long: its line of "
                                 f"waiters, {line_table_of(table)!r}, must be a table "
                                 f"name of at most 64 characters")
+    if quote_table(rates_table_of(table)) is None:  # shorter than the line's
+        raise InvalidLockConfig(f"dlock_table={table!r} is too long: its rates "
+                                f"table, {rates_table_of(table)!r}, must be a table "
+                                f"name of at most 64 characters")  # pragma: no cover
     return args, table
 
 
@@ -221,13 +225,14 @@ class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
             pass
 
     def run(self, work: Callable[[Any], _T], what: str, lock_name: str | None = None,
-            *, transaction: bool = False) -> _T:
+            *, transaction: bool = False, rates: bool = False) -> _T:
         """``work(cursor)`` on the shared connection (in one transaction when told),
-        the table checked first: its result.  Run once more on a fresh connection
-        when a reused one failed, and again (up to :data:`ROLLED_BACK_RETRIES`
-        times) when the server rolled the transaction back on a deadlock (whatever
-        is sent here may be sent more than once: its operation id answers it)."""
-        self.ensure_table(lock_name)
+        the tables checked first (the rates table too when ``rates``): its result.
+        Run once more on a fresh connection when a reused one failed, and again (up
+        to :data:`ROLLED_BACK_RETRIES` times) when the server rolled the transaction
+        back on a deadlock (whatever is sent here may be sent more than once: its
+        operation id answers it)."""
+        self._ensure_tables(lock_name, rates)
         self._forget_if_forked()  # a forked child: the parent's connection
         with self._lock:
             attempt = rolled_back = 0
@@ -250,8 +255,8 @@ class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
                 except Exception as exc:
                     code = _errno(exc)
                     if code == _NO_TABLE and attempt == 1:
-                        self._checked = False  # gone (a restore, a new server): again
-                        self.ensure_table(lock_name)
+                        self.forget_tables()  # gone (a restore, a new server): again
+                        self._ensure_tables(lock_name, rates)
                         continue
                     if transaction and code in _ROLLED_BACK and \
                             rolled_back < ROLLED_BACK_RETRIES:
@@ -266,6 +271,11 @@ class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
                     if fresh or retried_fresh:
                         raise self.error(exc, what, lock_name) from None
                     retried_fresh = True
+
+    def _ensure_tables(self, lock_name: str | None, rates: bool) -> None:
+        self.ensure_table(lock_name)
+        if rates:
+            self.ensure_rates_table(lock_name)
 
     # -- the table ------------------------------------------------------------------
 

@@ -22,13 +22,28 @@ name and ``_waiters``), one row per blocked acquirer::
     prefix, name, owner the lock and the waiter (primary key)
     arrived_at          when it joined the line (the server's clock): the order
     expires_at          when its place lapses unless it tries again (its lease)
+
+And, made at the first rate call of a process only (``lock_rate``), the rates table
+(:func:`~..shape.rates_table_of`: the lease table's name and ``_rates``), one row per
+rated name (:mod:`celery_dlock.core.rates`; every time in server microseconds)::
+
+    prefix, name        the name, keyed as its lease row (primary key)
+    shown               the name as ``celery dlock ls`` shows it (a NUL as ``\\0``)
+    version             bumped at every write (compare-and-set)
+    tat                 the theoretical arrival time
+    interval_us, tau_us the rate's interval and (burst - 1) * interval
+    ops                 the last answers (" op:code:slot", newest first)
+    slots               the reserved slots not yet claimed (" slot" each)
+    expires_at          when the state lapses (one second after tat): a row past
+                        it counts as none
 """
 
 from __future__ import annotations
 
 from ..shape import Tables, create_table, lease_columns
 
-__all__ = ["COLUMNS", "LINE_COLUMNS", "TABLES", "create_line_sql", "create_sql"]
+__all__ = ["COLUMNS", "LINE_COLUMNS", "RATES_COLUMNS", "TABLES", "create_line_sql",
+           "create_rates_sql", "create_sql"]
 
 #: Each column and the type PostgreSQL reports for it (``format_type``).
 COLUMNS: dict[str, str] = lease_columns(
@@ -41,6 +56,21 @@ LINE_COLUMNS: dict[str, str] = {
     "name": "text",
     "owner": "text",
     "arrived_at": "timestamp with time zone",
+    "expires_at": "timestamp with time zone",
+}
+
+
+#: The rates table's columns, as :data:`COLUMNS`.
+RATES_COLUMNS: dict[str, str] = {
+    "prefix": "text",
+    "name": "text",
+    "shown": "text",
+    "version": "bigint",
+    "tat": "bigint",
+    "interval_us": "bigint",
+    "tau_us": "bigint",
+    "ops": "text",
+    "slots": "text",
     "expires_at": "timestamp with time zone",
 }
 
@@ -64,5 +94,16 @@ def create_line_sql(table: str) -> str:
         "PRIMARY KEY (prefix, name, owner)"))
 
 
-#: Both tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
-TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql)
+def create_rates_sql(table: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for the rates table ``table`` (quoted)."""
+    return create_table(table, (
+        "prefix text NOT NULL, name text NOT NULL, shown text NOT NULL, "
+        "version bigint NOT NULL, tat bigint NOT NULL, interval_us bigint NOT NULL, "
+        "tau_us bigint NOT NULL, ops text NOT NULL DEFAULT '', "
+        "slots text NOT NULL DEFAULT '', expires_at timestamptz NOT NULL, "
+        "PRIMARY KEY (prefix, name)"))
+
+
+#: The tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
+TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql, RATES_COLUMNS,
+                create_rates_sql)

@@ -5,7 +5,8 @@ A server is named by its URL; each process keeps one :class:`PgServer` per URL
 
 * one connection for the locks' calls (autocommit; psycopg serialises the threads
   that share it), opened on first use and opened again after a failure;
-* the lease table and its line of waiters checked (or created) once.
+* the lease table and its line of waiters checked (or created) once, and the rates
+  table once at the first rate call (``lock_rate`` only).
 
 No call depends on session state: every operation is one autocommitted statement
 (two on the rare paths), so the server may be reached through PgBouncer in
@@ -37,7 +38,7 @@ from ....core.errors import (
 from ....core.urls import mask_url
 from ..registry import PerUrl
 from ..server import LeaseServer, close_quietly
-from ..shape import DEFAULT_TABLE, LINE_SUFFIX, line_table_of
+from ..shape import DEFAULT_TABLE, LINE_SUFFIX, line_table_of, rates_table_of
 from .schema import TABLES
 
 __all__ = ["CONNECT_TIMEOUT", "STATEMENT_TIMEOUT_MS", "PgServer", "server_for"]
@@ -56,23 +57,26 @@ TCP_USER_TIMEOUT_MS = 5000
 
 def check_table_name(table: str, shown: str) -> None:
     """InvalidLockConfig when ``dlock_table=`` (``table`` or ``schema.table``) names no
-    table PostgreSQL can make beside its line of waiters: an empty part, a NUL, or a
-    part (the line's included) past :data:`NAME_MAX_BYTES`, which PostgreSQL would
-    cut short, so that two tables' names could meet.  Whether the schema exists is
+    table PostgreSQL can make beside its line of waiters and its rates table: an
+    empty part, a NUL, or a part (the line's and the rates table's included) past
+    :data:`NAME_MAX_BYTES`, which PostgreSQL would cut short, so that two tables'
+    names could meet.  Whether the schema exists is
     the server's to say (the first call: InvalidLockConfig too)."""
     parts = table.split(".")
     if len(parts) > 2 or not all(parts) or "\x00" in table:
         raise InvalidLockConfig(
             f"dlock_table={table!r} in {shown!r} is not a table name: give 'table' or "
             f"'schema.table', each part non-empty")
-    line = line_table_of(parts[-1])
-    for part in (*parts, line):
+    line, rates = line_table_of(parts[-1]), rates_table_of(parts[-1])
+    longest = max(len(LINE_SUFFIX), len(rates) - len(parts[-1]))
+    for part in (*parts, line, rates):
         if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
             raise InvalidLockConfig(
                 f"dlock_table={table!r} in {shown!r} is too long: PostgreSQL keeps "
                 f"{NAME_MAX_BYTES} bytes of a name, and {part!r} (the lease table's "
-                f"name, or its line of waiters', {line!r}) has more: at most "
-                f"{NAME_MAX_BYTES - len(LINE_SUFFIX)} bytes for the table")
+                f"name, its line of waiters', {line!r}, or its rates table's, "
+                f"{rates!r}) has more: at most {NAME_MAX_BYTES - longest} bytes for "
+                f"the table")
 
 
 def _conninfo(url: str) -> tuple[str, str]:
@@ -182,11 +186,13 @@ class PgServer(LeaseServer["psycopg.Connection[Any]"]):
         close_quietly(conn, psycopg.Error)
 
     def run(self, query: sql.Composed, params: Any, what: str,
-            lock_name: str | None = None, *, fetch: bool = True) -> list[tuple[Any, ...]]:
-        """``query`` with ``params`` on the shared connection (the table checked
-        first): its rows.  Sent once more on a fresh connection when a reused one
-        failed (every statement sent here may be sent twice)."""
-        self.ensure_table(lock_name)
+            lock_name: str | None = None, *, fetch: bool = True,
+            rates: bool = False) -> list[tuple[Any, ...]]:
+        """``query`` with ``params`` on the shared connection (the tables checked
+        first, the rates table too when ``rates``): its rows.  Sent once more on a
+        fresh connection when a reused one failed (every statement sent here may be
+        sent twice)."""
+        self._ensure_tables(lock_name, rates)
         for attempt in (1, 2):
             conn, fresh = self._connection()
             try:
@@ -194,10 +200,10 @@ class PgServer(LeaseServer["psycopg.Connection[Any]"]):
                 return cur.fetchall() if fetch and cur.description is not None else []
             except pg_errors.UndefinedTable as exc:
                 # The table went away (a restore, a new server): make it again once.
-                self._checked = False
+                self.forget_tables()
                 if attempt == 2:
                     raise self.refused(exc, what, lock_name) from None
-                self.ensure_table(lock_name)
+                self._ensure_tables(lock_name, rates)
             except psycopg.Error as exc:
                 if not is_unavailable(exc):
                     raise self.refused(exc, what, lock_name) from None
@@ -205,6 +211,11 @@ class PgServer(LeaseServer["psycopg.Connection[Any]"]):
                 if fresh or attempt == 2:
                     raise self.unavailable(exc, what, lock_name) from None
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _ensure_tables(self, lock_name: str | None, rates: bool) -> None:
+        self.ensure_table(lock_name)
+        if rates:
+            self.ensure_rates_table(lock_name)
 
     def error(self, exc: BaseException, what: str,
               lock_name: str | None = None) -> DLockError:
