@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import math
 import re
+import uuid
 from typing import Any, NamedTuple
 
 from .errors import InvalidLockConfig
 
 __all__ = ["OPS_KEPT", "PERIODS", "Rate", "RateDecision", "RateDocument", "RateState",
-           "RateTake", "gcra_take", "interval_tau", "ops_of", "ops_text", "parse_rate",
-           "rate_state", "slots_of", "slots_text"]
+           "RateTake", "TakesByOperation", "gcra_take", "interval_tau", "ops_of",
+           "ops_text", "parse_rate", "rate_state", "slots_of", "slots_text"]
 
 #: The periods a rate may name, in seconds.
 PERIODS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -244,3 +245,18 @@ def slots_text(slots: tuple[int, ...]) -> str:
 def slots_of(text: str) -> tuple[int, ...]:
     """:func:`slots_text` read back."""
     return tuple(int(entry) for entry in text.split())
+
+
+class TakesByOperation:
+    """What every rate store shares: :meth:`take` is one new operation id (a store
+    answers a re-sent call of it as it answered the first, and takes no second
+    slot)."""
+
+    def take(self, prefix: str, name: str, rate: Rate,
+             slot: int | None = None) -> RateDecision:
+        return self.take_op(prefix, name, rate, slot, uuid.uuid4().hex)
+
+    def take_op(self, prefix: str, name: str, rate: Rate, slot: int | None,
+                op: str) -> RateDecision:
+        """:meth:`take` as the call ``op`` (the same op twice takes one slot)."""
+        raise NotImplementedError

@@ -228,6 +228,24 @@ def test_a_failed_replace_never_takes_the_place_of_a_published_one(
     assert old.id not in queued_ids(h, "chain")
 
 
+def _kill_running_call(h: Harness, monkeypatch: pytest.MonkeyPatch, key: str,
+                       task_id: str, mode: str) -> tuple[Any, Any]:
+    """A worker (``acks_late``, ``reject_on_worker_lost``, one child) whose child
+    running the call ``task_id`` (tag "first", 1.5 s) is SIGKILLed, once its main
+    process freed the lock: the worker and the call's result."""
+    monkeypatch.setenv("DLOCK_PF_CONF", json.dumps(
+        {"task_acks_late": True, "task_reject_on_worker_lost": True}))
+    (worker,) = h.start_workers(count=1, concurrency=1)
+    first = send(h, key, "first", 1.5, lock_mode=mode, task_id=task_id)
+    wait_for(lambda: h.records("mode-start", key), 20, what="the call to start")
+    pid = int(h.r.hget(h.lock_key(f"mode:{key}"), "pid") or 0)
+    assert pid and pid != worker.pid
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: h.owner(f"mode:{key}") is None, 10, 0.01,
+             what="the main process to free the dead child's lock")
+    return worker, first
+
+
 @pytest.mark.parametrize("mode", ("until_started", "until_finished",
                                   "queued_and_running"))
 def test_a_task_id_sent_again_while_its_killed_run_comes_back_is_the_same_call(
@@ -238,17 +256,8 @@ def test_a_task_id_sent_again_while_its_killed_run_comes_back_is_the_same_call(
     redelivery runs.  (The worker's main process held back meanwhile, so that the
     redelivery cannot start first.)"""
     h = harness
-    monkeypatch.setenv("DLOCK_PF_CONF", json.dumps(
-        {"task_acks_late": True, "task_reject_on_worker_lost": True}))
-    (worker,) = h.start_workers(count=1, concurrency=1)
     key, task_id = f"kr-{mode}", f"killed-{mode}"
-    send(h, key, "first", 1.5, lock_mode=mode, task_id=task_id)
-    wait_for(lambda: h.records("mode-start", key), 20, what="the call to start")
-    pid = int(h.r.hget(h.lock_key(f"mode:{key}"), "pid") or 0)
-    assert pid and pid != worker.pid
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: h.owner(f"mode:{key}") is None, 10, 0.01,
-             what="the main process to free the dead child's lock")
+    worker, _ = _kill_running_call(h, monkeypatch, key, task_id, mode)
     os.kill(worker.pid, signal.SIGSTOP)
     try:
         assert len(h.records("mode-start", key)) == 1  # not delivered again yet
@@ -272,17 +281,8 @@ def test_a_killed_run_that_comes_back_runs_whatever_was_sent_meanwhile(
     back): a duplicate.  The other modes: it is queued, and runs after the
     redelivery, which runs and is never taken for superseded by it."""
     h = harness
-    monkeypatch.setenv("DLOCK_PF_CONF", json.dumps(
-        {"task_acks_late": True, "task_reject_on_worker_lost": True}))
-    (worker,) = h.start_workers(count=1, concurrency=1)
     key, task_id = f"kn-{mode}", f"killed-then-other-{mode}"
-    first = send(h, key, "first", 1.5, lock_mode=mode, task_id=task_id)
-    wait_for(lambda: h.records("mode-start", key), 20, what="the call to start")
-    pid = int(h.r.hget(h.lock_key(f"mode:{key}"), "pid") or 0)
-    assert pid and pid != worker.pid
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: h.owner(f"mode:{key}") is None, 10, 0.01,
-             what="the main process to free the dead child's lock")
+    worker, first = _kill_running_call(h, monkeypatch, key, task_id, mode)
     os.kill(worker.pid, signal.SIGSTOP)
     try:
         other = send(h, key, "other", 0.0, lock_mode=mode)

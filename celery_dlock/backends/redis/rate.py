@@ -13,7 +13,6 @@ with no calls lately keeps nothing.  It is a hash with none of a hold's fields, 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ from ...core.rates import (
     Rate,
     RateDecision,
     RateState,
+    TakesByOperation,
     interval_tau,
     rate_state,
 )
@@ -128,7 +128,7 @@ def rate_key(prefix: str, name: str) -> str:
     return lock_key(prefix, name) + RATE_SUFFIX
 
 
-class RedisRates:
+class RedisRates(TakesByOperation):
     """The :class:`~celery_dlock.core.protocol.RateStore` of one Redis (any topology
     one client reaches)."""
 
@@ -151,12 +151,6 @@ class RedisRates:
         except RedisError as exc:
             raise BackendUnavailable(f"Redis unavailable during {script.name}: {exc}",
                                      lock_name=name) from exc
-
-    def take(self, prefix: str, name: str, rate: Rate,
-             slot: int | None = None) -> RateDecision:
-        # One operation id per call: a re-send of it (redis-py's, after a lost reply)
-        # gets the first answer and takes no second slot.
-        return self.take_op(prefix, name, rate, slot, uuid.uuid4().hex)
 
     def take_op(self, prefix: str, name: str, rate: Rate, slot: int | None,
                 op: str) -> RateDecision:

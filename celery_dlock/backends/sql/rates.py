@@ -17,7 +17,6 @@ imported here.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -27,6 +26,7 @@ from ...core.rates import (
     RateDecision,
     RateDocument,
     RateState,
+    TakesByOperation,
     gcra_take,
     interval_tau,
     rate_state,
@@ -46,7 +46,7 @@ class RateRow(NamedTuple):
     document: RateDocument
 
 
-class SqlRates:
+class SqlRates(TakesByOperation):
     """The :class:`~celery_dlock.core.protocol.RateStore` of one SQL server (the
     dialect subclasses it with its statements)."""
 
@@ -76,11 +76,6 @@ class SqlRates:
         raise NotImplementedError
 
     # -- the store ------------------------------------------------------------------
-
-    def take(self, prefix: str, name: str, rate: Rate,
-             slot: int | None = None) -> RateDecision:
-        # One operation id per call: a re-sent statement of it gets the first answer.
-        return self.take_op(prefix, name, rate, slot, uuid.uuid4().hex)
 
     def take_op(self, prefix: str, name: str, rate: Rate, slot: int | None,
                 op: str) -> RateDecision:
