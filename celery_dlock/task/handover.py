@@ -8,7 +8,6 @@ from typing import Any
 
 from celery.exceptions import Ignore
 from celery.worker import state as worker_state
-from kombu.utils.uuid import uuid
 
 from ..core.errors import DLockError
 from ..core.protocol import Lock
@@ -127,11 +126,12 @@ def free_marker_of(app: Any, source: Any, what: str) -> bool:
 
 def wait_for_redelivery(task: Any, request: Any) -> None:
     """The process running ``request`` died, and its message will be delivered
-    again (``acks_late`` with ``reject_on_worker_lost``): the call is kept live as a
-    started call's retry is (in ``until_finished`` it takes the marker again; in the
-    other modes its task id waits), so that a send of that task id meanwhile is a
-    duplicate of this call, not a second message of it, and (``until_finished``) a
-    new call of the name is a duplicate too; the redelivery is never superseded.
+    again (``acks_late`` with ``reject_on_worker_lost``): a call that had started is
+    kept live as its retry would be (in ``until_finished`` it takes the marker again;
+    in the other modes its task id waits), so that a send of that task id meanwhile
+    is a duplicate of this call, not a second message of it, and (``until_finished``)
+    a new call of the name is a duplicate too; its redelivery is never superseded.
+    One that had not started keeps what its marker (or its replace) says.
     Written before the dead process's lock is freed (the lock said "running" until
     then).  The redelivery's start takes it out; it lapses after ``lock_queue_ttl``
     if none comes."""
@@ -143,14 +143,11 @@ def wait_for_redelivery(task: Any, request: Any) -> None:
         return  # Celery ends the call (WorkerLostError): nothing comes back
     if request.id in worker_state.revoked or getattr(request, TIMED_OUT, False):
         return  # revoke(terminate=True), a hard time limit: nothing comes back either
-    # until_finished: the name stays taken, as by a started call's retry (its marker
-    # taken again); the other modes hold no marker once started: the task id waits.
-    marked = record.mode == "until_finished"
     try:
-        markers_for(task.app).claim(
+        markers_for(task.app).keep_for_redelivery(
             record.prefix, record.name, record.task_id,
-            float(task.dlock_settings()["lock_queue_ttl"]), running_counts=marked,
-            replace=False, requeue=True, op=uuid(), started=True, waits=not marked)
+            float(task.dlock_settings()["lock_queue_ttl"]),
+            running_counts=record.mode == "until_finished")
         setattr(request, _KEPT, True)  # (once: the watch of the child, or Celery)
     except DLockError as exc:
         logger.warning("Task %s[%s]: could not keep its task id as waiting for its "

@@ -72,6 +72,43 @@ RUNNING_COUNTS = {"until_finished": True, "until_started": False,
 
 
 @pytest.mark.parametrize("mode", RUNNING_COUNTS)
+def test_a_dead_processs_call_is_kept_live_only_if_it_had_started(
+        r: redis.Redis, prefix: str, mode: str) -> None:
+    """The worker process running a call died, and its message will come back
+    (what the worker's main process writes then).  A call still queued under its
+    marker, or replaced, keeps what that says: a replaced one is still superseded
+    at its redelivery.  A call that had started is kept live: a send of its task id
+    is that call; in ``until_finished`` so is a new call of the name; in the other
+    modes a new call is queued, and the redelivery still runs."""
+    m, counts = RedisMarkers(r), RUNNING_COUNTS[mode]
+
+    def keep(task_id: str) -> bool:
+        return m.keep_for_redelivery(prefix, "n", task_id, 60.0, running_counts=counts)
+
+    assert claim(m, prefix, "n", "queued", "op1", running_counts=counts)[0] == CLAIMED
+    assert keep("queued") is False  # not started: its marker says it is queued
+    assert claim(m, prefix, "n", "new", "op2", replace=True,
+                 running_counts=counts)[:2] == (REPLACED, "queued")
+    assert m.confirm(prefix, "n", "new") is True
+    assert keep("queued") is False  # replaced: it stays so
+    assert start(m, prefix, "n", "queued", running_counts=counts) == "new"
+    assert start(m, prefix, "n", "new", running_counts=counts) is None  # it runs
+    assert keep("new") is True  # started, then its process died
+    code, other, _ = claim(m, prefix, "n", "new", "op3", running_counts=counts)
+    assert (code, other) == (QUEUED, "new")  # its task id sent again: that call
+    code, other, _ = claim(m, prefix, "n", "later", "op4", running_counts=counts)
+    if counts:
+        assert (code, other) == (QUEUED, "new")  # the name is still taken
+    else:
+        assert code == CLAIMED  # queued beside the call coming back
+    # The redelivery (its record as first sent: not started) runs, never superseded.
+    assert start(m, prefix, "n", "new", running_counts=counts) is None
+    # (from here the lock it takes says it runs) and a later call stays queued
+    assert m.read(prefix, "n") is None if counts else \
+        (m.read(prefix, "n") or ("",))[0] == "later"
+
+
+@pytest.mark.parametrize("mode", RUNNING_COUNTS)
 def test_the_replaced_call_starting_before_the_confirm_takes_the_replace_back(
         r: redis.Redis, prefix: str, mode: str) -> None:
     """old is queued, new replaces it, and old starts before new's publish is

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from .lua import CALL, LuaScript
 
-__all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REPLACED_SUFFIX",
-           "TAKEN_BACK_SUFFIX", "UNDO", "WAITING_SUFFIX"]
+__all__ = ["CLAIM", "CLEAR", "CONFIRM", "HAND_OVER", "RECORD_SUFFIX", "REDELIVERY",
+           "REPLACED_SUFFIX", "TAKEN_BACK_SUFFIX", "UNDO", "WAITING_SUFFIX"]
 
 # The keys of one lock name's markers, after the marker's own (``P:{NAME}:m``): the
 # replaced calls (a sorted set: task id -> the ms, on the server's clock, until which
@@ -334,6 +334,38 @@ if current == id then
 end
 if current and check then return {0, current} end
 return {1, ''}
+""")
+
+REDELIVERY = LuaScript("marker_redelivery", CALL + _NOW + """
+-- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record, KEYS[4] the
+-- retries waiting.  ARGV[1] task id, ARGV[2] ttl (ms), ARGV[3] '1': until_finished.
+-- The worker process running ARGV[1] died, and its message will come back: if the
+-- call had started (its marker no longer names it, and it was not replaced), it is
+-- kept live as its retry would be: in until_finished it takes the marker again,
+-- marked as a started call's (never replaced); in the other modes its task id joins
+-- the retries waiting (HAND_OVER then never takes its redelivery for superseded).
+-- 1: kept; 0: nothing written (it had not started: its marker or its replace says
+-- what it is; or another call holds the marker).
+local marker, replaced, rec, id = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
+local current = call('GET', marker)
+if current == id then return 0 end
+local now = now_ms()
+local until_ms = tonumber(call('ZSCORE', replaced, id))
+if until_ms and until_ms > now then return 0 end
+local ttl = tonumber(ARGV[2])
+if ARGV[3] == '1' then
+  if current then return 0 end
+  call('SET', marker, id, 'PX', ttl)
+  call('HSET', rec, 'run', id)
+  if call('PTTL', rec) < ttl then call('PEXPIRE', rec, ttl) end
+  return 1
+end
+local waiting = KEYS[4]
+call('ZREMRANGEBYSCORE', waiting, '-inf', now)
+local was = tonumber(call('ZSCORE', waiting, id))
+if not was or was < now + ttl then call('ZADD', waiting, now + ttl, id) end
+if call('PTTL', waiting) < ttl then call('PEXPIRE', waiting, ttl) end
+return 1
 """)
 
 CLEAR = LuaScript("marker_clear", CALL + """

@@ -61,6 +61,7 @@ from .marker_scripts import (
     CONFIRM,
     HAND_OVER,
     RECORD_SUFFIX,
+    REDELIVERY,
     REPLACED_SUFFIX,
     TAKEN_BACK_SUFFIX,
     UNDO,
@@ -154,6 +155,19 @@ class RedisMarkers:
                           (task_id, _flag(remove), _flag(replaced_check),
                            _flag(running_counts)), name)
         return None if int(reply[0]) == 1 else decode(reply[1])
+
+    def keep_for_redelivery(self, prefix: str, name: str, task_id: str, ttl: float, *,
+                            running_counts: bool) -> bool:
+        """The worker process running ``task_id`` died and its message will come
+        back: a call that had started is kept live for ``ttl`` as its retry would
+        be (``running_counts``, until_finished: the marker taken again; otherwise
+        its task id waits).  False: nothing written (it had not started)."""
+        marker = self.key(prefix, name)
+        return bool(self._run(REDELIVERY, (marker, marker + REPLACED_SUFFIX,
+                                           marker + RECORD_SUFFIX,
+                                           marker + WAITING_SUFFIX),
+                              (task_id, max(1, int(ttl * 1000)),
+                               _flag(running_counts)), name))
 
     def clear(self, prefix: str, name: str, task_id: str) -> bool:
         """Remove the marker of ``name`` if it is ``task_id``'s (and ``task_id``
