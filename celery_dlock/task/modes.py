@@ -230,10 +230,14 @@ def _take_back(store: MarkerStore, prefix: str, name: str, task_id: str, op: str
     and runs)."""
     try:
         store.undo(prefix, name, task_id, op, ttl)
-    except DLockError as exc:  # it expires within its ttl
+    except DLockError as exc:
+        # (the broker and the store down together, a Redis restart between the claim
+        # and the publish): tried again until the store answers, or the name would
+        # stay taken for the marker's ttl by a call never published
         logger.warning("Could not take back the queue marker of %r after a failed "
-                       "publish (a call it replaced starts all the same: the replace "
-                       "was not confirmed): %s", name, exc)
+                       "publish yet (a call it replaced starts all the same: the "
+                       "replace was not confirmed); trying again: %s", name, exc)
+        take_back_later(store, prefix, name, task_id, op, ttl)
 
 
 def _replaced(app: Any, task: Any, store: MarkerStore, prefix: str, lock_name: str,

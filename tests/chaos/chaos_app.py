@@ -116,8 +116,9 @@ def _started(task_id: str = "", **_: Any) -> None:
 @signals.task_postrun.connect(weak=False)
 def _ended(task_id: str = "", state: str | None = None, retval: Any = None,
            **_: Any) -> None:
-    # An ignored run says why (a marked call superseded at its start says by whom).
-    why = {"reason": str(retval)[:200]} if state == "IGNORED" else {}
+    # An ignored run says why (a marked call superseded at its start says by whom); a
+    # rejected one too (Celery rejects a retry whose publish raised: with what).
+    why = {"reason": str(retval)[:200]} if state in ("IGNORED", "REJECTED") else {}
     here()[0]("task_end", task_id=task_id, state=state, **why)
 
 

@@ -48,6 +48,9 @@ from typing import Any
 from chaos_records import read_all, read_lines
 
 _SUPERSEDED = re.compile(r"superseded by (\S+)")
+#: A rejection whose cause is the broker being down: Celery rejects a retry whose
+#: publish raised (``Reject(exc, requeue=False)``), kombu's OperationalError here.
+_BROKER_DOWN = re.compile(r"\bOperationalError\(")
 #: task_end states that end a delivery for good.
 _DONE = ("SUCCESS", "FAILURE", "IGNORED", "REVOKED", "REJECTED")
 INF = math.inf
@@ -122,9 +125,14 @@ def check(out: Path) -> dict[str, Any]:
     ends: dict[str, list[tuple[float, str]]] = defaultdict(list)
     # Ignored at its start, superseded: (when, by which call: None when not named).
     superseded: dict[str, list[tuple[float, str | None]]] = defaultdict(list)
+    # Rejected because the broker was down (its retry never published): when.
+    unpublished: dict[str, list[float]] = defaultdict(list)
     for r in records:
         if r["ev"] == "task_end":
             ends[r["task_id"]].append((r["t"], str(r.get("state"))))
+            if r.get("state") == "REJECTED" and \
+                    _BROKER_DOWN.search(str(r.get("reason") or "")):
+                unpublished[r["task_id"]].append(r["t"])
             found = _SUPERSEDED.search(str(r.get("reason") or ""))
             if r.get("state") == "IGNORED" and found:
                 superseded[r["task_id"]].append((r["t"], found.group(1)))
@@ -232,6 +240,7 @@ def check(out: Path) -> dict[str, Any]:
     # Judged per message published (a task id may be sent again once its call ended):
     # what happened to that id after that send.
     never_delivered = still_queued = failed = retry_undelivered = 0
+    retry_unpublished = 0
     killed_not_redelivered = 0
     superseded_at_start = 0
     for c in published:
@@ -270,6 +279,11 @@ def check(out: Path) -> dict[str, Any]:
             continue
         if states and states[-1] == "RETRY":
             retry_undelivered += 1
+            continue
+        if any(t >= since for t in unpublished[task_id]):
+            # Celery's, not the lock's: its retry's publish failed (the broker down),
+            # and Celery drops such a call (Reject, requeue=False)
+            retry_unpublished += 1
             continue
         violations.append({"kind": "lost", "task_id": task_id, "key": c["key"],
                            "mode": c["mode"], "policy": c["policy"],
@@ -328,6 +342,7 @@ def check(out: Path) -> dict[str, Any]:
         "violations": violations,
         "broker": {"never_delivered": never_delivered, "still_queued_at_end":
                    still_queued, "retry_never_delivered": retry_undelivered,
+                   "retry_unpublished_broker_down": retry_unpublished,
                    "ended_failure": failed, "superseded_at_start": superseded_at_start,
                    "killed_not_redelivered": killed_not_redelivered,
                    "worker_main_exits": sum(1 for r in driver

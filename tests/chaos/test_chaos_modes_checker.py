@@ -176,6 +176,26 @@ def test_an_accepted_call_dropped_without_cause_is_lost(tmp_path: Path,
     assert rep["violations"] == [] and rep["broker"]["never_delivered"] == 1
 
 
+@pytest.mark.parametrize("cause", ["OperationalError", "LockLostInterrupt"])
+def test_a_retry_rejected_is_lost_unless_the_broker_was_down(tmp_path: Path,
+                                                             cause: str) -> None:
+    """A body asked for a retry and its attempt ended REJECTED: Celery rejects a
+    retry whose publish raised.  Raised by the broker being down (kombu's
+    OperationalError) it is the broker's loss, counted apart; raised by anything
+    else (an interrupt inside the publish) it is lost."""
+    run = Run(tmp_path)
+    run.call(0.0, "A", mode="queued_and_running")
+    run.body("A", 0.5, 1.0, outcome="retry", state="REJECTED")
+    run.worker[-1]["reason"] = f"({cause}('...'), False)"
+    rep = run.check()
+    if cause == "OperationalError":
+        assert rep["violations"] == []
+        assert rep["broker"]["retry_unpublished_broker_down"] == 1
+    else:
+        assert kinds(rep) == ["lost"], rep["violations"]
+        assert rep["broker"]["retry_unpublished_broker_down"] == 0
+
+
 def test_a_call_superseded_before_it_started_is_not_lost(tmp_path: Path) -> None:
     # B replaced A, but the replace was not confirmed (no signal): A's start finds it
     # superseded by B; and no second call of the name was live meanwhile.

@@ -26,6 +26,7 @@ import redis.backoff
 import redis.retry
 from celery.signals import before_task_publish
 from celery_helpers import test_app
+from kombu.exceptions import EncodeError
 from proxy import FaultProxy
 from worker_harness import Harness, open_harness, wait_for
 
@@ -411,6 +412,41 @@ def test_a_send_against_a_stalled_server_leaves_no_marker_behind(
     assert markers.read(prefix, "mode:k") is None
     nxt = app.tasks["pf.mode"].apply_async(("k", 0.0, "b"))
     assert nxt.id != "stalled" and nxt.id in _queued(r, queue)
+    app.close()
+
+
+def test_a_failed_publish_whose_take_back_fails_is_taken_back_later(
+        redis_url: str, r: redis.Redis, own_server: EmbeddedRedis, prefix: str) -> None:
+    """The claim went through, then the lock's Redis stalls and the publish fails
+    (the broker down with it, as when they are one server): the take-back cannot
+    run then.  It is tried again until the server answers, so the name is not held
+    for the marker's ttl by a call that was never published."""
+    queue = f"q-{prefix}"
+    app = _producer(redis_url, prefix, queue, lambda: redis.Redis.from_url(
+        own_server.url, socket_timeout=0.5, socket_connect_timeout=0.5,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0)))
+    markers = RedisMarkers(redis.Redis.from_url(own_server.url, socket_timeout=10))
+    task = app.tasks["pf.mode"]
+    task.apply_async(("warm", 0.0, "w"))  # connected, scripts loaded
+    resume: list[Callable[[], None]] = []
+
+    def stall(**_: Any) -> None:
+        resume.append(_stall("SIGSTOP", own_server))
+
+    before_task_publish.connect(stall, weak=False)
+    try:
+        with pytest.raises(EncodeError):  # the serializer refuses the argument
+            task.apply_async(("k", 0.0, complex(1, 2)), task_id="never-sent")
+    finally:
+        before_task_publish.disconnect(stall)
+        time.sleep(2 * TAKE_BACK_EVERY)  # (tried meanwhile, in vain)
+        for go_on in resume:
+            go_on()
+    assert "never-sent" not in _queued(r, queue)
+    wait_for(lambda: markers.read(prefix, "mode:k") is None, 10, 0.05,
+             what="the claim of the call never sent to be taken back")
+    nxt = task.apply_async(("k", 0.0, "b"))
+    assert nxt.id != "never-sent" and nxt.id in _queued(r, queue)
     app.close()
 
 
