@@ -6,9 +6,10 @@ and the fault driver SIGKILLs pool children and whole workers, restarts and paus
 the lock's server, and delays and cuts the lock's links.
 
 Variants: ``redis`` (one Redis: lock, markers, rates and broker) and ``postgresql``
-(the lock on PostgreSQL, the broker on Redis): PostgreSQL keeps no queue markers and
-no rates yet, so that run sends ``while_running`` calls only and judges the runtime
-lock (no two bodies of a name at once) and that no accepted call is lost.
+(the lock on PostgreSQL, the broker on Redis): PostgreSQL keeps no queue markers, so
+that run sends ``while_running`` calls only (its rates are not exercised here) and
+judges the runtime lock (no two bodies of a name at once) and that no accepted call is
+lost.
 
 The run is made once per variant (a module fixture); each invariant of
 :mod:`modes_check` is its own test, so that one found broken can be marked alone.
