@@ -99,6 +99,7 @@ def run_workload(lock_url: str, broker_url: str, prefix: str,
     @app.task(base=LockedTask, shared=False, lock_key="m:{x}", lock_mode="until_finished",
               on_duplicate="return_existing")
     def once(x: str) -> str:
+        time.sleep(0.5)  # still running when its duplicate is sent, however fast
         return x
 
     # (on_contention="wait": the replacing call may meet the first one running, and
