@@ -135,9 +135,9 @@ def run_workload(lock_url: str, broker_url: str, prefix: str,
             again = once.delay("a")  # a duplicate: the queued or running call's result
             assert again.id == first.id
             assert first.get(timeout=30) == "a"
-            # a replace: the first call is replaced, or (taken by the worker before
-            # the replace is confirmed) runs first; the latest runs either way
-            replaced = newest.delay("b")
+            # a replace of a call still queued (its countdown keeps it so), so that
+            # the replace's own commands are sent; the latest runs
+            replaced = newest.apply_async(("b",), countdown=2)
             latest = newest.delay("b")
             assert latest.id != replaced.id
             assert latest.get(timeout=30) == "b"
