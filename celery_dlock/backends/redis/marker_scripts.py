@@ -336,7 +336,7 @@ if current and check then return {0, current} end
 return {1, ''}
 """)
 
-REDELIVERY = LuaScript("marker_redelivery", CALL + _NOW + """
+REDELIVERY = LuaScript("marker_redelivery", CALL + _NOW + _REMEMBER + """
 -- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record, KEYS[4] the
 -- retries waiting.  ARGV[1] task id, ARGV[2] ttl (ms), ARGV[3] '1': until_finished.
 -- The worker process running ARGV[1] died, and its message will come back: if the
@@ -360,11 +360,7 @@ if ARGV[3] == '1' then
   if call('PTTL', rec) < ttl then call('PEXPIRE', rec, ttl) end
   return 1
 end
-local waiting = KEYS[4]
-call('ZREMRANGEBYSCORE', waiting, '-inf', now)
-local was = tonumber(call('ZSCORE', waiting, id))
-if not was or was < now + ttl then call('ZADD', waiting, now + ttl, id) end
-if call('PTTL', waiting) < ttl then call('PEXPIRE', waiting, ttl) end
+remember(KEYS[4], id, now + ttl, now)
 return 1
 """)
 
