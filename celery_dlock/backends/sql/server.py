@@ -27,12 +27,13 @@ from ...core.errors import (
 from ...core.urls import mask_url
 from .shape import (
     GRANTS,
-    RATES_GRANTS,
+    SIDE_GRANTS,
+    SideTable,
     Tables,
     check_shape,
     line_table_of,
     missing_columns,
-    rates_table_of,
+    side_table_of,
 )
 
 __all__ = ["LeaseServer", "close_quietly"]
@@ -76,13 +77,12 @@ class LeaseServer(Generic[C]):
         self.table = self._quoted(self.table_name)
         self.line_table_name = line_table_of(self.table_name)
         self.line_table = self._quoted(self.line_table_name)
-        self.rates_table_name = rates_table_of(self.table_name)
-        self.rates_table = self._quoted(self.rates_table_name)
+        self._side = {side.suffix: side for side in self.tables.side}
         self._lock = threading.Lock()
         self._conn: C | None = None
         self._pid = os.getpid()
         self._checked = False
-        self._rates_checked = False
+        self._side_checked: set[str] = set()
 
     # -- what a dialect provides ----------------------------------------------------
 
@@ -166,9 +166,18 @@ class LeaseServer(Generic[C]):
     def grants(self) -> str:
         """The GRANTs a user of these tables needs."""
         text = GRANTS.format(table=self.table_name, line=self.line_table_name)
-        if self.tables.rates_columns is not None:
-            text += "; " + RATES_GRANTS.format(rates=self.rates_table_name)
+        for side in self.tables.side:
+            text += "; " + SIDE_GRANTS.format(
+                table=side_table_of(self.table_name, side.suffix), needs=side.needs)
         return text
+
+    def side_table_name(self, suffix: str) -> str:
+        """The side table ``suffix``'s name (:mod:`.shape`)."""
+        return side_table_of(self.table_name, suffix)
+
+    def side_table(self, suffix: str) -> Any:
+        """The side table ``suffix`` as the dialect's statements name it."""
+        return self._quoted(self.side_table_name(suffix))
 
     def _forget_if_forked(self) -> None:
         """In a forked child, the parent's connection is not its own: forget it."""
@@ -187,28 +196,28 @@ class LeaseServer(Generic[C]):
                        t.create_line, t.line_columns)), lock_name)
         self._checked = True
 
-    def ensure_rates_table(self, lock_name: str | None = None, *,
-                           create: bool = True) -> bool:
-        """Check the rates table once per process (create it when missing, unless
-        not ``create``: then False, nothing made), at the first rate call only: a
-        user without ``lock_rate`` needs neither it nor its GRANT, and reading
-        rates (``celery dlock ls``) makes nothing.
-        :class:`~celery_dlock.core.errors.LockKeyConflict`, and nothing made, when a
-        table of another shape is at its name."""
-        if self._rates_checked:
+    def ensure_side_table(self, suffix: str, lock_name: str | None = None, *,
+                          create: bool = True) -> bool:
+        """Check the side table ``suffix`` (the rates table, the markers table) once
+        per process (create it when missing, unless not ``create``: then False,
+        nothing made), at the first call that needs it only: a user who needs none
+        of it needs neither it nor its GRANT, and reading (``celery dlock ls``)
+        makes nothing.  :class:`~celery_dlock.core.errors.LockKeyConflict`, and
+        nothing made, when a table of another shape is at its name."""
+        if suffix in self._side_checked:
             return True
-        t = self.tables
-        if t.rates_columns is None or t.create_rates is None:
-            raise AssertionError(f"{self.label} keeps no rates")  # pragma: no cover
-        if not self._ensure(((self.rates_table_name, self.rates_table, "rates table",
-                              t.create_rates, t.rates_columns),), lock_name, create):
+        side: SideTable = self._side[suffix]
+        name = self.side_table_name(suffix)
+        if not self._ensure(((name, self._quoted(name), side.what, side.create,
+                              side.columns),), lock_name, create):
             return False
-        self._rates_checked = True
+        self._side_checked.add(suffix)
         return True
 
     def forget_tables(self) -> None:
         """A table went away (a restore, a new server): check them all again."""
-        self._checked = self._rates_checked = False
+        self._checked = False
+        self._side_checked.clear()
 
     def _ensure(self, tables: tuple[tuple[str, Any, str, Callable[[str], str],
                                           dict[str, str]], ...],

@@ -17,6 +17,7 @@ import pymysql
 
 from ....core.rates import RateDocument, ops_of, ops_text, slots_of, slots_text
 from ..rates import RateRow, SqlRates
+from ..shape import RATES_SUFFIX
 from .schema import lock_id
 from .server import MyServer
 from .statements import NOW
@@ -69,11 +70,12 @@ class MyRates(SqlRates):
         self.server = server
 
     def _statement(self, text: str) -> str:
-        return text.format(r=self.server.rates_table)
+        return text.format(r=self.server.side_table(RATES_SUFFIX))
 
     def _read(self, prefix: str, name: str, *, create: bool = True
               ) -> tuple[int, RateRow | None]:
-        if not create and not self.server.ensure_rates_table(name, create=False):
+        if not create and not self.server.ensure_side_table(RATES_SUFFIX, name,
+                                                            create=False):
             return 0, None  # no table: no state, and none is made by reading
 
         def work(cur: Any) -> tuple[Any, ...]:
@@ -81,7 +83,7 @@ class MyRates(SqlRates):
             return tuple(cur.fetchone())
 
         now, version, tat, interval, tau, ops, slots, expires = self.server.run(
-            work, "a rate read", name, rates=True)
+            work, "a rate read", name, side=RATES_SUFFIX)
         if version is None:
             return int(now), None
         return int(now), RateRow(int(version), RateDocument(
@@ -101,7 +103,7 @@ class MyRates(SqlRates):
                 raise
             return True
 
-        return self.server.run(work, "a rate take", name, rates=True)
+        return self.server.run(work, "a rate take", name, side=RATES_SUFFIX)
 
     def _update(self, prefix: str, name: str, version: int,
                 document: RateDocument) -> bool:
@@ -111,10 +113,10 @@ class MyRates(SqlRates):
         def work(cur: Any) -> bool:
             return bool(cur.execute(self._statement(UPDATE), params))
 
-        return self.server.run(work, "a rate take", name, rates=True)
+        return self.server.run(work, "a rate take", name, side=RATES_SUFFIX)
 
     def _rows(self, prefix: str) -> Iterator[tuple[str, int, RateDocument]]:
-        if not self.server.ensure_rates_table(create=False):
+        if not self.server.ensure_side_table(RATES_SUFFIX, create=False):
             return
 
         def work(cur: Any) -> list[tuple[Any, ...]]:
@@ -122,6 +124,6 @@ class MyRates(SqlRates):
             return [tuple(row) for row in cur.fetchall()]
 
         for name, now, tat, interval, tau in self.server.run(work, "a rate read",
-                                                             rates=True):
+                                                             side=RATES_SUFFIX):
             yield _text(name), int(now), RateDocument(int(tat), int(interval),
                                                       int(tau))

@@ -14,6 +14,10 @@ of a process only) has a row per rated name: ``lock_id`` (as the lease row's),
 ``prefix`` and ``name``, ``version`` (compare-and-set), ``tat``, ``interval_us``,
 ``tau_us`` (server microseconds), ``ops``, ``slots`` and ``expires_at``
 (:mod:`celery_dlock.core.rates`, docs/backends.md).
+The markers table (the lease table's name and ``_markers``, made at the first marker
+call of a process only) has a row per name sent with a ``lock_mode``: ``lock_id``,
+``prefix`` and ``name``, ``version`` (compare-and-set), ``doc`` (the name's markers,
+:class:`celery_dlock.core.expiring.ExpiringKeys`) and ``expires_at`` (NULL: never).
 """
 
 from __future__ import annotations
@@ -21,10 +25,19 @@ from __future__ import annotations
 import hashlib
 import re
 
-from ..shape import GRANTS, Tables, create_table, lease_columns
+from ..shape import (
+    GRANTS,
+    MARKERS_SUFFIX,
+    RATES_SUFFIX,
+    SideTable,
+    Tables,
+    create_table,
+    lease_columns,
+)
 
 __all__ = ["BLOB_MAX_BYTES", "COLUMNS", "FREE", "GRANTS", "LINE_COLUMNS",
-           "RATES_COLUMNS", "TABLES", "create_line_sql", "create_rates_sql",
+           "MARKERS_COLUMNS", "RATES_COLUMNS", "TABLES", "create_line_sql",
+           "create_markers_sql", "create_rates_sql",
            "create_sql", "lock_id", "owner_id", "quote_table"]
 
 #: Each column and the ``DATA_TYPE`` information_schema reports for it.
@@ -93,6 +106,16 @@ def quote_table(table: str) -> str | None:
     return ".".join(f"`{part}`" for part in table.split("."))
 
 
+#: The markers table's columns, as :data:`COLUMNS`.
+MARKERS_COLUMNS: dict[str, str] = {
+    "lock_id": "char",
+    "prefix": "blob",
+    "name": "blob",
+    "version": "bigint",
+    "doc": "mediumtext",
+    "expires_at": "datetime",
+}
+
 #: Every table is InnoDB, its text utf8mb4.
 _OPTIONS = " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
 
@@ -128,6 +151,18 @@ def create_rates_sql(table: str) -> str:
         "PRIMARY KEY (lock_id), KEY dlock_prefix (prefix(64))"), _OPTIONS)
 
 
+def create_markers_sql(table: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for the markers table ``table`` (quoted)."""
+    return create_table(table, (
+        "lock_id CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, "
+        "prefix BLOB NOT NULL, name BLOB NOT NULL, version BIGINT NOT NULL, "
+        "doc MEDIUMTEXT NOT NULL, expires_at DATETIME(6) NULL, "
+        "PRIMARY KEY (lock_id), KEY dlock_prefix (prefix(64))"), _OPTIONS)
+
+
 #: The tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
-TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql, RATES_COLUMNS,
-                create_rates_sql)
+TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql, side=(
+    SideTable(RATES_SUFFIX, "rates table", "lock_rate", RATES_COLUMNS,
+              create_rates_sql),
+    SideTable(MARKERS_SUFFIX, "markers table", "a lock_mode", MARKERS_COLUMNS,
+              create_markers_sql)))

@@ -43,7 +43,7 @@ from ....core.errors import (
 from ....core.urls import mask_url
 from ..registry import PerUrl
 from ..server import LeaseServer
-from ..shape import DEFAULT_TABLE, line_table_of, rates_table_of
+from ..shape import DEFAULT_TABLE, line_table_of, side_table_of
 from .schema import TABLES, quote_table
 
 __all__ = ["CONNECT_TIMEOUT", "READ_TIMEOUT", "MyServer", "server_for"]
@@ -152,10 +152,12 @@ def connect_args(url: str) -> tuple[dict[str, Any], str]:
         raise InvalidLockConfig(f"dlock_table={table!r} is too long: its line of "
                                 f"waiters, {line_table_of(table)!r}, must be a table "
                                 f"name of at most 64 characters")
-    if quote_table(rates_table_of(table)) is None:  # shorter than the line's
-        raise InvalidLockConfig(f"dlock_table={table!r} is too long: its rates "
-                                f"table, {rates_table_of(table)!r}, must be a table "
-                                f"name of at most 64 characters")  # pragma: no cover
+    for side in TABLES.side:  # none longer than the line's, today
+        if quote_table(side_table_of(table, side.suffix)) is None:  # pragma: no cover
+            raise InvalidLockConfig(
+                f"dlock_table={table!r} is too long: its {side.what}, "
+                f"{side_table_of(table, side.suffix)!r}, must be a table name of at "
+                f"most 64 characters")
     return args, table
 
 
@@ -225,14 +227,14 @@ class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
             pass
 
     def run(self, work: Callable[[Any], _T], what: str, lock_name: str | None = None,
-            *, transaction: bool = False, rates: bool = False) -> _T:
+            *, transaction: bool = False, side: str | None = None) -> _T:
         """``work(cursor)`` on the shared connection (in one transaction when told),
-        the tables checked first (the rates table too when ``rates``): its result.
+        the tables checked first (a side table too when ``side`` names one): its result.
         Run once more on a fresh connection when a reused one failed, and again (up
         to :data:`ROLLED_BACK_RETRIES` times) when the server rolled the transaction
         back on a deadlock (whatever is sent here may be sent more than once: its
         operation id answers it)."""
-        self._ensure_tables(lock_name, rates)
+        self._ensure_tables(lock_name, side)
         self._forget_if_forked()  # a forked child: the parent's connection
         with self._lock:
             attempt = rolled_back = 0
@@ -256,7 +258,7 @@ class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
                     code = _errno(exc)
                     if code == _NO_TABLE and attempt == 1:
                         self.forget_tables()  # gone (a restore, a new server): again
-                        self._ensure_tables(lock_name, rates)
+                        self._ensure_tables(lock_name, side)
                         continue
                     if transaction and code in _ROLLED_BACK and \
                             rolled_back < ROLLED_BACK_RETRIES:
@@ -272,10 +274,10 @@ class MyServer(LeaseServer["pymysql.connections.Connection[Any]"]):
                         raise self.error(exc, what, lock_name) from None
                     retried_fresh = True
 
-    def _ensure_tables(self, lock_name: str | None, rates: bool) -> None:
+    def _ensure_tables(self, lock_name: str | None, side: str | None) -> None:
         self.ensure_table(lock_name)
-        if rates:
-            self.ensure_rates_table(lock_name)
+        if side is not None:
+            self.ensure_side_table(side, lock_name)
 
     # -- the table ------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from psycopg import sql
 
 from ....core.rates import RateDocument, ops_of, ops_text, slots_of, slots_text
 from ..rates import RateRow, SqlRates
+from ..shape import RATES_SUFFIX
 from .keys import row_key, row_part, shown_name
 from .server import PgServer
 
@@ -66,12 +67,14 @@ class PgRates(SqlRates):
 
     def _run(self, statement: sql.SQL, params: dict[str, Any], what: str,
              name: str | None) -> list[tuple[Any, ...]]:
-        return self.server.run(statement.format(r=self.server.rates_table), params,
-                               what, name, rates=True)
+        table = self.server.side_table(RATES_SUFFIX)
+        return self.server.run(statement.format(r=table), params, what, name,
+                               side=RATES_SUFFIX)
 
     def _read(self, prefix: str, name: str, *, create: bool = True
               ) -> tuple[int, RateRow | None]:
-        if not create and not self.server.ensure_rates_table(name, create=False):
+        if not create and not self.server.ensure_side_table(RATES_SUFFIX, name,
+                                                            create=False):
             return 0, None  # no table: no state, and none is made by reading
         row_prefix, row_name = row_key(prefix, name)
         rows = self._run(READ, {"prefix": row_prefix, "name": row_name},
@@ -97,7 +100,7 @@ class PgRates(SqlRates):
                               "a rate take", name))
 
     def _rows(self, prefix: str) -> Iterator[tuple[str, int, RateDocument]]:
-        if not self.server.ensure_rates_table(create=False):
+        if not self.server.ensure_side_table(RATES_SUFFIX, create=False):
             return
         for shown, now, tat, interval, tau in self._run(
                 ROWS, {"prefix": row_part(prefix)}, "a rate read", None):

@@ -36,14 +36,33 @@ rated name (:mod:`celery_dlock.core.rates`; every time in server microseconds)::
     slots               the reserved slots not yet claimed (" slot" each)
     expires_at          when the state lapses (one second after tat): a row past
                         it counts as none
+
+And, made at the first marker call of a process only (a ``lock_mode`` other than
+``while_running``), the markers table (the lease table's name and ``_markers``), one
+row per name sent with a mode (:mod:`celery_dlock.core.marker_steps`)::
+
+    prefix, name        the name, keyed as its lease row (primary key)
+    shown               the name as ``celery dlock ls`` shows it
+    version             bumped at every write (compare-and-set)
+    doc                 the name's marker, claim record, replaced and waiting calls
+                        (:class:`celery_dlock.core.expiring.ExpiringKeys`, JSON)
+    expires_at          when the last of them lapses (NULL: never); a row past it
+                        counts as empty
 """
 
 from __future__ import annotations
 
-from ..shape import Tables, create_table, lease_columns
+from ..shape import (
+    MARKERS_SUFFIX,
+    RATES_SUFFIX,
+    SideTable,
+    Tables,
+    create_table,
+    lease_columns,
+)
 
-__all__ = ["COLUMNS", "LINE_COLUMNS", "RATES_COLUMNS", "TABLES", "create_line_sql",
-           "create_rates_sql", "create_sql"]
+__all__ = ["COLUMNS", "LINE_COLUMNS", "MARKERS_COLUMNS", "RATES_COLUMNS", "TABLES",
+           "create_line_sql", "create_markers_sql", "create_rates_sql", "create_sql"]
 
 #: Each column and the type PostgreSQL reports for it (``format_type``).
 COLUMNS: dict[str, str] = lease_columns(
@@ -71,6 +90,17 @@ RATES_COLUMNS: dict[str, str] = {
     "tau_us": "bigint",
     "ops": "text",
     "slots": "text",
+    "expires_at": "timestamp with time zone",
+}
+
+
+#: The markers table's columns, as :data:`COLUMNS`.
+MARKERS_COLUMNS: dict[str, str] = {
+    "prefix": "text",
+    "name": "text",
+    "shown": "text",
+    "version": "bigint",
+    "doc": "text",
     "expires_at": "timestamp with time zone",
 }
 
@@ -104,6 +134,17 @@ def create_rates_sql(table: str) -> str:
         "PRIMARY KEY (prefix, name)"))
 
 
+def create_markers_sql(table: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` for the markers table ``table`` (quoted)."""
+    return create_table(table, (
+        "prefix text NOT NULL, name text NOT NULL, shown text NOT NULL, "
+        "version bigint NOT NULL, doc text NOT NULL, expires_at timestamptz, "
+        "PRIMARY KEY (prefix, name)"))
+
+
 #: The tables, for the shared table check (:mod:`celery_dlock.backends.sql.server`).
-TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql, RATES_COLUMNS,
-                create_rates_sql)
+TABLES = Tables(COLUMNS, create_sql, LINE_COLUMNS, create_line_sql, side=(
+    SideTable(RATES_SUFFIX, "rates table", "lock_rate", RATES_COLUMNS,
+              create_rates_sql),
+    SideTable(MARKERS_SUFFIX, "markers table", "a lock_mode", MARKERS_COLUMNS,
+              create_markers_sql)))

@@ -5,8 +5,9 @@ A server is named by its URL; each process keeps one :class:`PgServer` per URL
 
 * one connection for the locks' calls (autocommit; psycopg serialises the threads
   that share it), opened on first use and opened again after a failure;
-* the lease table and its line of waiters checked (or created) once, and the rates
-  table once at the first rate call (``lock_rate`` only).
+* the lease table and its line of waiters checked (or created) once, and each side
+  table once at the first call that needs it (the rates table for ``lock_rate``, the
+  markers table for a ``lock_mode``).
 
 No call depends on session state: every operation is one autocommitted statement
 (two on the rare paths), so the server may be reached through PgBouncer in
@@ -38,7 +39,7 @@ from ....core.errors import (
 from ....core.urls import mask_url
 from ..registry import PerUrl
 from ..server import LeaseServer, close_quietly
-from ..shape import DEFAULT_TABLE, LINE_SUFFIX, line_table_of, rates_table_of
+from ..shape import DEFAULT_TABLE, LINE_SUFFIX, line_table_of, side_table_of
 from .schema import TABLES
 
 __all__ = ["CONNECT_TIMEOUT", "STATEMENT_TIMEOUT_MS", "PgServer", "server_for"]
@@ -57,8 +58,8 @@ TCP_USER_TIMEOUT_MS = 5000
 
 def check_table_name(table: str, shown: str) -> None:
     """InvalidLockConfig when ``dlock_table=`` (``table`` or ``schema.table``) names no
-    table PostgreSQL can make beside its line of waiters and its rates table: an
-    empty part, a NUL, or a part (the line's and the rates table's included) past
+    table PostgreSQL can make beside its line of waiters and its side tables: an
+    empty part, a NUL, or a part (the line's and the side tables' included) past
     :data:`NAME_MAX_BYTES`, which PostgreSQL would cut short, so that two tables'
     names could meet.  Whether the schema exists is
     the server's to say (the first call: InvalidLockConfig too)."""
@@ -67,16 +68,17 @@ def check_table_name(table: str, shown: str) -> None:
         raise InvalidLockConfig(
             f"dlock_table={table!r} in {shown!r} is not a table name: give 'table' or "
             f"'schema.table', each part non-empty")
-    line, rates = line_table_of(parts[-1]), rates_table_of(parts[-1])
-    longest = max(len(LINE_SUFFIX), len(rates) - len(parts[-1]))
-    for part in (*parts, line, rates):
+    line = line_table_of(parts[-1])
+    sides = [side_table_of(parts[-1], side.suffix) for side in TABLES.side]
+    longest = max(len(LINE_SUFFIX), *(len(side.suffix) for side in TABLES.side))
+    for part in (*parts, line, *sides):
         if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
             raise InvalidLockConfig(
                 f"dlock_table={table!r} in {shown!r} is too long: PostgreSQL keeps "
                 f"{NAME_MAX_BYTES} bytes of a name, and {part!r} (the lease table's "
-                f"name, its line of waiters', {line!r}, or its rates table's, "
-                f"{rates!r}) has more: at most {NAME_MAX_BYTES - longest} bytes for "
-                f"the table")
+                f"name, its line of waiters', {line!r}, or a side table's, "
+                f"{', '.join(map(repr, sides))}) has more: at most "
+                f"{NAME_MAX_BYTES - longest} bytes for the table")
 
 
 def _conninfo(url: str) -> tuple[str, str]:
@@ -187,12 +189,12 @@ class PgServer(LeaseServer["psycopg.Connection[Any]"]):
 
     def run(self, query: sql.Composed, params: Any, what: str,
             lock_name: str | None = None, *, fetch: bool = True,
-            rates: bool = False) -> list[tuple[Any, ...]]:
+            side: str | None = None) -> list[tuple[Any, ...]]:
         """``query`` with ``params`` on the shared connection (the tables checked
-        first, the rates table too when ``rates``): its rows.  Sent once more on a
+        first, a side table too when ``side`` names one): its rows.  Sent once more on a
         fresh connection when a reused one failed (every statement sent here may be
         sent twice)."""
-        self._ensure_tables(lock_name, rates)
+        self._ensure_tables(lock_name, side)
         for attempt in (1, 2):
             conn, fresh = self._connection()
             try:
@@ -203,7 +205,7 @@ class PgServer(LeaseServer["psycopg.Connection[Any]"]):
                 self.forget_tables()
                 if attempt == 2:
                     raise self.refused(exc, what, lock_name) from None
-                self._ensure_tables(lock_name, rates)
+                self._ensure_tables(lock_name, side)
             except psycopg.Error as exc:
                 if not is_unavailable(exc):
                     raise self.refused(exc, what, lock_name) from None
@@ -212,10 +214,10 @@ class PgServer(LeaseServer["psycopg.Connection[Any]"]):
                     raise self.unavailable(exc, what, lock_name) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _ensure_tables(self, lock_name: str | None, rates: bool) -> None:
+    def _ensure_tables(self, lock_name: str | None, side: str | None) -> None:
         self.ensure_table(lock_name)
-        if rates:
-            self.ensure_rates_table(lock_name)
+        if side is not None:
+            self.ensure_side_table(side, lock_name)
 
     def error(self, exc: BaseException, what: str,
               lock_name: str | None = None) -> DLockError:
