@@ -169,10 +169,11 @@ ENTRIES: tuple[Entry, ...] = (
                            "on its own, and a quorum of them could each grant a "
                            "different set, so more than lock_limit could run at once"),)),
     Entry("postgres", ("postgresql", "postgres"),
-          "celery_dlock.backends.sql.postgres", frozenset({FENCING, INSPECT, RATES}),
+          "celery_dlock.backends.sql.postgres",
+          frozenset({FENCING, INSPECT, MARKERS, RATES}),
           "postgres", "psycopg 3"),
     Entry("mysql", ("mysql", "mariadb"), "celery_dlock.backends.sql.mysql",
-          frozenset({FENCING, INSPECT, RATES}), "mysql", "PyMySQL"),
+          frozenset({FENCING, INSPECT, MARKERS, RATES}), "mysql", "PyMySQL"),
     Entry("zookeeper", ("zookeeper",), "celery_dlock.backends.zookeeper",
           frozenset({FENCING, INSPECT}), "zookeeper", "kazoo"),
 )

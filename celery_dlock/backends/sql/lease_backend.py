@@ -17,6 +17,7 @@ from ...core.lock_options import LockOptions
 from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .lease import LeaseLock
+from .markers import SqlMarkers
 from .rates import SqlRates
 
 __all__ = ["LeaseBackend"]
@@ -58,12 +59,24 @@ class LeaseBackend(Generic[S, L]):
     #: The dialect's rates (``lock_rate``), made of its server object.
     rates_class: Callable[[Any], SqlRates]
 
+    #: The dialect's queue markers (a ``lock_mode``), made of its server object.
+    markers_class: Callable[[Any], SqlMarkers]
+
     def rates(self) -> SqlRates:
         """Per-name rates (``lock_rate``), in the lease table's ``_rates`` table
         (made at the first take of a process)."""
         found: SqlRates | None = getattr(self, "_rates", None)
         if found is None:
             found = self._rates = self.rates_class(self.server)
+        return found
+
+    def markers(self) -> SqlMarkers:
+        """Queue markers (a ``lock_mode`` other than ``while_running``), in the
+        lease table's ``_markers`` table (made at the first marker step of a
+        process)."""
+        found: SqlMarkers | None = getattr(self, "_markers", None)
+        if found is None:
+            found = self._markers = self.markers_class(self.server)
         return found
 
 

@@ -11,6 +11,7 @@ from ....core.text import clean_text
 from ..lease import hold_info
 from ..lease_backend import LeaseBackend
 from .lock import MySQLLock
+from .markers import MyMarkers
 from .rates import MyRates
 from .schema import lock_id
 from .server import MyServer
@@ -37,6 +38,7 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
     kind = "mysql"
     lock_class = MySQLLock
     rates_class = MyRates
+    markers_class = MyMarkers
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:

@@ -12,6 +12,7 @@ from ..lease import hold_info as _info
 from ..lease_backend import LeaseBackend
 from .keys import row_key, row_part
 from .lock import PostgresLock
+from .markers import PgMarkers
 from .rates import PgRates
 from .server import PgServer
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
@@ -29,6 +30,7 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
     kind = "postgres"
     lock_class = PostgresLock
     rates_class = PgRates
+    markers_class = PgMarkers
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
