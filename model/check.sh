@@ -92,6 +92,10 @@ expect_pass "until_started, replace: worker restart" "$MARKER_BITS" -DMODE=US -D
   -DLOST_REPLY
 expect_pass "until_started, replace: rate parks" "$MARKER_BITS" -DMODE=US -DREPLACE -DPARK
 expect_pass "throttle: rate parks, retries" "$MARKER_BITS" -DMODE=TH -DPARK
+expect_pass "until_started, replace: a worker dies, nothing written" "$MARKER_BITS" \
+  -DMODE=US -DREPLACE -DDEATH
+expect_pass "until_started: an id sent again, a worker dies" "$MARKER_BITS" -DMODE=US \
+  -DSAME_ID -DDEATH
 echo "-- marker mutants (each must produce a counterexample)"
 expect_fail "a second send of an id is 'ours' (1)" "$MUTANT_BITS" -DMODE=UF -DSAME_ID \
   -DSAME_ID_OURS
@@ -127,4 +131,8 @@ expect_fail "an undo forgets the op that wrote the marker it gives back" "$MUTAN
   -DNS=2 -DMODE=UF -DREPLACE -DLOST_REPLY -DOP_IN_RECORD
 expect_fail "until_started: a replace taken back never runs" "$MUTANT_BITS" -DMODE=US \
   -DREPLACE -DOLD_TAKE_BACK
+expect_fail "a started call's id not kept from its start to its end" "$MUTANT_BITS" \
+  -DMODE=US -DREPLACE -DDEATH -DNO_KEEP
+expect_fail "a started call's message come back claims as a new call" "$MUTANT_BITS" \
+  -DMODE=US -DREPLACE -DDEATH -DNO_ADOPT
 exit $status

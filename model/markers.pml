@@ -22,7 +22,10 @@
  * re-queued (a contention retry) or gives up; with the lock held the rate may park it
  * (-DPARK: the lock released, the call re-queued); the hand-over (one atomic
  * HAND_OVER) removes the marker, confirms or takes back a pending replace, or finds
- * the call superseded; the body runs and may retry (self.retry).  Every re-queue is a
+ * the call superseded (a call that goes on is kept among the started calls waiting
+ * until its end); the body runs and may retry (self.retry), or its worker may die
+ * (-DDEATH, until_started: the lock lapses and the message comes back, with nothing
+ * written for it: a whole worker killed, or the store out of reach then).  Every re-queue is a
  * message that carries its own marker record (CLAIM with requeue) and is published
  * before the attempt releases its lock.  Time is a tick counter; markers and replaced
  * ids expire; a queued call starts before its marker expires (the assumption of every
@@ -94,6 +97,14 @@
  *   OLD_TAKE_BACK     (US) a replaced call that starts before the replace is
  *                     confirmed takes it back and the replacing call never runs (as in
  *                     until_finished): the latest call is lost to an earlier one
+ *   NO_KEEP           (US, -DDEATH) a started call's task id is not kept among the
+ *                     waiting from its hand-over to its end: a worker that dies with
+ *                     the store out of reach (nothing written for the redelivery)
+ *                     leaves its message to come back as a call superseded by one
+ *                     queued meanwhile (P6)
+ *   NO_ADOPT          (US, -DDEATH) a started call's message come back and re-queued
+ *                     (contention, a park) claims the marker as a call that never
+ *                     started: a replace then replaces it (P6)
  *   OP_IN_RECORD      an undo that gives a marker back clears the claim record's
  *                     operation id instead of giving back the one that wrote that
  *                     marker: 1 claims, its reply is lost, 2 replaces 1 and its publish
@@ -168,9 +179,9 @@ byte rec_back = 0;       /*   the last replace taken back by the replaced call's
 byte rec_op = 0;         /*   and the send whose claim wrote it last (its op), */
 byte rec_pop = 0;        /*   the op that wrote the marker a pending replace replaced */
 byte l_k = 0;            /* the runtime lock's holder (a send), 0 free */
-bool rs[NS + 1];         /* P:{N}:mw: its started call's retry waits, holding no marker
-                          * (until_started); RESULT_STORE_CHECK: the result store says
-                          * RETRY */
+bool rs[NS + 1];         /* P:{N}:mw: it started and has not ended, or its retry
+                          * waits holding no marker (until_started);
+                          * RESULT_STORE_CHECK: the result store says RETRY */
 
 /* -- the broker, and the workers' revoke memory -------------------------------- */
 byte q_k[NM];            /* the send a message is a call of (0: empty slot) */
@@ -202,6 +213,7 @@ byte ev = 0;
 byte win_t = FAR;        /* (TH) when the window of the last claimed call began */
 
 #define MARKER_LIVE (m_k != 0 && now < m_exp)
+#define HOLDS_ID(k) (l_k != 0 && ID(l_k) == ID(k))
 #ifdef RETRY_SUPERSEDED
 #define BARE(st) false    /* the old code: every re-queue claims, every start is checked */
 #define CHECKED(st) true
@@ -296,7 +308,8 @@ inline claim(k, code, other, ttl) {
   i = 1;
   do
   :: i > NS -> break
-  :: i <= NS && i != k && ID(i) == ID(k) && rs[i] && out[i] == NONE ->
+  /* (the running call itself: the holder's answer, below) */
+  :: i <= NS && i != k && ID(i) == ID(k) && rs[i] && out[i] == NONE && !HOLDS_ID(k) ->
      code = QUEUED; other = i; goto claimed
   :: i <= NS && !(i != k && ID(i) == ID(k) && rs[i] && out[i] == NONE) -> i++
   od;
@@ -635,6 +648,14 @@ inline work(w, k, st) {
      goto next
   :: else -> skip
   fi;
+#if !defined(NO_KEEP) && !defined(NO_ADOPT) && !defined(RESULT_STORE_CHECK)
+  /* found among the started calls waiting: a started call's message (come back after
+   * its worker died): CLAIM and HAND_OVER take it for the started call's from here */
+  if
+  :: rs[k] -> st = true
+  :: else -> skip
+  fi;
+#endif
   /* the runtime lock, or contention */
   atomic {
     if
@@ -737,7 +758,15 @@ inline work(w, k, st) {
     :: else -> skip
     fi;
 handed:
+#if !defined(NO_KEEP) && !defined(RESULT_STORE_CHECK)
+    /* a call that goes on is kept among the started calls waiting until its end */
+    if
+    :: sup == 0 -> rs[k] = true
+    :: else -> skip
+    fi
+#else
     skip
+#endif
   };
   if
   :: sup != 0 -> goto next
@@ -768,7 +797,17 @@ handed:
   /* self.retry: re-queued (its task id known to be waiting for its retry), released */
   :: atomic { requeues < REQUEUES -> requeue(k, true); l_k = 0 }
 #endif
-  :: atomic { true -> l_k = 0; ev++; end_ev[k] = ev; out[k] = RAN }
+#ifdef DEATH
+  /* its worker dies (whole, or with the store out of reach: nothing is written): the
+   * lock lapses, and its message comes back as it was sent (acks_late) */
+  :: atomic { requeues < REQUEUES -> requeues++; l_k = 0; put(k, now, FAR, false) }
+#endif
+  :: atomic { true -> l_k = 0; ev++; end_ev[k] = ev; out[k] = RAN };
+#ifndef RESULT_STORE_CHECK
+     rs[k] = false                           /* then CLEAR: it leaves the waiting */
+#else
+     skip
+#endif
   fi;
 next:
   skip

@@ -16,6 +16,7 @@ No store is imported here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .expiring import ExpiringKeys
@@ -56,6 +57,14 @@ def _expire_record(k: ExpiringKeys, ttl: int) -> None:
         k.pexpire(RECORD, ttl)
 
 
+def _go_on(k: ExpiringKeys, task_id: str, keep: int) -> Callable[[], tuple[int, str]]:
+    def go_on() -> tuple[int, str]:
+        if keep > 0:
+            _remember(k, WAITING, task_id, k.now + keep)
+        return 1, ""
+    return go_on
+
+
 def claim(k: ExpiringKeys, hold: Holder | None, task_id: str, ttl: int, *,
           running_counts: bool, replace: bool, requeue: bool, op: str,
           started: bool, waits: bool) -> tuple[int, str, int]:
@@ -66,6 +75,10 @@ def claim(k: ExpiringKeys, hold: Holder | None, task_id: str, ttl: int, *,
         RECORD, "op", "code", "other", "pend", "pold", "pdl", "x", "run")
     if r_x == op:
         return 2, "", 0  # taken back before it ran
+    if requeue and not (started or waits):  # a started call's message come back
+        found = k.zscore(WAITING, task_id)
+        if found is not None and found > now:
+            started, waits = running_counts, not running_counts
     if waits:
         _remember(k, WAITING, task_id, now + ttl)
         return 1, task_id, 0
@@ -95,10 +108,11 @@ def claim(k: ExpiringKeys, hold: Holder | None, task_id: str, ttl: int, *,
         if r_op == op:
             return int(r_code or 0), r_other or "", 0  # a re-sent claim
         return 2, task_id, k.pttl(MARKER)
-    if not requeue:
+    if not requeue:  # a started call (running, or waiting for its retry): that call
         waiting = k.zscore(WAITING, task_id)
-        if waiting is not None and waiting > now:
-            return 2, task_id, waiting - now
+        if waiting is not None and waiting > now and not (
+                hold is not None and hold.task_id == task_id):
+            return 2, task_id, waiting - now  # (running: the holder's answer below)
     if until is not None:
         return 2, current or "", k.pttl(MARKER)
     if not requeue and hold is not None and (
@@ -190,8 +204,10 @@ def undo(k: ExpiringKeys, task_id: str, op: str, ttl: int) -> int:
 
 
 def hand_over(k: ExpiringKeys, task_id: str, *, remove: bool, replaced_check: bool,
-              running_counts: bool) -> tuple[int, str]:
-    """At a call's start: ``(1, '')`` go on; ``(0, by)`` it was replaced."""
+              running_counts: bool, keep: int = 0) -> tuple[int, str]:
+    """At a call's start: ``(1, '')`` go on (kept among the started calls waiting
+    for ``keep`` ms, or until its end); ``(0, by)`` it was replaced."""
+    go_on = _go_on(k, task_id, keep)
     current = k.get(MARKER)
     pend, pold = k.hmget(RECORD, "pend", "pold")
     until = k.zscore(REPLACED, task_id)
@@ -210,7 +226,7 @@ def hand_over(k: ExpiringKeys, task_id: str, *, remove: bool, replaced_check: bo
         k.zrem(REPLACED, task_id)
         k.hdel(RECORD, *_PENDING)
         k.hset(RECORD, {"back": pend})
-        return 1, ""
+        return go_on()
     elif pend is not None and pold == task_id and check:
         left = max(k.pttl(MARKER), 0)
         k.zrem(REPLACED, task_id)
@@ -219,16 +235,16 @@ def hand_over(k: ExpiringKeys, task_id: str, *, remove: bool, replaced_check: bo
             k.delete(MARKER)
         k.hdel(RECORD, "op", "code", "other", *_PENDING)
         k.hset(RECORD, {"back": pend})
-        return 1, ""
+        return go_on()
     if check and until is not None and until > k.now:
         return 0, current or "a later call"
     if current == task_id:
         if remove:
             k.delete(MARKER, RECORD)
-        return 1, ""
+        return go_on()
     if current is not None and check:
         return 0, current
-    return 1, ""
+    return go_on()
 
 
 def redelivery(k: ExpiringKeys, task_id: str, ttl: int, *, running_counts: bool

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject, Retry
 from celery.worker import state as worker_state
 
 from ..core.errors import DLockError
@@ -14,7 +14,7 @@ from ..core.protocol import Lock
 from .backend import markers_for
 from .markers import MARKER_HEADER, MarkerRecord, record_of
 
-__all__ = ["TIMED_OUT", "free_marker", "free_marker_of", "hand_over",
+__all__ = ["TIMED_OUT", "end_started", "free_marker", "free_marker_of", "hand_over",
            "wait_for_redelivery"]
 
 logger = logging.getLogger("celery_dlock.task")
@@ -38,8 +38,12 @@ def _own_record(request: Any) -> MarkerRecord | None:
     return record
 
 
-def hand_over(task: Any, request: Any, lock: Lock) -> None:
-    """The call starts holding its lock: its queue marker goes (per its mode).
+def hand_over(task: Any, request: Any, lock: Lock, keep: float) -> None:
+    """The call starts holding its lock: its queue marker goes (per its mode), and
+    its task id is kept among the started calls waiting (for ``keep`` seconds, or
+    until :func:`end_started`), so that its message, should its worker die (whole,
+    or with the store unreachable then), comes back as this call: never superseded,
+    and a send of its task id meanwhile a duplicate of it.
 
     A call whose marker now names another task id was superseded: replaced
     (``on_duplicate="replace"``), revoked before a worker read the revoke (the next
@@ -62,7 +66,7 @@ def hand_over(task: Any, request: Any, lock: Lock) -> None:
         replaced_by = markers_for(task.app).hand_over(
             record.prefix, record.name, record.task_id, remove=not bare,
             replaced_check=not record.started,
-            running_counts=record.mode == "until_finished")
+            running_counts=record.mode == "until_finished", keep=keep)
     except DLockError as exc:
         logger.warning("Task %s[%s]: could not hand its queue marker of %r over (it "
                        "expires within lock_queue_ttl): %s", task.name, request.id,
@@ -96,6 +100,18 @@ def _mark_started(request: Any, record: MarkerRecord) -> None:
             setattr(request, MARKER_HEADER, header)
         except AttributeError:  # a request that takes no attributes
             pass
+
+
+def end_started(task: Any, request: Any, exc: BaseException | None = None) -> None:
+    """A call that started (was handed over) ends: its task id leaves the started
+    calls waiting (a marker still naming it goes too), unless the attempt ends
+    re-queued as this same call (``self.retry()``, a requeueing ``Reject``: the retry
+    keeps it)."""
+    if isinstance(exc, Retry) or (isinstance(exc, Reject) and exc.requeue):
+        return
+    record = _own_record(request)
+    if record is not None and record.started:
+        free_marker_of(task.app, request, f"Task {task.name}[{request.id}]")
 
 
 def free_marker(task: Any, request: Any, requeue: bool = True) -> None:

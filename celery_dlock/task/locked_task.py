@@ -77,7 +77,7 @@ from .contention import (
     policy_name,
 )
 from .follow import follow, follows
-from .handover import free_marker, hand_over
+from .handover import end_started, free_marker, hand_over
 from .hooks import install
 from .keys import KeyFunction, arguments_text, task_key_function
 from .rate import SLOT_HEADER, within_rate
@@ -362,9 +362,16 @@ class LockedTask(Task):  # type: ignore[misc]
                 functools.partial(self._contended, key, lock)))
             if outcome is not ACQUIRED:
                 return outcome
-        if requeue:
-            hand_over(self, request, lock)
-        return self._run_body(request, lock, args, kwargs, started, settings)
+        if not requeue:
+            return self._run_body(request, lock, args, kwargs, started, settings)
+        hand_over(self, request, lock, float(settings["lock_queue_ttl"]))
+        try:
+            result = self._run_body(request, lock, args, kwargs, started, settings)
+        except BaseException as exc:
+            end_started(self, request, exc)
+            raise
+        end_started(self, request)
+        return result
 
 
     def _same_task_holder(self, lock: Lock, request: Any, args: tuple[Any, ...],

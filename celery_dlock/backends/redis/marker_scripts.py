@@ -73,6 +73,10 @@ CLAIM = LuaScript("marker_claim", CALL + _NOW + _REMEMBER + """
 -- ARGV[8] '1': the re-queue of a call that has started and holds no marker in its mode
 -- (until_started, queued_and_running: its retry): it claims nothing, and its task id
 -- is kept among the retries waiting for ARGV[2] (reply 1 naming itself).
+-- A re-queue of a task id found among the started calls waiting (a started call's
+-- message come back after its worker died, then re-queued by contention or its rate)
+-- is that started call's re-queue: as ARGV[8] in those modes, as ARGV[7] where a
+-- running call is a duplicate (ARGV[3], until_finished); never replaced.
 -- A send (not a re-queue) of a task id that is queued (the marker holds it) or running
 -- (the lock's holder is it, whether or not another call is queued) or waits for its
 -- retry (the retries waiting hold it) is a
@@ -85,7 +89,14 @@ local current = call('GET', marker)
 local r = call('HMGET', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'x',
                     'run')
 if r[7] == ARGV[6] then return {2, '', 0} end
-if ARGV[8] == '1' then
+local started_call, bare = ARGV[7] == '1', ARGV[8] == '1'
+if requeue and not (started_call or bare) then
+  local waits = tonumber(call('ZSCORE', KEYS[5], id))
+  if waits and waits > now_ms() then
+    if ARGV[3] == '1' then started_call = true else bare = true end
+  end
+end
+if bare then
   local now = now_ms()
   remember(KEYS[5], id, now + tonumber(ARGV[2]), now)
   return {1, id, 0}
@@ -109,7 +120,7 @@ if requeue and until_ms then
   return {2, current or '', call('PTTL', marker)}
 end
 local function started()  -- a started call's re-queue holds the marker from now on
-  if ARGV[7] == '1' then
+  if started_call then
     call('HSET', rec, 'run', id)
     if call('PTTL', rec) < tonumber(ARGV[2]) then
       call('PEXPIRE', rec, ARGV[2])
@@ -129,11 +140,14 @@ if current == id then
   if r[1] == ARGV[6] then return {tonumber(r[2]), r[3], 0} end  -- a re-sent claim
   return {2, id, call('PTTL', marker)}
 end
-if not requeue then  -- a started call waiting for its retry: that call
+if not requeue then  -- a started call (running, or waiting for its retry): that call
   local waits = tonumber(call('ZSCORE', KEYS[5], id))
   if waits then
     now = now or now_ms()
-    if waits > now then return {2, id, waits - now} end
+    if waits > now and not (call('TYPE', lock)['ok'] == 'hash'
+                            and call('HGET', lock, 'task_id') == id) then
+      return {2, id, waits - now}
+    end  -- (running: the holder's answer below)
   end
 end
 if until_ms then  -- replaced (its replace taken back, or its claim re-sent late)
@@ -277,13 +291,16 @@ return undone
 HAND_OVER = LuaScript("marker_hand_over", CALL + _NOW + _REMEMBER
                       + f"local TAKEN_BACK_MS = {TAKEN_BACK_MS}\n" + """
 -- KEYS[1] marker, KEYS[2] the replaced calls, KEYS[3] the claim record, KEYS[4] the
--- retries waiting (the starting call's task id leaves them), KEYS[5] the replaces
--- taken back that leave the replacing call queued.  ARGV[1] the
--- starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1': another task
--- id in the marker means this call was replaced, ARGV[4] '1': a running call is a
--- duplicate (until_finished).  A call found among the waiting (a started call whose
--- message came back after its worker process died) is never superseded: it started
--- before any call that took the marker since.
+-- started calls waiting (the starting call's task id is among them from here to its
+-- end), KEYS[5] the replaces taken back that leave the replacing call queued.
+-- ARGV[1] the starting call's task id, ARGV[2] '1': remove the marker, ARGV[3] '1':
+-- another task id in the marker means this call was replaced, ARGV[4] '1': a running
+-- call is a duplicate (until_finished), ARGV[5] ms: a call that goes on is kept among
+-- the waiting that long (0: not), until its end (CLEAR) or its retry takes it out,
+-- so that its message, should its worker die, comes back as this call: never
+-- superseded, and a send of its task id meanwhile a duplicate.  A call found among
+-- the waiting (a started call whose message came back after its worker process
+-- died) is never superseded: it started before any call that took the marker since.
 -- 1: go on; 0: this call was replaced (element 2: by which task id, or 'a later
 -- call' when the one that replaced it has started already).
 -- A call replaced by one whose publish is not confirmed yet starts all the same: the
@@ -298,6 +315,14 @@ local r = call('HMGET', rec, 'pend', 'pold')
 local until_ms = tonumber(call('ZSCORE', replaced, id))
 local waited = call('ZREM', KEYS[4], id) == 1
 local check = ARGV[3] == '1' and not waited
+local function go_on()
+  local keep = tonumber(ARGV[5])
+  if keep > 0 then
+    local now = now_ms()
+    remember(KEYS[4], id, now + keep, now)
+  end
+  return {1, ''}
+end
 if r[1] and r[1] == id then
   call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   call('HSET', rec, 'conf', id)
@@ -312,7 +337,7 @@ elseif r[1] and r[2] == id and check and ARGV[4] ~= '1' then
   call('ZREM', replaced, id)
   call('HDEL', rec, 'pend', 'pold', 'pdl', 'pop', 'pcode', 'pother')
   call('HSET', rec, 'back', r[1])
-  return {1, ''}
+  return go_on()
 elseif r[1] and r[2] == id and check then
   local now = now_ms()
   local left = call('PTTL', marker)
@@ -323,17 +348,17 @@ elseif r[1] and r[2] == id and check then
   call('HDEL', rec, 'op', 'code', 'other', 'pend', 'pold', 'pdl', 'pop', 'pcode',
              'pother')
   call('HSET', rec, 'back', r[1])
-  return {1, ''}
+  return go_on()
 end
 if check and until_ms and until_ms > now_ms() then
   return {0, current or 'a later call'}
 end
 if current == id then
   if ARGV[2] == '1' then call('DEL', marker, rec) end
-  return {1, ''}
+  return go_on()
 end
 if current and check then return {0, current} end
-return {1, ''}
+return go_on()
 """)
 
 REDELIVERY = LuaScript("marker_redelivery", CALL + _NOW + _REMEMBER + """

@@ -143,17 +143,20 @@ class RedisMarkers:
                               (task_id, op, max(1, int(ttl * 1000))), name))
 
     def hand_over(self, prefix: str, name: str, task_id: str, *, remove: bool,
-                  replaced_check: bool, running_counts: bool = False) -> str | None:
+                  replaced_check: bool, running_counts: bool = False,
+                  keep: float = 0.0) -> str | None:
         """At the start of ``task_id``'s run: remove its marker (``remove``); the task
         id that replaced it, or None to go on.  ``running_counts``: a running call is
         a duplicate (``until_finished``): a replace of this call not confirmed yet
-        never runs; otherwise it stays queued and runs after this one."""
+        never runs; otherwise it stays queued and runs after this one.  ``keep``
+        (seconds): a call that goes on stays among the started calls waiting that
+        long, or until its end (:meth:`clear`)."""
         marker = self.key(prefix, name)
         reply = self._run(HAND_OVER, (marker, marker + REPLACED_SUFFIX,
                                       marker + RECORD_SUFFIX, marker + WAITING_SUFFIX,
                                       marker + TAKEN_BACK_SUFFIX),
                           (task_id, _flag(remove), _flag(replaced_check),
-                           _flag(running_counts)), name)
+                           _flag(running_counts), max(0, int(keep * 1000))), name)
         return None if int(reply[0]) == 1 else decode(reply[1])
 
     def keep_for_redelivery(self, prefix: str, name: str, task_id: str, ttl: float, *,

@@ -137,10 +137,11 @@ class SqlMarkers:
                                lambda k, _: steps.undo(k, task_id, op, _ms(ttl))))
 
     def hand_over(self, prefix: str, name: str, task_id: str, *, remove: bool,
-                  replaced_check: bool, running_counts: bool = False) -> str | None:
+                  replaced_check: bool, running_counts: bool = False,
+                  keep: float = 0.0) -> str | None:
         code, by = self._step(prefix, name, lambda k, _: steps.hand_over(
             k, task_id, remove=remove, replaced_check=replaced_check,
-            running_counts=running_counts))
+            running_counts=running_counts, keep=max(0, int(keep * 1000))))
         return None if code == 1 else by
 
     def keep_for_redelivery(self, prefix: str, name: str, task_id: str, ttl: float, *,
