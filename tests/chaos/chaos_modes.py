@@ -3,7 +3,7 @@ the chaos app (:mod:`chaos_app`, whose ``celery worker`` processes run them) and
 producer's app (which needs them to name the lock and claim the queue marker).
 
 * ``chaos.mode``: a :class:`~celery_dlock.LockedTask` on ``mode:{key}``; its
-  ``lock_mode`` and ``on_duplicate`` come per call (each key of :data:`REDIS_KEYS` has
+  ``lock_mode`` and ``on_duplicate`` come per call (each key of :data:`MARKER_KEYS` has
   one pair).  The body sleeps ``seconds`` in short steps (``lock_lost_action=
   "interrupt"``: a holder told of its loss stops there), and calls ``self.retry()``
   while ``retries < retry``.  ``payload`` is never read: a value the serializer
@@ -27,9 +27,12 @@ from celery import Celery, signals
 
 from celery_dlock import LockedTask
 
+#: The lock servers whose runs send every mode (they keep queue markers) and rated
+#: calls (they keep rates).
+MARKER_STORES = ("redis", "postgresql")
 #: (key, lock_mode, on_duplicate) of the calls of ``chaos.mode`` on a store with queue
-#: markers (Redis): every mode with markers, every duplicate policy.
-REDIS_KEYS: tuple[tuple[str, str, str], ...] = (
+#: markers (:data:`MARKER_STORES`): every mode with markers, every duplicate policy.
+MARKER_KEYS: tuple[tuple[str, str, str], ...] = (
     ("uf-existing", "until_finished", "return_existing"),
     ("uf-raise", "until_finished", "raise"),
     ("uf-drop", "until_finished", "drop"),
@@ -41,7 +44,7 @@ REDIS_KEYS: tuple[tuple[str, str, str], ...] = (
     ("th-drop", "throttle", "drop"),
     ("th-existing", "throttle", "return_existing"),
 )
-#: On a store without markers (PostgreSQL today): the runtime lock alone.
+#: On a store without markers: the runtime lock alone.
 PLAIN_KEYS: tuple[tuple[str, str, str], ...] = tuple(
     (f"wr-{c}", "while_running", "return_existing") for c in "abcdef")
 #: ``chaos.rated``'s rate and burst: at most RATE_N + RATE_BURST body starts in any
@@ -53,7 +56,12 @@ Recorder = Callable[..., None]
 
 def keys_for(lock: str) -> tuple[tuple[str, str, str], ...]:
     """The (key, mode, policy) table a run on this lock server sends."""
-    return REDIS_KEYS if lock == "redis" else PLAIN_KEYS
+    return MARKER_KEYS if lock in MARKER_STORES else PLAIN_KEYS
+
+
+def rated(lock: str) -> bool:
+    """Whether a run on this lock server sends ``chaos.rated`` calls."""
+    return lock in MARKER_STORES
 
 
 def register(app: Celery, record: Callable[[], Recorder] | None, *, ttl: float,

@@ -209,7 +209,7 @@ def meta(lock: str) -> dict[str, Any]:
     import chaos_modes
 
     found: dict[str, Any] = {"keys": chaos_modes.keys_for(lock)}
-    if lock == "redis":
+    if chaos_modes.rated(lock):
         found["rate"] = {"n": chaos_modes.RATE_N, "period": chaos_modes.RATE_PERIOD,
                          "burst": chaos_modes.RATE_BURST}
     return found
@@ -222,9 +222,9 @@ def produce(run: Any) -> None:
 
     cfg, broker = run.cfg, run.broker
     app = producer_app(run.broker_url, run.lock_url, run.prefix, run.queue, cfg.ttl,
-                       cfg.lock == "redis")
+                       chaos_modes.rated(cfg.lock))
     producer = Producer(app, run.log, cfg.seed, chaos_modes.keys_for(cfg.lock),
-                        rated=cfg.lock == "redis", queue=run.queue)
+                        rated=chaos_modes.rated(cfg.lock), queue=run.queue)
     try:
         producer.run(lambda: not (run.stopping.is_set() or run.faults_over.is_set()),
                      lambda: broker.queue_length(run.queue),

@@ -177,10 +177,22 @@ def test_postgresql_is_found_as_redis_is(conf, found):
     ("psycopg", "postgresql://u@127.0.0.1:1/db", "postgres"),
     ("pymysql", "mysql://u@127.0.0.1:1/db", "mysql"),
 ])
-def test_enqueue_time_modes_are_refused_on_sql_in_one_line(driver, url, kind):
+def test_the_sql_stores_keep_queue_markers(driver, url, kind):
+    """Enqueue-time modes on a SQL lock store: its marker store, with no server
+    call (the markers table is made at the first marker step)."""
     pytest.importorskip(driver)
+    from celery_dlock.backends.sql.markers import SqlMarkers
+    from celery_dlock.task.backend import backend_from_url, markers_for
+
+    backend = backend_from_url(url)
+    assert backend.kind == kind
+    assert isinstance(markers_for(None, backend), SqlMarkers)
+
+
+def test_enqueue_time_modes_are_refused_on_zookeeper_in_one_line():
+    pytest.importorskip("kazoo")
     from celery_dlock.core.errors import NotSupported
     from celery_dlock.task.backend import backend_from_url, markers_for
 
-    with pytest.raises(NotSupported, match=f"{kind} backend does not keep"):
-        markers_for(None, backend_from_url(url))
+    with pytest.raises(NotSupported, match="zookeeper backend does not keep"):
+        markers_for(None, backend_from_url("zookeeper://127.0.0.1:1"))
