@@ -23,7 +23,7 @@ celery-once              celery-dlock
 ``unlock_before_run``    ``lock_mode="until_started"``
 ``ONCE['settings']       the default ``timeout``; the other ``ONCE`` settings
 ['default_timeout']``    (``backend``, ``url``, ``blocking``, ...) are not used: the
-                         locks live in the Redis of ``dlock_url`` (a warning says so
+                         locks live in the store of ``dlock_url`` (a warning says so
                          once)
 =======================  ==========================================================
 
@@ -90,8 +90,9 @@ def default_timeout(app: Any) -> float | None:
         warn_unused_once(
             app, "ONCE",
             f"app.conf.ONCE: {', '.join(unused)} not used by celery_dlock.compat."
-            f"QueueOnce: its locks live in the Redis of app.conf.dlock_url (by default "
-            f"the broker's, when it is Redis); only settings['default_timeout'] is read")
+            f"QueueOnce: its locks live in the lock store of app.conf.dlock_url "
+            f"(by default the broker's Redis, when it is one); only "
+            f"settings['default_timeout'] is read")
     value = settings.get("default_timeout")
     if value is None:
         return None

@@ -22,7 +22,7 @@ celery-singleton                celery-dlock
                                 default (one hour), never "forever"
 ``singleton_raise_on_duplicate``  the default of ``raise_on_duplicate``
 ``singleton_lock_expiry``       the default of ``lock_expiry``
-``singleton_backend_url``,      not used: the locks live in the Redis of
+``singleton_backend_url``,      not used: the locks live in the store of
 ``_backend_class``,             ``dlock_url``, under ``dlock_key_prefix``, keyed on
 ``_backend_kwargs``,            the JSON form of the arguments (a warning says so
 ``_key_prefix``,                once)
@@ -70,8 +70,8 @@ def _app_defaults(app: Any) -> tuple[bool | None, float | None]:
         warn_unused_once(
             app, "singleton",
             f"app.conf {', '.join(unused)} not used by celery_dlock.compat.Singleton: "
-            f"its locks live in the Redis of app.conf.dlock_url (by default the "
-            f"broker's, when it is Redis), under app.conf.dlock_key_prefix")
+            f"its locks live in the lock store of app.conf.dlock_url (by default "
+            f"the broker's Redis, when it is one), under app.conf.dlock_key_prefix")
     raises = conf_value(app, "singleton_raise_on_duplicate")
     expiry = conf_value(app, "singleton_lock_expiry")
     return (None if raises is None else
