@@ -16,14 +16,15 @@ from typing import Any
 from celery import Celery
 
 from celery_dlock import LockedTask
+from celery_dlock.core.registry import RATES, entry_for
 
 
 def register(app: Celery, dp: str, record: Callable[..., None],
              data: Callable[[], Any]) -> None:
-    if not str(app.conf.get("dlock_url") or "").startswith(("redis", "unix",
-                                                            "postgres", "mysql",
-                                                            "mariadb")):
+    entry = entry_for(app.conf.get("dlock_url"))
+    if entry is None or not entry.can(RATES):
         return  # a test of another backend (one that keeps no rates)
+
     @app.task(shared=False, name="pf.rated", base=LockedTask, bind=True,
               lock_key="rated:{key}", lock_rate="5/s", max_retries=0)
     def rated(self: Any, key: str, n: int) -> int:

@@ -317,6 +317,40 @@ def _answer(ask: Any) -> bool:
         return False
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("write", ["create", "set"])
+def test_a_rate_write_whose_reply_was_lost_takes_one_slot(zk_server, prefix, name,
+                                                          write):
+    """lock_rate: the proxy forwards a take's write of the rate node (the server
+    runs it) and swallows every reply after it, until kazoo drops the connection
+    (no ping answered) and the call fails with ConnectionLoss: the take reads again
+    on the new connection, finds its operation id, and answers as its write did;
+    one slot is taken, not two (docs/backends.md, "Rates (lock_rate) on
+    ZooKeeper")."""
+    from celery_dlock.backends.zookeeper import backend_from_url
+    from celery_dlock.core.rates import parse_rate
+
+    rate = parse_rate("1/m")  # one a minute: the seconds the fault takes move nothing
+    with FaultProxy(zk_server.port) as proxy:
+        rates = backend_from_url(f"zookeeper://127.0.0.1:{proxy.port}").rates()
+        if write == "set":
+            assert rates.take(prefix, name, rate).run  # a node to set
+        swallowed = proxy.drop_reply(b'"dlock_rate":1')
+        started = time.monotonic()
+        answer = rates.take(prefix, name, rate)
+        took = time.monotonic() - started
+        assert swallowed.is_set(), "the write never went out"
+        after = rates.take(prefix, name, rate)
+        close_sessions(f"127.0.0.1:{proxy.port}")
+    assert took < 30, took
+    if write == "create":
+        assert answer.run, "its write granted it: that answer, not a parking"
+        assert not after.run and after.slot is not None and after.delay > 40
+    else:
+        assert not answer.run and answer.slot is not None
+        assert after.slot == answer.slot + 60_000_000, "one slot, not two"
+
+
 # -- bad input, no server ----------------------------------------------------------------
 
 

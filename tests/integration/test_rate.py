@@ -56,6 +56,14 @@ def _store(kind: str, request: pytest.FixtureRequest) -> Iterator[Store]:
         yield Store("redis", url, RedisRates(client))
         client.close()
         return
+    if kind == "zookeeper":
+        pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper "
+                                            "extra)")
+        from celery_dlock.backends.zookeeper import backend_from_url
+
+        url = str(request.getfixturevalue("zk_server").url)
+        yield Store("zookeeper", url, backend_from_url(url).rates())
+        return
     if kind == "mysql":
         from celery_dlock.backends.sql.mysql.backend import MySQLBackend
 
@@ -68,10 +76,10 @@ def _store(kind: str, request: pytest.FixtureRequest) -> Iterator[Store]:
     yield Store("postgres", url, PostgresBackend(url).rates())
 
 
-@pytest.fixture(params=["redis", "postgres", "mysql"])
+@pytest.fixture(params=["redis", "postgres", "mysql", "zookeeper"])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """Each store that keeps rates in turn (PostgreSQL and MariaDB skipped, with the
-    reason, where there is no server)."""
+    """Each store that keeps rates in turn (PostgreSQL, MariaDB and ZooKeeper
+    skipped, with the reason, where there is no server)."""
     yield from _store(request.param, request)
 
 
@@ -79,6 +87,19 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
 def sql_store(request: pytest.FixtureRequest) -> Iterator[Store]:
     """Each SQL store that keeps rates in turn."""
     yield from _store(request.param, request)
+
+
+@pytest.fixture(params=["postgres", "mysql", "zookeeper"])
+def cas_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """Each store whose take is a compare-and-set loop around gcra_take (its
+    ``_insert`` and ``_update`` writes), in turn."""
+    yield from _store(request.param, request)
+
+
+@pytest.fixture
+def zk_store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """The ZooKeeper store (skipped, with the reason, where there is no server)."""
+    yield from _store("zookeeper", request)
 
 
 @pytest.fixture
@@ -225,13 +246,14 @@ def test_two_threads_never_get_more_than_the_rate_and_burst(rates, prefix, name)
 
 
 @pytest.mark.parametrize("write", ["_insert", "_update"])
-def test_a_write_sent_twice_takes_one_slot(sql_store, prefix, name, monkeypatch,
+def test_a_write_sent_twice_takes_one_slot(cas_store, prefix, name, monkeypatch,
                                           write):
-    """SQL: the server ran a take's write but its reply was lost, and the statement
-    was sent again (the server object re-sends once on a fresh connection): the
+    """SQL and ZooKeeper: the server ran a take's write but its reply was lost, and
+    it was sent again (SQL: the server object re-sends the statement once on a fresh
+    connection; ZooKeeper: a create or a set at the version read, sent again): the
     second changes nothing (its compare-and-set fails), the re-read finds the
     call's op and answers as the first, and one slot is taken."""
-    rates = sql_store.rates
+    rates = cas_store.rates
     rate = parse_rate("5/s")
     if write == "_update":
         assert rates.take(prefix, name, rate).run  # a row to update
@@ -251,6 +273,108 @@ def test_a_write_sent_twice_takes_one_slot(sql_store, prefix, name, monkeypatch,
     else:
         assert not first.run and first.slot is not None
         assert after.slot == first.slot + 200_000, "one slot, not two"
+
+
+@pytest.mark.parametrize("write", ["_insert", "_update"])
+def test_zookeeper_a_write_whose_reply_was_lost_takes_one_slot(zk_store, prefix, name,
+                                                              monkeypatch, write):
+    """ZooKeeper: a take's write landed but its reply was lost (the connection
+    dropped: BackendUnavailable): the take reads again, finds its op and its
+    answer, and one slot is taken; a second loss in a row is the caller's."""
+    from celery_dlock import BackendUnavailable
+
+    rates = zk_store.rates
+    rate = parse_rate("5/s")
+    if write == "_update":
+        assert rates.take(prefix, name, rate).run  # a node to update
+    sent = getattr(rates, write)
+
+    def lost(*args: Any) -> bool:
+        sent(*args)
+        raise BackendUnavailable("ZooKeeper unavailable during a rate take: the "
+                                 "connection was lost (test)")
+
+    monkeypatch.setattr(rates, write, lost)
+    first = rates.take(prefix, name, rate)  # landed; answered by the re-read
+    monkeypatch.undo()
+    after = rates.take(prefix, name, rate)
+    if write == "_insert":
+        assert first.run and not after.run
+        assert after.slot is not None and after.delay > 0.15, "one slot, not two"
+    else:
+        assert not first.run and first.slot is not None
+        assert after.slot == first.slot + 200_000, "one slot, not two"
+
+    def never(*args: Any) -> bool:
+        raise BackendUnavailable("ZooKeeper unavailable during a rate take: the "
+                                 "connection was lost (test)")
+
+    monkeypatch.setattr(rates, "_insert", never)
+    monkeypatch.setattr(rates, "_update", never)
+    with pytest.raises(BackendUnavailable, match="ZooKeeper"):
+        rates.take(prefix, name, rate)  # lost twice in a row: the caller's
+
+
+def _zk_client(url: str) -> Any:
+    from zk_server import ZkView
+
+    return ZkView(url.removeprefix("zookeeper://"))
+
+
+def test_zookeeper_foreign_data_at_a_rate_node_is_a_conflict(zk_store, prefix, name):
+    """ZooKeeper: another application's data where a name's rate node would be is
+    LockKeyConflict at a take and at ``state`` (left as it was), and left out of
+    ``states``; the rates subtree is no lock for ``holds``."""
+    from celery_dlock.backends.zookeeper import backend_from_url
+    from celery_dlock.backends.zookeeper.nodes import rate_path
+
+    view = _zk_client(zk_store.url)
+    try:
+        path = rate_path(prefix, name)
+        view.client.create(path, b"someone else's", makepath=True)
+        rates = zk_store.rates
+        with pytest.raises(LockKeyConflict, match="did not write"):
+            rates.take(prefix, name, parse_rate("5/s"))
+        with pytest.raises(LockKeyConflict):
+            rates.state(prefix, name)
+        assert rates.take(prefix, "other", parse_rate("5/s")).run
+        assert [n for n, _ in rates.states(prefix)] == ["other"]
+        assert view.client.get(path)[0] == b"someone else's"
+        assert list(backend_from_url(zk_store.url).holds(prefix)) == []
+    finally:
+        view.close()
+
+
+def test_zookeeper_reading_rates_makes_no_node(zk_store, prefix, name):
+    """ZooKeeper: ``state`` and ``states`` where no take ever was create nothing
+    (not even the prefix node); after a take, reading adds no node either."""
+    view = _zk_client(zk_store.url)
+    try:
+        rates = zk_store.rates
+        assert rates.state(prefix, name) is None
+        assert list(rates.states(prefix)) == []
+        assert view.client.exists(f"/{prefix}") is None
+        rates.take(prefix, name, parse_rate("5/s"))
+        before = sorted(view.client.get_children(f"/{prefix}/.rates"))
+        assert rates.state(prefix, name + "-none") is None
+        assert [n for n, _ in rates.states(prefix)] == [name]
+        assert sorted(view.client.get_children(f"/{prefix}/.rates")) == before
+        assert len(before) == 2  # the name's node and the clock
+    finally:
+        view.close()
+
+
+def test_zookeeper_an_unreachable_ensemble_is_backend_unavailable(prefix, name):
+    pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper extra)")
+    from celery_dlock import BackendUnavailable
+    from celery_dlock.backends.zookeeper import backend_from_url
+
+    rates = backend_from_url("zookeeper://127.0.0.1:1/x?connect_timeout=1").rates()
+    for read in (lambda: rates.take(prefix, name, parse_rate("5/s")),
+                 lambda: rates.state(prefix, name),
+                 lambda: list(rates.states(prefix))):
+        with pytest.raises(BackendUnavailable, match="ZooKeeper"):
+            read()
 
 
 def _sql(store: Store, *statements: str) -> list[tuple[Any, ...]]:
@@ -344,8 +468,7 @@ def test_a_rate_cannot_be_set_per_call(redis_url):
 
 
 @pytest.mark.parametrize("url", [
-    ";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3)),
-    "zookeeper://127.0.0.1:1/dlock"])
+    ";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3))])
 def test_a_backend_without_rates_refuses_lock_rate_at_worker_start(url):
     app = Celery("rate-redlock", broker="memory://", set_as_current=False)
     app.finalize()
@@ -357,10 +480,11 @@ def test_a_backend_without_rates_refuses_lock_rate_at_worker_start(url):
 
 
 @pytest.mark.parametrize("url", ["postgresql://dlock@127.0.0.1:1/dlock",
-                                 "mysql://dlock@127.0.0.1:1/dlock"])
+                                 "mysql://dlock@127.0.0.1:1/dlock",
+                                 "zookeeper://127.0.0.1:1/dlock"])
 def test_the_sql_stores_keep_rates_at_worker_start(url):
-    """PostgreSQL and MySQL keep rates: lock_rate passes the worker-start check (no
-    call)."""
+    """PostgreSQL, MySQL and ZooKeeper keep rates: lock_rate passes the worker-start
+    check (no call)."""
     app = Celery("rate-sql", broker="memory://", set_as_current=False)
     app.finalize()
     app.conf.dlock_url = url
@@ -428,7 +552,7 @@ def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
     yield from open_harness(redis_url, r, prefix, tmp_path, request)
 
 
-@pytest.fixture(params=["redis", "postgres", "mysql"])
+@pytest.fixture(params=["redis", "postgres", "mysql", "zookeeper"])
 def store_harness(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis,
                   prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                   ) -> Iterator[Harness]:
@@ -437,9 +561,9 @@ def store_harness(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis
     if request.param != "redis":
         from prefork_app import ENV_CONF
 
-        url = str(request.getfixturevalue(
-            "postgres_server").url) if request.param == "postgres" else str(
-            request.getfixturevalue("mariadb_url"))
+        url = str(request.getfixturevalue({
+            "postgres": "postgres_server", "zookeeper": "zk_server"}[request.param]).url
+        ) if request.param != "mysql" else str(request.getfixturevalue("mariadb_url"))
         monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
     yield from open_harness(redis_url, r, prefix, tmp_path, request)
 

@@ -136,7 +136,7 @@ def test_a_missing_capability_names_the_setting_and_who_has_it() -> None:
 
 
 @pytest.mark.parametrize(("settings", "refused", "keeps_rates"), [
-    ({"dlock_url": "zookeeper://127.0.0.1:1/x"}, "zookeeper", False),
+    ({"dlock_url": "zookeeper://127.0.0.1:1/x"}, "zookeeper", True),
     ({"dlock_url": "mysql://u@127.0.0.1:1/app"}, "mysql", True),
     ({"dlock_url": ["redis://a:1/0", "redis://b:1/0", "redis://c:1/0"]}, "redlock",
      False),

@@ -19,10 +19,12 @@ from .nodes import (
     NodeData,
     decode_dir,
     decode_node,
+    is_name_segment,
     lock_path,
     prefix_path,
     sequence_of,
 )
+from .rates import ZkRates
 from .session import ZkSession, session_for
 from .url import ZkSpec, parse_url
 
@@ -101,6 +103,8 @@ class ZooKeeperBackend:
         except NoNodeError:
             return
         for segment in sorted(names):
+            if not is_name_segment(segment):
+                continue  # the rates subtree
             name = decode_dir(segment)
             try:
                 found = self.read(prefix, name)
@@ -115,6 +119,11 @@ class ZooKeeperBackend:
             lock = ZooKeeperLock(self.spec, name, _READER_TTL, prefix=prefix)
             out[name] = lock.waiting_count()
         return out
+
+    def rates(self) -> ZkRates:
+        """Per-name rates (``lock_rate``), in the nodes under ``/<prefix>/.rates``
+        (:mod:`.rates`)."""
+        return ZkRates(self.spec)
 
     def storage_key(self, prefix: str, name: str) -> str:
         """The lock node of ``name`` (under the URL's chroot, if any)."""

@@ -14,6 +14,12 @@ last operation that changed it (``op``), so that a re-sent call changes nothing 
 
 Anything else at those paths (another application's data, a child of another shape)
 is a :class:`~celery_dlock.LockKeyConflict`: nothing is changed.
+
+Per-name rates (``lock_rate``, :mod:`.rates`) live beside the lock nodes in a subtree
+of their own, ``/<prefix>/.rates``: one node per rated name, ``/<prefix>/.rates/<name>``
+(the name encoded as a lock node's is), and the clock node ``/<prefix>/.rates/.clock``.
+No lock name's segment contains a dot (it is encoded), so neither can be a lock node
+nor a rated name's node.
 """
 
 from __future__ import annotations
@@ -26,9 +32,13 @@ from urllib.parse import quote, unquote
 
 from ...core.errors import Holder, LockKeyConflict
 
-__all__ = ["DIR_MARK", "NodeData", "child_prefix", "decode_dir", "decode_node",
-           "lock_path", "prefix_path", "sequence_of"]
+__all__ = ["DIR_MARK", "RATES_DIR", "NodeData", "child_prefix", "clock_path",
+           "decode_dir", "decode_node", "is_name_segment", "lock_path", "prefix_path",
+           "rate_path", "rates_path", "sequence_of"]
 
+#: The last segment of the rates subtree under a prefix node.
+RATES_DIR = ".rates"
+_CLOCK = ".clock"
 #: The data of every lock node.
 DIR_MARK = b'{"celery-dlock": "lock"}'
 _CHILD = re.compile(r"^(?P<guid>[0-9a-f]{16})-lock-(?P<seq>[0-9]{10})$")
@@ -47,6 +57,28 @@ def prefix_path(prefix: str) -> str:
 def lock_path(prefix: str, name: str) -> str:
     """The lock node of ``name`` under ``prefix``."""
     return f"{prefix_path(prefix)}/{_segment(name)}"
+
+
+def rates_path(prefix: str) -> str:
+    """The rates subtree under ``prefix``."""
+    return f"{prefix_path(prefix)}/{RATES_DIR}"
+
+
+def rate_path(prefix: str, name: str) -> str:
+    """The rate node of ``name`` under ``prefix``."""
+    return f"{rates_path(prefix)}/{_segment(name)}"
+
+
+def clock_path(prefix: str) -> str:
+    """The node whose writes read the ensemble's clock for the rates under
+    ``prefix``."""
+    return f"{rates_path(prefix)}/{_CLOCK}"
+
+
+def is_name_segment(segment: str) -> bool:
+    """Whether ``segment`` can be an encoded name (not the rates subtree, nor its
+    clock: a name's segment has no dot)."""
+    return "." not in segment
 
 
 def decode_dir(segment: str) -> str:
