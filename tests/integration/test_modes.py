@@ -7,7 +7,8 @@ a list named after it), so "exactly one queued" is read from the broker, not inf
 The tests that ask for ``store_harness`` run with the locks and queue markers on each
 store that keeps them (Redis, PostgreSQL, MySQL/MariaDB; the broker, results and the
 tasks' records stay on Redis), and read markers and holders through the store.  The
-others read or write Redis keys, or need a Redis-only fault, and run on Redis.
+others run on Redis only: they read or write Redis keys (a marker's or a rate's), or
+they are about the send path or the broker rather than the store.
 """
 
 from __future__ import annotations
@@ -245,14 +246,14 @@ def test_queued_and_running_lets_one_wait_behind_the_running_one(
 
 @pytest.mark.parametrize("mode", ("until_started", "queued_and_running",
                                   "until_finished"))
-def test_the_retry_of_a_started_call_is_never_superseded(harness: Harness,
+def test_the_retry_of_a_started_call_is_never_superseded(store_harness: Harness,
                                                          mode: str) -> None:
     """a starts and asks for a retry (self.retry); b is sent while a runs, for later
     (until_started, queued_and_running: the name freed when a started, so b queues
     and holds the marker when a's retry starts; until_finished: b is a duplicate of
     the running a, and the retry takes the name again).  a's retry runs all the same,
     b runs once, nothing overlaps."""
-    h = harness
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     task = h.app.tasks["pf.mode_retry"]
     a = task.apply_async(("rt", 1.0, "a"), {"retry_in": 1.0}, lock_mode=mode)
@@ -286,17 +287,18 @@ def test_throttle_runs_once_per_window_counted_from_the_enqueue(
 
 
 def test_a_replace_never_stops_a_started_call_between_its_attempts(
-        harness: Harness) -> None:
+        store_harness: Harness) -> None:
     """until_finished: a started and asked for a retry, which holds the name; a call
     sent with replace between a's attempts finds it queued (a started call is never
     stopped: replace acts as return_existing), and a's retry runs."""
-    h = harness
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     task = h.app.tasks["pf.mode_retry"]
     opts = {"lock_mode": "until_finished", "on_duplicate": "replace"}
     a = task.apply_async(("rr", 0.5, "a"), {"retry_in": 1.5}, **opts)
     wait_for(lambda: runs(h, "rr"), 20, what="a's first attempt to end")
-    wait_for(lambda: h.owner("mode:rr") is None, 10, what="a's first attempt's release")
+    wait_for(lambda: holder(h, "mode:rr") is None, 10,
+             what="a's first attempt's release")
     assert marker(h, "rr") == a.id  # its retry holds the name
     c = task.apply_async(("rr", 0.0, "c"), **opts)
     assert c.id == a.id
