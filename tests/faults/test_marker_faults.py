@@ -1,6 +1,9 @@
 """The queue-marker scripts under faults, on real servers: a reply lost and the call
 re-sent, Redis restarted between the claim and the publish, a stalled server; and
-the interleavings of a replace with the starts of the calls it involves.
+the interleavings of a replace with the starts of the calls it involves, which run on
+each store that keeps queue markers (Redis, PostgreSQL, MySQL: the ``markers``
+fixture).  The faults themselves (a proxy dropping an ``EVALSHA`` reply, a server of
+the test's own stalled or restarted) are Redis's.
 
 redis-py re-sends a command whose reply it did not get: a re-sent claim gets its
 first reply (the send's operation id), so a call is never taken for a duplicate of
@@ -27,6 +30,7 @@ import redis.retry
 from celery.signals import before_task_publish
 from celery_helpers import test_app
 from kombu.exceptions import EncodeError
+from marker_stores import MarkerCase
 from proxy import FaultProxy
 from worker_harness import Harness, open_harness, wait_for
 
@@ -42,13 +46,14 @@ from celery_dlock.task.markers import (
     QUEUED,
     REPLACED,
     MarkerRecord,
+    MarkerStore,
 )
 from celery_dlock.task.takeback import EVERY as TAKE_BACK_EVERY
 
 pytestmark = pytest.mark.slow
 
 
-def claim(m: RedisMarkers, prefix: str, name: str, task_id: str, op: str, *,
+def claim(m: MarkerStore, prefix: str, name: str, task_id: str, op: str, *,
           replace: bool = False, ttl: float = 60.0,
           running_counts: bool = True) -> tuple[int, str, float | None]:
     """A send's claim; by default as ``until_finished`` makes it (a running call is
@@ -58,7 +63,7 @@ def claim(m: RedisMarkers, prefix: str, name: str, task_id: str, op: str, *,
                    replace=replace, requeue=False, op=op)
 
 
-def start(m: RedisMarkers, prefix: str, name: str, task_id: str, *,
+def start(m: MarkerStore, prefix: str, name: str, task_id: str, *,
           running_counts: bool = True) -> str | None:
     """A call's hand-over at its start (the mode as for :func:`claim`)."""
     return m.hand_over(prefix, name, task_id, remove=True, replaced_check=True,
@@ -74,14 +79,14 @@ RUNNING_COUNTS = {"until_finished": True, "until_started": False,
 
 @pytest.mark.parametrize("mode", RUNNING_COUNTS)
 def test_a_dead_processs_call_is_kept_live_only_if_it_had_started(
-        r: redis.Redis, prefix: str, mode: str) -> None:
+        markers: MarkerCase, prefix: str, mode: str) -> None:
     """The worker process running a call died, and its message will come back
     (what the worker's main process writes then).  A call still queued under its
     marker, or replaced, keeps what that says: a replaced one is still superseded
     at its redelivery.  A call that had started is kept live: a send of its task id
     is that call; in ``until_finished`` so is a new call of the name; in the other
     modes a new call is queued, and the redelivery still runs."""
-    m, counts = RedisMarkers(r), RUNNING_COUNTS[mode]
+    m, counts = markers.store, RUNNING_COUNTS[mode]
 
     def keep(task_id: str) -> bool:
         return m.keep_for_redelivery(prefix, "n", task_id, 60.0, running_counts=counts)
@@ -111,13 +116,13 @@ def test_a_dead_processs_call_is_kept_live_only_if_it_had_started(
 
 @pytest.mark.parametrize("mode", RUNNING_COUNTS)
 def test_the_replaced_call_starting_before_the_confirm_takes_the_replace_back(
-        r: redis.Redis, prefix: str, mode: str) -> None:
+        markers: MarkerCase, prefix: str, mode: str) -> None:
     """old is queued, new replaces it, and old starts before new's publish is
     confirmed: old runs, and new's caller revokes nothing.  In ``until_finished`` a
     running call is a duplicate: new never runs.  In the other modes new stays queued
     under the marker and runs after old, as a call sent just after old started
     would: the latest call is never lost to an earlier one."""
-    m, counts = RedisMarkers(r), RUNNING_COUNTS[mode]
+    m, counts = markers.store, RUNNING_COUNTS[mode]
     assert claim(m, prefix, "n", "old", "op1", running_counts=counts)[0] == CLAIMED
     assert claim(m, prefix, "n", "new", "op2", replace=True,
                  running_counts=counts)[:2] == (REPLACED, "old")
@@ -134,12 +139,12 @@ def test_the_replaced_call_starting_before_the_confirm_takes_the_replace_back(
 
 @pytest.mark.parametrize("order", ("new starts first", "a later claim first"))
 def test_a_take_back_that_leaves_the_replacing_call_queued_is_known_to_its_confirm(
-        r: redis.Redis, prefix: str, order: str) -> None:
+        markers: MarkerCase, prefix: str, order: str) -> None:
     """(until_started, queued_and_running) old took new's replace back; new's confirm
     comes late: after new itself started (which deletes the claim record) or after a
     later claim rewrote the record.  It still revokes nothing: old is running, and a
     revoke would make workers discard old's retry."""
-    m = RedisMarkers(r)
+    m = markers.store
     claim(m, prefix, "n", "old", "op1", running_counts=False)
     claim(m, prefix, "n", "new", "op2", replace=True, running_counts=False)
     assert start(m, prefix, "n", "old", running_counts=False) is None
@@ -152,8 +157,8 @@ def test_a_take_back_that_leaves_the_replacing_call_queued_is_known_to_its_confi
 
 
 def test_the_replacing_call_starting_before_the_confirm_confirms_it(
-        r: redis.Redis, prefix: str) -> None:
-    m = RedisMarkers(r)
+        markers: MarkerCase, prefix: str) -> None:
+    m = markers.store
     claim(m, prefix, "n", "old", "op1")
     claim(m, prefix, "n", "new", "op2", replace=True)
     assert start(m, prefix, "n", "new") is None
@@ -170,7 +175,8 @@ def test_a_replace_sent_while_a_worker_takes_the_queued_call_at_once(
     ``until_started`` and ``queued_and_running`` the latest call runs.  In
     ``until_finished`` a running call is a duplicate: the second runs, gets the
     first's outcome (sent while the first ran), or ends revoked (the first started
-    before the replace was confirmed); never both lost."""
+    before the replace was confirmed); never both lost.  (Workers with their locks
+    on Redis: the store-level orders above run on every store.)"""
     from celery.exceptions import TaskRevokedError
     from task_env import new_app, running
 
@@ -199,11 +205,11 @@ def test_a_replace_sent_while_a_worker_takes_the_queued_call_at_once(
 
 @pytest.mark.parametrize("mid", ("stands", "taken back"))
 def test_a_replace_waits_for_a_replace_whose_publish_is_not_settled(
-        r: redis.Redis, prefix: str, mid: str) -> None:
+        markers: MarkerCase, prefix: str, mid: str) -> None:
     """old queued; mid replaces it, its publish not settled yet: a replace by new
     waits (nothing written), then replaces whichever call is queued by then: mid if
     its publish went through, old (with its time) if it failed."""
-    m = RedisMarkers(r)
+    m = markers.store
     claim(m, prefix, "n", "old", "op1", ttl=30)
     time.sleep(0.2)
     claim(m, prefix, "n", "mid", "op2", replace=True, ttl=60)
@@ -223,26 +229,27 @@ def test_a_replace_waits_for_a_replace_whose_publish_is_not_settled(
 
 
 def test_a_replaced_call_re_queued_before_its_start_stays_replaced(
-        r: redis.Redis, prefix: str) -> None:
+        markers: MarkerCase, prefix: str) -> None:
     """Its revoke lost, the replaced call is delivered, meets contention and is
     re-queued (as a contention retry or a rate park re-queues): it takes no marker,
-    and its entry among the replaced calls covers its new message."""
-    m = RedisMarkers(r)
-    claim(m, prefix, "n", "old", "op1", ttl=5)
-    claim(m, prefix, "n", "new", "op2", replace=True, ttl=5)
+    and its entry among the replaced calls covers its new message: past the time
+    its first message had (1 s here), its start still finds it replaced."""
+    m = markers.store
+    claim(m, prefix, "n", "old", "op1", ttl=1)
+    claim(m, prefix, "n", "new", "op2", replace=True, ttl=1)
     assert m.confirm(prefix, "n", "new") is True
     assert start(m, prefix, "n", "new") is None  # the marker goes
     code, _, _ = m.claim(prefix, "n", "old", 600, running_counts=True, replace=False,
                          requeue=True, op="op3")
     assert code == QUEUED and m.read(prefix, "n") is None
-    until_ms = r.zscore(m.key(prefix, "n") + "r", "old")
-    assert until_ms is not None and until_ms > time.time() * 1000 + 590_000
+    time.sleep(1.3)  # past the replaced entry's first time (1 s)
+    assert m.read(prefix, "n") is None
     assert start(m, prefix, "n", "old") is not None
 
 
 def test_a_claim_taken_back_before_it_ran_does_nothing_when_it_runs(
-        r: redis.Redis, prefix: str) -> None:
-    m = RedisMarkers(r)
+        markers: MarkerCase, prefix: str) -> None:
+    m = markers.store
     assert m.undo(prefix, "n", "late", "op1", 60) is False
     assert claim(m, prefix, "n", "late", "op1")[0] == QUEUED  # it wrote nothing
     assert m.read(prefix, "n") is None
@@ -258,7 +265,7 @@ def _proxied(proxy: FaultProxy) -> redis.Redis:
 
 #: operation -> (what runs before it, directly; the operation; what it must answer;
 #: the marker after it).
-Step = Callable[[RedisMarkers, str], Any]
+Step = Callable[[MarkerStore, str], Any]
 RESENT: dict[str, tuple[Any, Step, Step, Any, str | None]] = {
     "claim": (CLAIM, lambda m, p: None,
               lambda m, p: claim(m, p, "n", "a", "op1")[:2], (CLAIMED, ""), "a"),
@@ -287,6 +294,8 @@ RESENT: dict[str, tuple[Any, Step, Step, Any, str | None]] = {
 def test_a_resent_marker_script_answers_as_the_first_run(
         own_server: EmbeddedRedis, proxy: FaultProxy, prefix: str,
         operation: str) -> None:
+    """(Redis only: the proxy drops the reply of the script's ``EVALSHA``, and
+    redis-py sends it again.)"""
     script, before, step, expected, after = RESENT[operation]
     direct = redis.Redis.from_url(own_server.url, socket_timeout=10)
     for each in (CLAIM, CONFIRM, HAND_OVER, UNDO):

@@ -3,6 +3,12 @@ prefork workers: what reaches the queue, what runs, and when a lock name frees.
 
 Messages are counted in the broker's own list (the Redis transport keeps a queue as
 a list named after it), so "exactly one queued" is read from the broker, not inferred.
+
+The tests that ask for ``store_harness`` run with the locks and queue markers on each
+store that keeps them (Redis, PostgreSQL, MySQL/MariaDB; the broker, results and the
+tasks' records stay on Redis), and read markers and holders through the store.  The
+others run on Redis only: they read or write Redis keys (a marker's or a rate's), or
+they are about the send path or the broker rather than the store.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import redis
 from celery import chain, chord, group
 from celery_helpers import canvas_follows_before_57
 from kombu.exceptions import EncodeError
+from marker_stores import MARKER_STORES, store_url
+from prefork_app import ENV_CONF
 from worker_harness import Harness, assert_disjoint, open_harness, wait_for
 
 from celery_dlock import DROPPED, AlreadyQueued, DroppedResult, InvalidLockConfig
 from celery_dlock.core.lock_options import LockOptions
+from celery_dlock.task.backend import backend_for, markers_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +42,20 @@ MODES = ("until_started", "until_finished", "queued_and_running", "throttle")
 @pytest.fixture
 def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
             request: pytest.FixtureRequest) -> Iterator[Harness]:
+    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+
+
+@pytest.fixture(params=MARKER_STORES)
+def store_harness(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis,
+                  prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                  ) -> Iterator[Harness]:
+    """A harness whose locks and queue markers are on each store in turn (the
+    broker, results and the tasks' records stay on Redis).  The workers and the
+    test's own app (the producer, :func:`prefork_app.make_app`) both read
+    ``ENV_CONF``: they send and run with the same ``dlock_url``."""
+    if request.param != "redis":
+        url = store_url(request.param, request)
+        monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
     yield from open_harness(redis_url, r, prefix, tmp_path, request)
 
 
@@ -57,16 +80,22 @@ def runs(h: Harness, key: str) -> list[dict[str, Any]]:
 
 
 def marker(h: Harness, key: str) -> str | None:
-    value = h.r.get(h.lock_key(f"mode:{key}") + ":m")
-    return value.decode() if value is not None else None
+    """The task id in the marker of ``key``, read through the app's store."""
+    found = markers_for(h.app).read(h.prefix, f"mode:{key}")
+    return found[0] if found is not None else None
+
+
+def holder(h: Harness, name: str) -> Any:
+    """The hold of lock ``name`` (None when free), read through the app's store."""
+    return backend_for(h.app).read(h.prefix, name)
 
 
 # -- at the broker (no worker: every call stays queued) ------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
-def test_enqueue_races_never_queue_two(harness: Harness, mode: str) -> None:
+def test_enqueue_races_never_queue_two(store_harness: Harness, mode: str) -> None:
     """8 clients behind a barrier, many rounds: exactly one message per round."""
-    h = harness
+    h = store_harness
     clients, rounds = 8, 12
     for n in range(rounds):
         barrier = threading.Barrier(clients)
@@ -94,16 +123,17 @@ def test_enqueue_races_never_queue_two(harness: Harness, mode: str) -> None:
         assert {res.id for res in results} == {ids[0]}
 
 
-def test_the_default_mode_queues_every_call_and_claims_nothing(harness: Harness) -> None:
-    h = harness
+def test_the_default_mode_queues_every_call_and_claims_nothing(
+        store_harness: Harness) -> None:
+    h = store_harness
     for i in range(3):
         send(h, "plain", f"c{i}", lock_mode="while_running")
     assert len(queued_ids(h, "plain")) == 3
     assert marker(h, "plain") is None
 
 
-def test_each_duplicate_policy(harness: Harness) -> None:
-    h = harness
+def test_each_duplicate_policy(store_harness: Harness) -> None:
+    h = store_harness
     first = send(h, "pol", "first", lock_mode="until_started")
     existing = send(h, "pol", "again", lock_mode="until_started",
                     on_duplicate="return_existing")
@@ -127,8 +157,8 @@ def test_each_duplicate_policy(harness: Harness) -> None:
     assert queued_ids(h, "pol") == [first.id]
 
 
-def test_a_failed_publish_leaves_no_marker(harness: Harness) -> None:
-    h = harness
+def test_a_failed_publish_leaves_no_marker(store_harness: Harness) -> None:
+    h = store_harness
     # An argument the json serializer cannot encode: the publish fails after the
     # marker was claimed (the lock name reads only ``key``).  On a connection of its
     # own: kombu closes the connection of a publish that failed, and a pooled one
@@ -154,19 +184,26 @@ def test_bad_values_are_refused_where_the_call_is_made(harness: Harness) -> None
     assert queued(h) == []
 
 
-def test_countdown_makes_the_marker_outlive_the_eta(harness: Harness) -> None:
-    h = harness
+def _left(h: Harness, key: str) -> float:
+    """The seconds left of the marker of ``key``, read through the app's store."""
+    found = markers_for(h.app).read(h.prefix, f"mode:{key}")
+    assert found is not None and found[1] is not None, found
+    return found[1]
+
+
+def test_countdown_makes_the_marker_outlive_the_eta(store_harness: Harness) -> None:
+    h = store_harness
     send(h, "eta", "x", lock_mode="until_started", lock_queue_ttl=5, countdown=60)
-    pttl = h.r.pttl(h.lock_key("mode:eta") + ":m")
-    assert 60_000 < pttl <= 65_000
+    assert 60 < _left(h, "eta") <= 65
     send(h, "exp", "x", lock_mode="until_started", lock_queue_ttl=600, expires=20)
-    assert 0 < h.r.pttl(h.lock_key("mode:exp") + ":m") <= 20_000
+    assert 0 < _left(h, "exp") <= 20
 
 
 # -- on workers ----------------------------------------------------------------------
 
-def test_until_started_frees_the_name_when_the_call_starts(harness: Harness) -> None:
-    h = harness
+def test_until_started_frees_the_name_when_the_call_starts(
+        store_harness: Harness) -> None:
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     a = send(h, "us", "a", 1.5, lock_mode="until_started")
     wait_for(lambda: h.records("mode-start", "us"), 20, what="a to start")
@@ -178,22 +215,23 @@ def test_until_started_frees_the_name_when_the_call_starts(harness: Harness) -> 
     assert_disjoint(runs(h, "us"))
 
 
-def test_until_finished_holds_the_name_until_the_call_ends(harness: Harness) -> None:
-    h = harness
+def test_until_finished_holds_the_name_until_the_call_ends(
+        store_harness: Harness) -> None:
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     a = send(h, "uf", "a", 1.5)
     wait_for(lambda: h.records("mode-start", "uf"), 20, what="a to start")
     assert send(h, "uf", "b").id == a.id  # running: a duplicate
     assert a.get(timeout=30) == "a"
-    wait_for(lambda: h.owner("mode:uf") is None, 10, what="the release")
+    wait_for(lambda: holder(h, "mode:uf") is None, 10, what="the release")
     c = send(h, "uf", "c")
     assert c.id != a.id and c.get(timeout=30) == "c"
     assert [run["tag"] for run in runs(h, "uf")] == ["a", "c"]
 
 
 def test_queued_and_running_lets_one_wait_behind_the_running_one(
-        harness: Harness) -> None:
-    h = harness
+        store_harness: Harness) -> None:
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     opts = {"lock_mode": "queued_and_running"}
     a = send(h, "qr", "a", 2.0, **opts)
@@ -208,14 +246,14 @@ def test_queued_and_running_lets_one_wait_behind_the_running_one(
 
 @pytest.mark.parametrize("mode", ("until_started", "queued_and_running",
                                   "until_finished"))
-def test_the_retry_of_a_started_call_is_never_superseded(harness: Harness,
+def test_the_retry_of_a_started_call_is_never_superseded(store_harness: Harness,
                                                          mode: str) -> None:
     """a starts and asks for a retry (self.retry); b is sent while a runs, for later
     (until_started, queued_and_running: the name freed when a started, so b queues
     and holds the marker when a's retry starts; until_finished: b is a duplicate of
     the running a, and the retry takes the name again).  a's retry runs all the same,
     b runs once, nothing overlaps."""
-    h = harness
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     task = h.app.tasks["pf.mode_retry"]
     a = task.apply_async(("rt", 1.0, "a"), {"retry_in": 1.0}, lock_mode=mode)
@@ -235,8 +273,8 @@ def test_the_retry_of_a_started_call_is_never_superseded(harness: Harness,
 
 
 def test_throttle_runs_once_per_window_counted_from_the_enqueue(
-        harness: Harness) -> None:
-    h = harness
+        store_harness: Harness) -> None:
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     opts = {"lock_mode": "throttle", "lock_ttl": 2, "on_duplicate": "drop"}
     a = send(h, "th", "a", **opts)
@@ -249,17 +287,18 @@ def test_throttle_runs_once_per_window_counted_from_the_enqueue(
 
 
 def test_a_replace_never_stops_a_started_call_between_its_attempts(
-        harness: Harness) -> None:
+        store_harness: Harness) -> None:
     """until_finished: a started and asked for a retry, which holds the name; a call
     sent with replace between a's attempts finds it queued (a started call is never
     stopped: replace acts as return_existing), and a's retry runs."""
-    h = harness
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     task = h.app.tasks["pf.mode_retry"]
     opts = {"lock_mode": "until_finished", "on_duplicate": "replace"}
     a = task.apply_async(("rr", 0.5, "a"), {"retry_in": 1.5}, **opts)
     wait_for(lambda: runs(h, "rr"), 20, what="a's first attempt to end")
-    wait_for(lambda: h.owner("mode:rr") is None, 10, what="a's first attempt's release")
+    wait_for(lambda: holder(h, "mode:rr") is None, 10,
+             what="a's first attempt's release")
     assert marker(h, "rr") == a.id  # its retry holds the name
     c = task.apply_async(("rr", 0.0, "c"), **opts)
     assert c.id == a.id
@@ -308,8 +347,9 @@ def test_a_requeue_never_restarts_the_throttle_window(harness: Harness,
     assert sorted(run["n"] for run in h.records("rated", "thw")) == [1, 2]
 
 
-def test_replace_keeps_the_latest_arguments_and_runs_once(harness: Harness) -> None:
-    h = harness
+def test_replace_keeps_the_latest_arguments_and_runs_once(
+        store_harness: Harness) -> None:
+    h = store_harness
     opts = {"lock_mode": "until_started", "on_duplicate": "replace"}
     old = send(h, "rp", "old", **opts)
     mid = send(h, "rp", "mid", **opts)
@@ -433,9 +473,9 @@ def test_a_revoked_queued_call_frees_its_marker(harness: Harness) -> None:
     assert [run["tag"] for run in runs(h, "rv")] == ["b"]
 
 
-def test_a_call_that_does_not_run_frees_its_marker(harness: Harness) -> None:
+def test_a_call_that_does_not_run_frees_its_marker(store_harness: Harness) -> None:
     """skip under contention: the call ends without running; its name is free."""
-    h = harness
+    h = store_harness
     h.start_workers(count=1, concurrency=2)
     a = send(h, "sk", "a", 2.0, lock_mode="queued_and_running")
     wait_for(lambda: h.records("mode-start", "sk"), 20, what="a to start")
@@ -531,11 +571,11 @@ def test_per_call_keywords_reach_the_worker(harness: Harness) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_no_mode_lets_two_bodies_of_one_name_overlap(harness: Harness,
+def test_no_mode_lets_two_bodies_of_one_name_overlap(store_harness: Harness,
                                                      mode: str) -> None:
     """The runtime lock stays the authority: retries and duplicate deliveries aside,
     calls accepted in any mode never run at once."""
-    h = harness
+    h = store_harness
     h.start_workers(count=2, concurrency=2)
     results = []
     for i in range(12):

@@ -1,0 +1,84 @@
+"""The queue-marker stores, one test run per store: Redis, PostgreSQL, MySQL/MariaDB.
+
+The ``markers`` fixture (loaded by tests/conftest.py) gives a test a
+:class:`MarkerCase`: the store (what :class:`~celery_dlock.task.markers.MarkerStore`
+says), the backend it belongs to (for locks: a running holder is the holder of the
+lock of the same prefix and name whose hold's info carries ``task_id``, taken with
+:meth:`MarkerCase.running`), its kind and URL.  PostgreSQL and MariaDB are skipped,
+with the reason, where there is no server (the ``postgres_server`` and ``mariadb_url``
+fixtures).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import pytest
+
+from celery_dlock.core.lock_options import LockOptions
+
+#: The stores that keep queue markers, in the order the tests run on them.
+MARKER_STORES = ("redis", "postgres", "mysql")
+
+
+class MarkerCase(NamedTuple):
+    """A marker store under test: its kind, URL, store and backend."""
+
+    kind: str
+    url: str
+    store: Any  # a MarkerStore
+    backend: Any
+
+    def running(self, prefix: str, name: str, task_id: str, ttl: float = 30.0) -> Any:
+        """``task_id`` running: the lock of ``name`` held with its task id (the
+        caller releases it)."""
+        lock = self.backend.lock(LockOptions(name, ttl, prefix=prefix,
+                                             info={"task_id": task_id}))
+        assert lock.acquire(blocking=False), f"{name!r} is held already"
+        return lock
+
+
+def store_url(kind: str, request: pytest.FixtureRequest) -> str:
+    """The URL of a server of ``kind`` (a skip, with the reason, where none)."""
+    if kind == "redis":
+        return str(request.getfixturevalue("redis_url"))
+    if kind == "postgres":
+        return str(request.getfixturevalue("postgres_server").url)
+    return str(request.getfixturevalue("mariadb_url"))
+
+
+def backend_of(kind: str, url: str) -> Any:
+    """A backend of its own for ``url`` (not the process's cached one)."""
+    if kind == "redis":
+        import redis
+
+        from celery_dlock.backends.redis.backend import RedisBackend
+
+        return RedisBackend(redis.Redis.from_url(url, socket_timeout=10,
+                                                 socket_connect_timeout=5))
+    if kind == "postgres":
+        from celery_dlock.backends.sql.postgres.backend import PostgresBackend
+
+        return PostgresBackend(url)
+    from celery_dlock.backends.sql.mysql.backend import MySQLBackend
+
+    return MySQLBackend(url)
+
+
+def open_markers(kind: str, request: pytest.FixtureRequest) -> Iterator[MarkerCase]:
+    """The body of a ``markers`` fixture for ``kind``."""
+    url = store_url(kind, request)
+    backend = backend_of(kind, url)
+    try:
+        yield MarkerCase(kind, url, backend.markers(), backend)
+    finally:
+        client = getattr(backend, "client", None)
+        if kind == "redis" and client is not None:
+            client.close()
+
+
+@pytest.fixture(params=MARKER_STORES)
+def markers(request: pytest.FixtureRequest) -> Iterator[MarkerCase]:
+    """Each store that keeps queue markers in turn."""
+    yield from open_markers(request.param, request)
