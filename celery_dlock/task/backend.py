@@ -30,7 +30,8 @@ from .schemes import check_known, url_backend
 from .settings import conf_of
 
 __all__ = ["backend_for", "backend_from_url", "backend_of_client",
-           "check_limit_supported", "forget_app", "lock_from_url", "markers_for"]
+           "check_limit_supported", "check_markers_supported", "forget_app",
+           "lock_from_url", "markers_for"]
 
 def backend_of_client(client: Any) -> Backend:
     """The backend of a client the configuration gave: a tuple of clients is a
@@ -155,6 +156,17 @@ def check_limit_supported(app: Any, limit: Any, where: str) -> None:
     entry = connection.configured_entry(conf_of(app))
     if entry is not None and not entry.can(LIMIT):
         raise InvalidLockConfig(entry.missing(LIMIT, f"{where}: lock_limit={limit!r}"))
+
+
+def check_markers_supported(app: Any, mode: Any, where: str) -> None:
+    """NotSupported when ``mode`` (a task's declared ``lock_mode``) needs queue
+    markers and the backend ``app``'s settings name keeps none (its capabilities,
+    from the settings alone: at worker start, before any call is sent)."""
+    if mode in (None, "while_running"):
+        return
+    entry = connection.configured_entry(conf_of(app))
+    if entry is not None and not entry.can(MARKERS):
+        raise NotSupported(entry.missing(MARKERS, f"{where}: lock_mode={mode!r}"))
 
 
 def markers_for(app: Any, backend: Backend | None = None) -> MarkerStore:

@@ -23,7 +23,12 @@ from typing import Any
 from celery import signals as celery_signals
 
 from ..core.errors import BackendUnavailable, DLockError
-from .backend import backend_for, check_limit_supported, forget_app
+from .backend import (
+    backend_for,
+    check_limit_supported,
+    check_markers_supported,
+    forget_app,
+)
 from .config import SETTINGS, check_conf, read_setting
 from .keys import task_key_function
 from .rate import check_rates_supported
@@ -54,6 +59,9 @@ def check_app(app: Any) -> None:
         task_key_function(type(task), task.name)
         check_limit_supported(app, read_setting(task, "lock_limit"),
                               f"task {task.name!r} option lock_limit")
+        if enabled(app):
+            check_markers_supported(app, values["lock_mode"],
+                                    f"task {task.name!r} option lock_mode")
 
 
 def check_store(app: Any) -> list[str]:

@@ -196,3 +196,38 @@ def test_enqueue_time_modes_are_refused_on_zookeeper_in_one_line():
 
     with pytest.raises(NotSupported, match="zookeeper backend does not keep"):
         markers_for(None, backend_from_url("zookeeper://127.0.0.1:1"))
+
+
+def _mode_body() -> None:
+    """A task body (Celery needs a named function)."""
+
+
+@pytest.mark.parametrize(("url", "refused"), [
+    (";".join(f"redlock://127.0.0.1:{port}/0" for port in (1, 2, 3)), True),
+    ("postgresql://dlock@127.0.0.1:1/dlock", False),
+    ("mysql://dlock@127.0.0.1:1/dlock", False),
+    ("redis://127.0.0.1:1/0", False),
+])
+def test_a_declared_lock_mode_is_checked_against_the_store_at_worker_start(
+        url, refused):
+    """A task declared with a lock_mode on a store without queue markers is refused
+    when the worker starts (naming the option and the stores that keep them), not at
+    its first send; a store that keeps them passes (no server is asked)."""
+    from celery import Celery
+
+    from celery_dlock import LockedTask
+    from celery_dlock.core.errors import NotSupported
+    from celery_dlock.task.startup import check_app
+
+    app = Celery("modes-at-start", broker="memory://", set_as_current=False)
+    app.finalize()
+    app.conf.dlock_url = url
+    app.task(base=LockedTask, name="once_only", lock_mode="until_finished",
+             shared=False)(_mode_body)
+    if refused:
+        with pytest.raises(NotSupported, match="lock_mode='until_finished'.*redis"):
+            check_app(app)
+    else:
+        check_app(app)
+    app.conf.dlock_enabled = False
+    check_app(app)  # locks and markers off: nothing to keep
