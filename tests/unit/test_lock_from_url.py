@@ -225,7 +225,7 @@ def test_a_declared_lock_mode_is_checked_against_the_store_at_worker_start(
     app.task(base=LockedTask, name="once_only", lock_mode="until_finished",
              shared=False)(_mode_body)
     if refused:
-        with pytest.raises(NotSupported, match="lock_mode='until_finished'.*redis"):
+        with pytest.raises(NotSupported, match=r"lock_mode='until_finished'.*redis"):
             check_app(app)
     else:
         check_app(app)
