@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import config_app
@@ -235,44 +235,73 @@ def test_a_user_without_create_is_told_the_grants_it_needs(db):
         assert other.waiting_count() == 0
 
 
-def _rates_of(url: str) -> Any:
+def _backend_of(url: str) -> Any:
     from celery_dlock.core.registry import entry_for
 
     entry = entry_for(url)
     assert entry is not None
-    return entry.driver().backend_from_url(url).rates()
+    return entry.driver().backend_from_url(url)
 
 
-def test_a_user_without_create_needs_the_rates_table_only_for_lock_rate(own):
-    """The least-privilege setup of the lease table and its line serves every lock
-    (no rates table is made nor needed, reading rates makes none); the first rate
-    take asks for the rates table, naming its GRANT; made and granted as
-    docs/backends.md says, it works."""
+def _rates_of(url: str) -> Any:
+    return _backend_of(url).rates()
+
+
+def _side_calls(side: str, url: str) -> tuple[Callable[[], bool], Callable[[], Any],
+                                             Callable[[], bool]]:
+    """For the side table ``side`` of ``url``'s store: a read that finds nothing
+    (and makes nothing), the first call that needs the table, and a check that
+    calls work once it is there."""
     from celery_dlock.core.rates import parse_rate
 
+    if side == "rates":
+        rates = _rates_of(url)
+        return (lambda: rates.state("p", "n") is None and not list(rates.states("p")),
+                lambda: rates.take("p", "n", parse_rate("5/s")),
+                lambda: (rates.take("p", "n", parse_rate("5/s")).run,
+                         rates.take("p", "n", parse_rate("5/s")).run) == (True, False))
+    markers = _backend_of(url).markers()
+
+    def claim(task_id: str) -> int:
+        return int(markers.claim("p", "n", task_id, 60, running_counts=False,
+                                 replace=False, requeue=False, op=f"op-{task_id}")[0])
+
+    return (lambda: markers.read("p", "n") is None and not list(markers.queued("p")),
+            lambda: claim("a"),
+            lambda: (claim("b"), claim("c")) == (0, 2))
+
+
+@pytest.mark.parametrize(("side", "needs"), [("rates", "lock_rate"),
+                                             ("markers", "a lock_mode")])
+def test_a_user_without_create_needs_a_side_table_only_for_what_uses_it(own, side,
+                                                                        needs):
+    """The least-privilege setup of the lease table and its line serves every lock
+    (no rates or markers table is made nor needed, and reading rates or markers
+    makes none); the first call that needs one (a rate take, a send with a
+    lock_mode) asks for it, naming its GRANT; made and granted as docs/backends.md
+    says, it works."""
     db = own
     limited = db.limited() + "?dlock_table=made_for_you"
+    table = f"made_for_you_{side}"
     db.execute(db.schema.create_sql("made_for_you"),
                db.schema.create_line_sql("made_for_you_waiters"))
     db.grant("SELECT, INSERT, UPDATE", "made_for_you")
     db.grant("SELECT, INSERT, UPDATE, DELETE", "made_for_you_waiters")
     with lock_from_url(limited, _name(), ttl=5) as lock:
         assert lock.owned()
-    rates = _rates_of(limited)
-    assert rates.state("p", "n") is None and list(rates.states("p")) == []
-    assert db.tables_like("made_for_you_rates") == 0
+    read_nothing, first_use, works = _side_calls(side, limited)
+    assert read_nothing()
+    assert db.tables_like(table) == 0
     with pytest.raises(InvalidLockConfig) as info:
-        rates.take("p", "n", parse_rate("5/s"))
+        first_use()
     said = str(info.value)
-    assert "rates table made_for_you_rates does not exist" in said
-    assert "GRANT SELECT, INSERT, UPDATE ON made_for_you_rates" in said
+    assert f"{side} table {table} does not exist" in said
+    assert f"GRANT SELECT, INSERT, UPDATE ON {table} TO <user> (only for {needs})" \
+        in said
     assert "pw-limited" not in said
-    db.execute(db.schema.create_rates_sql("made_for_you_rates"))
-    db.grant("SELECT, INSERT, UPDATE", "made_for_you_rates")
-    assert rates.take("p", "n", parse_rate("5/s")).run
-    assert not rates.take("p", "n", parse_rate("5/s")).run
-    state = rates.state("p", "n")
-    assert state is not None and state.available == 0
+    db.execute(getattr(db.schema, f"create_{side}_sql")(table))
+    db.grant("SELECT, INSERT, UPDATE", table)
+    assert works()
 
 
 @pytest.mark.parametrize("kind", KINDS)
