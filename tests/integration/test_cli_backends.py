@@ -19,9 +19,12 @@ from config_app import ENV_CONF
 from dlock_helpers import release_if_held
 
 from celery_dlock import lock_from_url
+from celery_dlock.task.backend import backend_from_url
 
 #: The SQL backends whose blocked acquirers stand in a line ``show`` and ``top`` count.
 LINED = ("postgres", "mysql")
+#: The SQL backends that keep queue markers (``ls`` and ``show`` list them).
+MARKED = ("postgres", "mysql")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,9 +68,22 @@ def test_ls_show_release_and_top_on_sql(sql_url):
             while waiter.waiting_count() < 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert waiter.waiting() == ["waiter"]
+        queued_name = "report:7"  # a call sent with a lock_mode, still queued
+        if kind in MARKED:
+            store = backend_from_url(url).markers()
+            assert store.claim(prefix, queued_name, "t-q", 60, running_counts=False,
+                               replace=False, requeue=False, op="op-q")[0] == 0
         listed = _dlock(url, "--prefix", prefix, "ls", "--json")
         assert listed.returncode == 0, listed.stderr
-        [row] = json.loads(listed.stdout)
+        rows = json.loads(listed.stdout)
+        if kind in MARKED:
+            [queued_row] = [r for r in rows if r["key"] == queued_name]
+            assert queued_row["queued_task_id"] == "t-q"
+            assert 0 < queued_row["queued_ttl"] <= 60
+            marked = _dlock(url, "--prefix", prefix, "show", queued_name)
+            assert marked.returncode == 0 and "t-q" in marked.stdout, marked.stderr
+            store.clear(prefix, queued_name, "t-q")
+        [row] = [r for r in rows if r["key"] != queued_name]
         assert row["key"] == "stock:42" and row["task_name"] == "shop.buy"
         assert row["fence"] == lock.fence and row["count"] == 1
         assert 0 < row["ttl"] <= 60
