@@ -226,6 +226,34 @@ def test_a_requeue_keeps_the_marker_and_a_replaced_one_stays_replaced(
     assert start(m, prefix, name, "a") == "b"
 
 
+def test_racing_claims_queue_one_call(m: ZkMarkers, prefix: str, name: str) -> None:
+    """Eight threads claim one name at once, many rounds: each round one claim
+    wins, and every other is told that call (the compare-and-set: a claim that read
+    before the winner's write reads again)."""
+    import threading
+
+    for n in range(10):
+        barrier = threading.Barrier(8)
+        answers: list[tuple[str, int, str]] = []
+
+        def send(i: int, n: int = n, barrier: threading.Barrier = barrier,
+                 answers: list[tuple[str, int, str]] = answers) -> None:
+            barrier.wait(timeout=10)
+            code, other, _ = claim(m, prefix, f"{name}-{n}", f"c{i}", f"op{i}")
+            answers.append((f"c{i}", code, other))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        won = [task_id for task_id, code, _ in answers if code == CLAIMED]
+        assert len(answers) == 8 and len(won) == 1, answers
+        assert {(code, other) for task_id, code, other in answers
+                if task_id != won[0]} == {(QUEUED, won[0])}
+        assert marked(m, prefix, f"{name}-{n}") == won[0]
+
+
 def test_queued_lists_live_markers_and_a_marker_expires(
         m: ZkMarkers, prefix: str, name: str) -> None:
     assert list(m.queued(prefix)) == []
