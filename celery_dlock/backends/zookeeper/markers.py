@@ -41,14 +41,12 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
-
 from ...core.errors import LockKeyConflict
 from ...core.holds import HoldInfo
 from ...core.marker_steps import Holder
 from ...core.marker_store import DocumentMarkers, MarkerRow
-from . import clock
-from .nodes import clock_path, decode_dir, is_name_segment, marker_path, markers_path
+from . import clock, versioned
+from .nodes import clock_path, marker_path, markers_path
 from .url import ZkSpec
 
 __all__ = ["ZkMarkers", "decode", "encode"]
@@ -101,18 +99,12 @@ class ZkMarkers(DocumentMarkers):
         self.spec = spec
         self._hold = hold
 
-    def _call(self, what: str, name: str | None, where: str, fn: Any) -> Any:
-        return clock.call(self.spec, what, name, where, fn)
-
     def _node(self, prefix: str, name: str) -> tuple[str, Any] | None:
         """``name``'s document and its node's stat (no clock written); None: no
         node."""
         path = marker_path(prefix, name)
-        try:
-            raw, stat = self._call(_READ, name, path, lambda c: c.get_async(path))
-        except NoNodeError:
-            return None
-        return decode(raw, path, name), stat
+        found = versioned.get(self.spec, path, _READ, name)
+        return None if found is None else (decode(found[0], path, name), found[1])
 
     def _tick(self, prefix: str, name: str | None) -> int | None:
         """The clock for a read; None where there is no clock node (none is
@@ -140,26 +132,11 @@ class ZkMarkers(DocumentMarkers):
 
     def _write(self, prefix: str, name: str, version: int | None, doc: str,
                expires: int | None, lease: int | None) -> bool:
-        path, data = marker_path(prefix, name), encode(doc)
-        try:
-            if version is None:
-                self._call(_STEP, name, path,
-                           lambda c: c.create_async(path, data, makepath=True))
-            else:
-                self._call(_STEP, name, path,
-                           lambda c: c.set_async(path, data, version))
-        except (BadVersionError, NodeExistsError, NoNodeError):
-            return False
-        return True
+        return versioned.write(self.spec, marker_path(prefix, name), encode(doc),
+                               version, _STEP, name)
 
     def _rows(self, prefix: str) -> Iterator[tuple[str, int, str]]:
-        where = markers_path(prefix)
-        try:
-            segments = self._call(_READ, None, where,
-                                  lambda c: c.get_children_async(where))
-        except NoNodeError:
-            return
-        names = sorted(decode_dir(s) for s in segments if is_name_segment(s))
+        names = versioned.names(self.spec, markers_path(prefix), _READ)
         if not names:
             return
         now = self._tick(prefix, None)

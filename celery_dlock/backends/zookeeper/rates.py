@@ -34,8 +34,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
-
 from ...core.errors import BackendUnavailable, LockKeyConflict
 from ...core.rates import (
     Rate,
@@ -47,8 +45,8 @@ from ...core.rates import (
     interval_tau,
     rate_state,
 )
-from . import clock
-from .nodes import clock_path, decode_dir, is_name_segment, rate_path, rates_path
+from . import clock, versioned
+from .nodes import clock_path, rate_path, rates_path
 from .url import ZkSpec
 
 __all__ = ["TRIES", "ZkRates", "decode", "encode"]
@@ -97,9 +95,6 @@ class ZkRates(TakesByOperation):
     def __init__(self, spec: ZkSpec) -> None:
         self.spec = spec
 
-    def _call(self, what: str, name: str | None, where: str, fn: Any) -> Any:
-        return clock.call(self.spec, what, name, where, fn)
-
     # -- the clock and the node ---------------------------------------------------------
 
     def _tick(self, prefix: str, name: str | None, *, create: bool) -> int | None:
@@ -122,25 +117,15 @@ class ZkRates(TakesByOperation):
 
     def _insert(self, prefix: str, name: str, document: RateDocument) -> bool:
         """Make ``name``'s node; False (nothing changed) when there is one."""
-        path = rate_path(prefix, name)
-        try:
-            self._call(_TAKE, name, path, lambda c: c.create_async(
-                path, encode(document), makepath=True))
-        except NodeExistsError:
-            return False
-        return True
+        return versioned.write(self.spec, rate_path(prefix, name), encode(document),
+                               None, _TAKE, name)
 
     def _update(self, prefix: str, name: str, version: int,
                 document: RateDocument) -> bool:
         """Write ``name``'s node if still at ``version``; False when it is not (or
         it is gone)."""
-        path = rate_path(prefix, name)
-        try:
-            self._call(_TAKE, name, path, lambda c: c.set_async(
-                path, encode(document), version))
-        except (BadVersionError, NoNodeError):
-            return False
-        return True
+        return versioned.write(self.spec, rate_path(prefix, name), encode(document),
+                               version, _TAKE, name)
 
     # -- the store ----------------------------------------------------------------------
 
@@ -175,11 +160,8 @@ class ZkRates(TakesByOperation):
     def _node(self, prefix: str, name: str) -> tuple[RateDocument, Any] | None:
         """``name``'s state (live or not) and its node's stat; None: no node."""
         path = rate_path(prefix, name)
-        try:
-            raw, stat = self._call(_READ, name, path, lambda c: c.get_async(path))
-        except NoNodeError:
-            return None
-        return decode(raw, path, name), stat
+        found = versioned.get(self.spec, path, _READ, name)
+        return None if found is None else (decode(found[0], path, name), found[1])
 
     @staticmethod
     def _live(found: tuple[RateDocument, Any], now: int | None) -> RateState | None:
@@ -199,13 +181,7 @@ class ZkRates(TakesByOperation):
     def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
         """Every name under ``prefix`` with a live rate state, each once (another
         application's nodes there are left out)."""
-        where = rates_path(prefix)
-        try:
-            segments = self._call(_READ, None, where,
-                                  lambda c: c.get_children_async(where))
-        except NoNodeError:
-            return
-        names = sorted(decode_dir(s) for s in segments if is_name_segment(s))
+        names = versioned.names(self.spec, rates_path(prefix), _READ)
         if not names:
             return
         now = self._tick(prefix, None, create=False)
