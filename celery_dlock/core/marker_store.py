@@ -60,11 +60,13 @@ class DocumentMarkers:
 
     # -- what a store provides --------------------------------------------------------
 
-    def _read(self, prefix: str, name: str, *, create: bool = True
-              ) -> MarkerRow | None:
-        """The document of ``name`` as read now, with the clock and (for a step) its
-        hold; where not ``create`` (a read of the markers), None when the store has
-        nothing for the name (and nothing is made by reading)."""
+    def _read(self, prefix: str, name: str, *, create: bool = True,
+              holder: bool = True) -> MarkerRow | None:
+        """The document of ``name`` as read now, with the clock and, where
+        ``holder`` (a claim: the only step that asks), the name's live hold (a store
+        may give it always, or None where not asked); where not ``create`` (a read
+        of the markers), None when the store has nothing for the name (and nothing
+        is made by reading)."""
         raise NotImplementedError
 
     def _write(self, prefix: str, name: str, version: int | None, doc: str,
@@ -85,9 +87,12 @@ class DocumentMarkers:
     def _step(self, prefix: str, name: str,
               step: Callable[[ExpiringKeys, Holder | None], _T], *,
               on_lease: bool = False) -> _T:
+        """Run ``step`` until its write lands (or it writes nothing); ``on_lease``:
+        a claim (it reads the name's hold, and its write is conditioned on what
+        the store conditions a claim on)."""
         resent = 0
         for _ in range(TRIES):
-            row = self._read(prefix, name)
+            row = self._read(prefix, name, holder=on_lease)
             if row is None:  # pragma: no cover - a step reads with create
                 raise AssertionError(f"{self.label}: a step read nothing")
             keys = ExpiringKeys(row.doc, row.now)

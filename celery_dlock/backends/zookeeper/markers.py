@@ -13,9 +13,10 @@ never overwritten.  Keys past their expiry count as gone; nothing is ever delete
 (one small node per name ever marked stays, and the name's next step overwrites it).
 
 **A step** sets the clock node ``/<prefix>/.markers/.clock`` and reads the name's
-node with it (:mod:`.clock`: the ensemble's clock, one round trip), then reads the
-name's live hold (the lock's holder and its ``task_id``, as ``celery dlock show``
-reads it), runs, and, when it changed the document, writes ``set(path, data,
+node with it (:mod:`.clock`: the ensemble's clock, one round trip), a claim then reads
+the name's live hold (the lock's holder and its ``task_id``, as ``celery dlock show``
+reads it; the other steps do not use it), runs, and, when it changed the document,
+writes ``set(path, data,
 version)`` (someone wrote it meanwhile: ``BadVersionError``) or, when there was none,
 ``create(path, data)`` (someone made it meanwhile: ``NodeExistsError``): then it
 reads and runs again.  A write whose reply was lost (the connection dropped
@@ -24,11 +25,13 @@ write left, answer as the first did.  The node is read before the hold, so a mar
 call that starts after the read writes the node (its hand-over) and the step's
 compare-and-set fails; a call holding the lock with no marker of its own, taken just
 after the read, is the order "claim, then acquire", which the protocol allows.  No
-other condition is needed.
+other condition is needed.  (A lagging server answers a session's reads in order
+from a prefix of the ensemble's writes: a read of the node that misses a hand-over
+misses the holder's acquire before it too, and the leader refuses the write.)
 
-**Cost.**  A step is a clock write and a read together (one round trip), the hold's
-read (one round trip, two when the lock has a line), and, when it changes anything,
-the node's write: one quorum write more than the step's own.
+**Cost.**  A step is a clock write and a read together (one round trip), for a
+claim the hold's read (one round trip, two when the lock has a line), and, when it
+changes anything, the node's write: one quorum write more than the step's own.
 
 **Reading** (``read``, ``queued``: ``celery dlock show``, ``ls``) creates nothing: it
 sets the clock node only where it is already there (a step made it), else takes the
@@ -114,8 +117,8 @@ class ZkMarkers(DocumentMarkers):
 
     # -- the hooks of the loop ----------------------------------------------------------
 
-    def _read(self, prefix: str, name: str, *, create: bool = True
-              ) -> MarkerRow | None:
+    def _read(self, prefix: str, name: str, *, create: bool = True,
+              holder: bool = True) -> MarkerRow | None:
         if not create:
             found = self._node(prefix, name)
             if found is None:
@@ -128,7 +131,7 @@ class ZkMarkers(DocumentMarkers):
                                        path, _STEP, name)
         doc = None if stat is None else decode(raw, path, name)
         return MarkerRow(now, None if stat is None else int(stat.version), doc,
-                         holder_of(self._hold(prefix, name)), -1)
+                         holder_of(self._hold(prefix, name)) if holder else None, -1)
 
     def _write(self, prefix: str, name: str, version: int | None, doc: str,
                expires: int | None, lease: int | None) -> bool:
