@@ -3,7 +3,8 @@ queue markers on ZooKeeper: real prefork workers whose ``dlock_url`` is the suit
 ZooKeeper (the broker, the results and the tasks' records stay on Redis), as
 tests/integration/test_rate.py runs its workers on each store.  Duplicates sent
 while a call is queued and while it runs: one body runs per accepted call, and each
-duplicate policy answers as on Redis."""
+duplicate policy answers as on Redis; the compat shims (``QueueOnce``, ``Singleton``)
+likewise."""
 
 from __future__ import annotations
 
@@ -105,3 +106,30 @@ def test_until_started_on_zookeeper_answers_each_policy_and_frees_at_the_start(
     assert new.get(timeout=30) == "new"
     assert tags(h, "us") == ["a", "c"]  # c waited for a's lock
     assert tags(h, "rp") == ["new"]  # the replaced call never ran
+
+
+@pytest.mark.timeout(150)
+def test_the_compat_shims_on_zookeeper(zk_harness: Harness) -> None:
+    """celery-once's ``QueueOnce`` and celery-singleton's ``Singleton`` with a
+    ZooKeeper ``dlock_url``: a second ``delay`` raises ``AlreadyQueued`` (once) or is
+    the first's result (singleton), queued and running; each body runs once."""
+    from celery_dlock.compat import AlreadyQueued as OnceQueued
+
+    h = zk_harness
+    slow_task, do_stuff = h.app.tasks["pf.slow_task"], h.app.tasks["pf.do_stuff"]
+    first = slow_task.delay(1.5)
+    with pytest.raises(OnceQueued) as raised:
+        slow_task.delay(1.5)
+    assert raised.value.task_id == first.id
+    single = do_stuff.delay(1, a="b", seconds=1.5)
+    assert do_stuff.delay(1, a="b", seconds=1.5) == single
+    h.start_workers(count=1, concurrency=2)
+    wait_for(lambda: h.records("compat-start", "pf.slow_task")
+             and h.records("compat-start", "pf.do_stuff"), 30, what="both to start")
+    with pytest.raises(OnceQueued):
+        slow_task.delay(1.5)  # running
+    assert do_stuff.delay(1, a="b", seconds=1.5) == single  # running
+    assert first.get(timeout=30) == "Done!"
+    assert single.get(timeout=30) == "I just woke up"
+    assert len(h.records("compat", "pf.slow_task")) == 1
+    assert len(h.records("compat", "pf.do_stuff")) == 1
