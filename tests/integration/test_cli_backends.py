@@ -174,6 +174,30 @@ def test_ls_show_release_and_top_on_zookeeper(zk_server):
         release_if_held(lock)
 
 
+def test_ls_and_show_give_the_queued_calls_on_zookeeper(zk_server):
+    """A ZooKeeper ``dlock_url`` keeps queue markers: ``ls`` lists a queued call's
+    name with its task id and ttl, ``show`` has its queued line; nothing queued under
+    another prefix is seen."""
+    pytest.importorskip("kazoo", reason="kazoo is not installed (the zookeeper extra)")
+    from celery_dlock.backends.zookeeper import backend_from_url
+
+    url = zk_server.url
+    prefix = f"cli{uuid.uuid4().hex[:8]}"
+    markers = backend_from_url(url).markers()
+    markers.claim(prefix, "mail:7", "queued-1", 60, running_counts=False,
+                  replace=False, requeue=False)
+    listed = _dlock(url, "--prefix", prefix, "ls", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [row] = json.loads(listed.stdout)
+    assert row["key"] == "mail:7" and row["queued_task_id"] == "queued-1"
+    assert 50 < row["queued_ttl"] <= 60 and row["owner"] is None
+    shown = _dlock(url, "--prefix", prefix, "show", "mail:7")
+    assert shown.returncode == 0, shown.stderr
+    assert "queued-1 (ttl " in shown.stdout
+    other = _dlock(url, "--prefix", prefix + "x", "ls", "--json")
+    assert json.loads(other.stdout) == []
+
+
 def test_a_long_name_is_listed_shown_and_released_by_itself(sql_url):
     """PostgreSQL keys a name it cannot index as it is by its digest: the commands
     still list it, and take it, by the name itself."""

@@ -189,13 +189,29 @@ def test_the_sql_stores_keep_queue_markers(driver, url, kind):
     assert isinstance(markers_for(None, backend), SqlMarkers)
 
 
-def test_enqueue_time_modes_are_refused_on_zookeeper_in_one_line():
+def test_zookeeper_keeps_queue_markers():
+    """Enqueue-time modes on ZooKeeper: its marker store, with no server call (the
+    nodes are made at the first marker step)."""
     pytest.importorskip("kazoo")
+    from celery_dlock.backends.zookeeper.markers import ZkMarkers
+    from celery_dlock.task.backend import backend_from_url, markers_for
+
+    backend = backend_from_url("zookeeper://127.0.0.1:1")
+    store = markers_for(None, backend)
+    assert isinstance(store, ZkMarkers)
+    assert markers_for(None, backend) is store  # one per backend
+
+
+def test_enqueue_time_modes_are_refused_on_redlock_in_one_line():
+    """Redlock is the one backend that keeps no queue markers: said in one line, with
+    the backends that keep them."""
     from celery_dlock.core.errors import NotSupported
     from celery_dlock.task.backend import backend_from_url, markers_for
 
-    with pytest.raises(NotSupported, match="zookeeper backend does not keep"):
-        markers_for(None, backend_from_url("zookeeper://127.0.0.1:1"))
+    trio = ";".join(f"redlock://127.0.0.1:{p}/0" for p in (1, 2, 3))
+    with pytest.raises(NotSupported, match="redlock backend does not keep") as info:
+        markers_for(None, backend_from_url(trio))
+    assert "\n" not in str(info.value) and "zookeeper" in str(info.value)
 
 
 def _mode_body() -> None:
@@ -207,6 +223,7 @@ def _mode_body() -> None:
     ("postgresql://dlock@127.0.0.1:1/dlock", False),
     ("mysql://dlock@127.0.0.1:1/dlock", False),
     ("redis://127.0.0.1:1/0", False),
+    ("zookeeper://127.0.0.1:1/dlock", False),
 ])
 def test_a_declared_lock_mode_is_checked_against_the_store_at_worker_start(
         url, refused):

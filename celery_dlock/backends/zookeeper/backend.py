@@ -14,6 +14,7 @@ from ...core.lock_options import LockOptions
 from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
 from .lock import ZooKeeperLock
+from .markers import ZkMarkers
 from .nodes import (
     DIR_MARK,
     NodeData,
@@ -75,9 +76,12 @@ class ZooKeeperBackend:
     def _head(self, prefix: str, name: str) -> tuple[str, NodeData, Any] | None:
         """The holder's child of ``name`` (path, data, stat), or None when free."""
         path = lock_path(prefix, name)
-        try:
-            raw, _ = self._call("read", lambda c: c.get_async(path))
-            names = self._call("read", lambda c: c.get_children_async(path))
+        session = self._reader
+        client = session.start("read", name)
+        data, line = client.get_async(path), client.get_children_async(path)
+        try:  # both sent at once: one round trip
+            raw, _ = session.wait("read", data, name)
+            names = session.wait("read", line, name)
         except NoNodeError:
             return None
         if raw != DIR_MARK:
@@ -104,7 +108,7 @@ class ZooKeeperBackend:
             return
         for segment in sorted(names):
             if not is_name_segment(segment):
-                continue  # the rates subtree
+                continue  # the rates' and the queue markers' subtrees
             name = decode_dir(segment)
             try:
                 found = self.read(prefix, name)
@@ -124,6 +128,14 @@ class ZooKeeperBackend:
         """Per-name rates (``lock_rate``), in the nodes under ``/<prefix>/.rates``
         (:mod:`.rates`)."""
         return ZkRates(self.spec)
+
+    def markers(self) -> ZkMarkers:
+        """Queue markers (a ``lock_mode`` other than ``while_running``), in the
+        nodes under ``/<prefix>/.markers`` (:mod:`.markers`)."""
+        found: ZkMarkers | None = getattr(self, "_markers", None)
+        if found is None:
+            found = self._markers = ZkMarkers(self.spec, self.read)
+        return found
 
     def storage_key(self, prefix: str, name: str) -> str:
         """The lock node of ``name`` (under the URL's chroot, if any)."""

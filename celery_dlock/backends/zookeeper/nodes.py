@@ -17,9 +17,11 @@ is a :class:`~celery_dlock.LockKeyConflict`: nothing is changed.
 
 Per-name rates (``lock_rate``, :mod:`.rates`) live beside the lock nodes in a subtree
 of their own, ``/<prefix>/.rates``: one node per rated name, ``/<prefix>/.rates/<name>``
-(the name encoded as a lock node's is), and the clock node ``/<prefix>/.rates/.clock``.
-No lock name's segment contains a dot (it is encoded), so neither can be a lock node
-nor a rated name's node.
+(the name encoded as a lock node's is), and the clock node ``/<prefix>/.rates/.clock``
+(:mod:`.clock`).  Queue markers (a ``lock_mode``, :mod:`.markers`) likewise, under
+``/<prefix>/.markers``: ``/<prefix>/.markers/<name>`` and ``/<prefix>/.markers/.clock``.
+No lock name's segment contains a dot (it is encoded), so no subtree nor clock can be
+a lock node nor a name's node.
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from urllib.parse import quote, unquote
 
 from ...core.errors import Holder, LockKeyConflict
 
-__all__ = ["DIR_MARK", "RATES_DIR", "NodeData", "child_prefix", "clock_path",
-           "decode_dir", "decode_node", "is_name_segment", "lock_path", "prefix_path",
-           "rate_path", "rates_path", "sequence_of"]
+__all__ = ["DIR_MARK", "MARKERS_DIR", "RATES_DIR", "NodeData", "child_prefix",
+           "clock_path", "decode_dir", "decode_node", "is_name_segment", "lock_path",
+           "marker_path", "markers_path", "prefix_path", "rate_path", "rates_path",
+           "sequence_of"]
 
 #: The last segment of the rates subtree under a prefix node.
 RATES_DIR = ".rates"
+#: The last segment of the queue markers' subtree under a prefix node.
+MARKERS_DIR = ".markers"
 _CLOCK = ".clock"
 #: The data of every lock node.
 DIR_MARK = b'{"celery-dlock": "lock"}'
@@ -69,15 +74,25 @@ def rate_path(prefix: str, name: str) -> str:
     return f"{rates_path(prefix)}/{_segment(name)}"
 
 
-def clock_path(prefix: str) -> str:
-    """The node whose writes read the ensemble's clock for the rates under
-    ``prefix``."""
-    return f"{rates_path(prefix)}/{_CLOCK}"
+def markers_path(prefix: str) -> str:
+    """The queue markers' subtree under ``prefix``."""
+    return f"{prefix_path(prefix)}/{MARKERS_DIR}"
+
+
+def marker_path(prefix: str, name: str) -> str:
+    """The queue markers' node of ``name`` under ``prefix``."""
+    return f"{markers_path(prefix)}/{_segment(name)}"
+
+
+def clock_path(subtree: str) -> str:
+    """The node whose writes read the ensemble's clock for the nodes of ``subtree``
+    (:func:`rates_path` or :func:`markers_path`)."""
+    return f"{subtree}/{_CLOCK}"
 
 
 def is_name_segment(segment: str) -> bool:
-    """Whether ``segment`` can be an encoded name (not the rates subtree, nor its
-    clock: a name's segment has no dot)."""
+    """Whether ``segment`` can be an encoded name (not a subtree, nor a clock: a
+    name's segment has no dot)."""
     return "." not in segment
 
 

@@ -8,16 +8,12 @@ and is never overwritten.  A state past its ``expires`` counts as none: the next
 take of the name overwrites it (nothing is ever deleted; one small node per name
 ever rated stays).
 
-**The clock.**  ZooKeeper has no call that reads the time, but every write's
-``stat.mtime`` is the leader's clock (ms) when it ran the write.  A take first sets
-the clock node ``/<prefix>/.rates/.clock`` (no data, no version check) and takes
-``now`` from the stat it answers: the same clock for every worker, never a worker's
-own.  That costs one more quorum write per take (a take is two writes and a read:
-the clock's write and the read go out together, one round trip).  Its assumption:
-the ensemble's servers' clocks agree (NTP) to well within a rate's interval, as a
-new leader's clock is the one read after a leader change.  The clock counts whole
-milliseconds: rates are kept to the microsecond as everywhere, but calls within one
-millisecond all see the same ``now``.
+**The clock** is the ensemble's (:mod:`.clock`): a take first sets the clock node
+``/<prefix>/.rates/.clock`` and takes ``now`` from the stat it answers, so every
+worker decides on the same time.  That costs one more quorum write per take (a take
+is two writes and a read: the clock's write and the read go out together, one round
+trip).  The clock counts whole milliseconds: rates are kept to the microsecond as
+everywhere, but calls within one millisecond all see the same ``now``.
 
 **The compare-and-set.**  A take reads the name's node (data and ``stat.version``),
 decides, and writes ``set(path, data, version)`` (someone wrote it meanwhile:
@@ -38,8 +34,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
-
 from ...core.errors import BackendUnavailable, LockKeyConflict
 from ...core.rates import (
     Rate,
@@ -51,17 +45,15 @@ from ...core.rates import (
     interval_tau,
     rate_state,
 )
-from .nodes import clock_path, decode_dir, is_name_segment, rate_path, rates_path
-from .session import ZkSession, session_for
+from . import clock, versioned
+from .nodes import clock_path, rate_path, rates_path
 from .url import ZkSpec
 
-__all__ = ["SESSION_MS", "TRIES", "ZkRates", "decode", "encode"]
+__all__ = ["TRIES", "ZkRates", "decode", "encode"]
 
 #: How many times a take reads and tries to write before giving up (the node kept
 #: changing under it: BackendUnavailable), as on the SQL stores.
 TRIES = 100
-#: The session the rates are read and written on (ms): the backend's reader's.
-SESSION_MS = 10_000
 _MARK = "dlock_rate"
 _TAKE = "a rate take"
 _READ = "a rate read"
@@ -93,7 +85,7 @@ def decode(raw: bytes | None, where: str, name: str | None) -> RateDocument:
 
 
 def _us(stat: Any) -> int:
-    return int(stat.mtime) * 1000
+    return clock.mtime_ms(stat) * 1000
 
 
 class ZkRates(TakesByOperation):
@@ -103,86 +95,37 @@ class ZkRates(TakesByOperation):
     def __init__(self, spec: ZkSpec) -> None:
         self.spec = spec
 
-    @property
-    def session(self) -> ZkSession:
-        # Looked up on every use: after a fork, the child's own session.
-        return session_for(self.spec, SESSION_MS)
-
-    def _call(self, what: str, name: str | None, where: str, fn: Any) -> Any:
-        session = self.session
-        client = session.start(what, name)
-        return session.wait(what, fn(client), name, where)
-
     # -- the clock and the node ---------------------------------------------------------
 
     def _tick(self, prefix: str, name: str | None, *, create: bool) -> int | None:
-        """The ensemble's clock now (us), from a write of the clock node; None when
-        there is no clock node and ``create`` is false."""
-        clock = clock_path(prefix)
-        what = _TAKE if create else _READ
-        for _ in range(TRIES):
-            try:
-                stat = self._call(what, name, clock,
-                                  lambda c: c.set_async(clock, b""))
-            except NoNodeError:
-                if not create:
-                    return None
-                try:
-                    self._call(what, name, clock,
-                               lambda c: c.create_async(clock, b"", makepath=True))
-                except NodeExistsError:
-                    pass
-                continue
-            return _us(stat)
-        raise BackendUnavailable(f"ZooKeeper: the clock node {clock!r} kept "
-                                 f"disappearing", lock_name=name)
+        """The ensemble's clock now (us); None when there is no clock node and
+        ``create`` is false."""
+        now = clock.tick(self.spec, clock_path(rates_path(prefix)),
+                         _TAKE if create else _READ, name, create=create)
+        return None if now is None else now * 1000
 
     def _read(self, prefix: str, name: str) -> tuple[int, int | None,
                                                      RateDocument | None]:
-        """The clock (us), and the name's node: its version and state (live or
-        not), or None twice.  The clock's write and the read go out together: the
-        server answers a session's calls in the order sent, so the node is read as
-        it was at that clock or later."""
-        path, clock = rate_path(prefix, name), clock_path(prefix)
-        for _ in range(TRIES):
-            session = self.session
-            client = session.start(_TAKE, name)
-            tick = client.set_async(clock, b"")
-            got = client.get_async(path)
-            try:
-                stat = session.wait(_TAKE, tick, name, clock)
-            except NoNodeError:  # the first take under this prefix
-                self._tick(prefix, name, create=True)
-                continue
-            try:
-                raw, node = session.wait(_TAKE, got, name, path)
-            except NoNodeError:
-                return _us(stat), None, None
-            return _us(stat), int(node.version), decode(raw, path, name)
-        raise BackendUnavailable(f"ZooKeeper: the clock node {clock!r} kept "
-                                 f"disappearing", lock_name=name)
+        """The clock (us), and the name's node read with it: its version and state
+        (live or not), or None twice."""
+        path = rate_path(prefix, name)
+        now, raw, stat = clock.read_at(self.spec, clock_path(rates_path(prefix)),
+                                       path, _TAKE, name)
+        if stat is None:
+            return now * 1000, None, None
+        return now * 1000, int(stat.version), decode(raw, path, name)
 
     def _insert(self, prefix: str, name: str, document: RateDocument) -> bool:
         """Make ``name``'s node; False (nothing changed) when there is one."""
-        path = rate_path(prefix, name)
-        try:
-            self._call(_TAKE, name, path, lambda c: c.create_async(
-                path, encode(document), makepath=True))
-        except NodeExistsError:
-            return False
-        return True
+        return versioned.write(self.spec, rate_path(prefix, name), encode(document),
+                               None, _TAKE, name)
 
     def _update(self, prefix: str, name: str, version: int,
                 document: RateDocument) -> bool:
         """Write ``name``'s node if still at ``version``; False when it is not (or
         it is gone)."""
-        path = rate_path(prefix, name)
-        try:
-            self._call(_TAKE, name, path, lambda c: c.set_async(
-                path, encode(document), version))
-        except (BadVersionError, NoNodeError):
-            return False
-        return True
+        return versioned.write(self.spec, rate_path(prefix, name), encode(document),
+                               version, _TAKE, name)
 
     # -- the store ----------------------------------------------------------------------
 
@@ -217,11 +160,8 @@ class ZkRates(TakesByOperation):
     def _node(self, prefix: str, name: str) -> tuple[RateDocument, Any] | None:
         """``name``'s state (live or not) and its node's stat; None: no node."""
         path = rate_path(prefix, name)
-        try:
-            raw, stat = self._call(_READ, name, path, lambda c: c.get_async(path))
-        except NoNodeError:
-            return None
-        return decode(raw, path, name), stat
+        found = versioned.get(self.spec, path, _READ, name)
+        return None if found is None else (decode(found[0], path, name), found[1])
 
     @staticmethod
     def _live(found: tuple[RateDocument, Any], now: int | None) -> RateState | None:
@@ -241,13 +181,7 @@ class ZkRates(TakesByOperation):
     def states(self, prefix: str) -> Iterator[tuple[str, RateState]]:
         """Every name under ``prefix`` with a live rate state, each once (another
         application's nodes there are left out)."""
-        where = rates_path(prefix)
-        try:
-            segments = self._call(_READ, None, where,
-                                  lambda c: c.get_children_async(where))
-        except NoNodeError:
-            return
-        names = sorted(decode_dir(s) for s in segments if is_name_segment(s))
+        names = versioned.names(self.spec, rates_path(prefix), _READ)
         if not names:
             return
         now = self._tick(prefix, None, create=False)

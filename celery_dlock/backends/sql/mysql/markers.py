@@ -70,8 +70,9 @@ class MyMarkers(SqlMarkers):
         return text.format(m=self.server.side_table(MARKERS_SUFFIX),
                            t=self.server.table)
 
-    def _read(self, prefix: str, name: str, *, create: bool = True
-              ) -> MarkerRow | None:
+    def _read(self, prefix: str, name: str, *, create: bool = True,
+              holder: bool = True) -> MarkerRow | None:
+        # the holder comes with the row in the one statement, asked for or not
         if not create and not self.server.ensure_side_table(MARKERS_SUFFIX, name,
                                                             create=False):
             return None  # no table: no marker, and none is made by reading
