@@ -1,12 +1,13 @@
-"""The queue-marker stores, one test run per store: Redis, PostgreSQL, MySQL/MariaDB.
+"""The queue-marker stores, one test run per store: Redis, PostgreSQL, MySQL/MariaDB,
+ZooKeeper.
 
 The ``markers`` fixture (loaded by tests/conftest.py) gives a test a
 :class:`MarkerCase`: the store (what :class:`~celery_dlock.task.markers.MarkerStore`
 says), the backend it belongs to (for locks: a running holder is the holder of the
 lock of the same prefix and name whose hold's info carries ``task_id``, taken with
-:meth:`MarkerCase.running`), its kind and URL.  PostgreSQL and MariaDB are skipped,
-with the reason, where there is no server (the ``postgres_server`` and ``mariadb_url``
-fixtures).
+:meth:`MarkerCase.running`), its kind and URL.  PostgreSQL, MariaDB and ZooKeeper are
+skipped, with the reason, where there is no server (the ``postgres_server``,
+``mariadb_url`` and ``zk_server`` fixtures).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from celery_dlock.core.lock_options import LockOptions
 
 #: The stores that keep queue markers, in the order the tests run on them.
-MARKER_STORES = ("redis", "postgres", "mysql")
+MARKER_STORES = ("redis", "postgres", "mysql", "zookeeper")
 
 
 class MarkerCase(NamedTuple):
@@ -45,6 +46,8 @@ def store_url(kind: str, request: pytest.FixtureRequest) -> str:
         return str(request.getfixturevalue("redis_url"))
     if kind == "postgres":
         return str(request.getfixturevalue("postgres_server").url)
+    if kind == "zookeeper":
+        return str(request.getfixturevalue("zk_server").url)
     return str(request.getfixturevalue("mariadb_url"))
 
 
@@ -61,6 +64,10 @@ def backend_of(kind: str, url: str) -> Any:
         from celery_dlock.backends.sql.postgres.backend import PostgresBackend
 
         return PostgresBackend(url)
+    if kind == "zookeeper":
+        from celery_dlock.backends.zookeeper.backend import backend_from_url
+
+        return backend_from_url(url)
     from celery_dlock.backends.sql.mysql.backend import MySQLBackend
 
     return MySQLBackend(url)

@@ -1,8 +1,9 @@
 """Queue markers on ZooKeeper (:class:`~celery_dlock.backends.zookeeper.markers.
-ZkMarkers`): the marker protocol's key orders replayed against a real ZooKeeper (the
-same orders and replies as on Redis: tests/faults/test_marker_model_orders.py,
-test_marker_faults.py), a running holder being a real ZooKeeper lock held with
-``info={"task_id": ...}``; and what is ZooKeeper's own: foreign data at a marker
+ZkMarkers`): a few of the protocol's key orders against a real ZooKeeper (the
+shared store tests, ``markers`` fixture, run every order on ZooKeeper too:
+tests/faults/test_marker_model_orders.py, test_marker_faults.py,
+test_marker_started.py, tests/integration/test_marker_stores.py), racing claims; and
+what is ZooKeeper's own: foreign data at a marker
 node, reading that makes no node, an unreachable ensemble, a write whose reply was
 lost (docs/backends.md, "Queue markers on ZooKeeper").
 """
@@ -23,7 +24,7 @@ from celery_dlock.backends.zookeeper import ZooKeeperLock, backend_from_url
 from celery_dlock.backends.zookeeper.markers import ZkMarkers
 from celery_dlock.backends.zookeeper.nodes import marker_path
 from celery_dlock.backends.zookeeper.session import close_sessions
-from celery_dlock.task.markers import CLAIMED, OURS, PENDING, QUEUED, REPLACED, RUNNING
+from celery_dlock.task.markers import CLAIMED, OURS, PENDING, QUEUED, REPLACED
 
 #: The marker modes by whether a running call is a duplicate of a new one.
 RUNNING_COUNTS = {"until_finished": True, "until_started": False,
@@ -119,97 +120,6 @@ def test_a_failed_publish_gives_the_name_back(m: ZkMarkers, prefix: str,
     assert start(m, prefix, name, "1") is None
 
 
-def test_a_resent_claim_of_a_replace_taken_back_is_not_claimed_anew(
-        m: ZkMarkers, prefix: str, name: str) -> None:
-    """(CLAIM_REPLACED) 3 queued; 2 replaces it (reply lost); 3 starts and takes the
-    replace back; 2's claim re-sent is a duplicate, and 2 never runs."""
-    assert claim(m, prefix, name, "3", "op3")[0] == CLAIMED
-    assert claim(m, prefix, name, "2", "op2", replace=True)[:2] == (REPLACED, "3")
-    assert start(m, prefix, name, "3") is None
-    assert claim(m, prefix, name, "2", "op2", replace=True)[0] == QUEUED
-    assert m.read(prefix, name) is None
-    assert claim(m, prefix, name, "1", "op1", replace=True)[0] == CLAIMED
-    assert m.undo(prefix, name, "1", "op1", 60) is True
-    assert m.read(prefix, name) is None
-    assert start(m, prefix, name, "2") is not None
-
-
-def test_a_claim_taken_back_before_it_ran_does_nothing_when_it_runs(
-        m: ZkMarkers, prefix: str, name: str) -> None:
-    assert m.undo(prefix, name, "late", "op1", 60) is False
-    assert claim(m, prefix, name, "late", "op1")[0] == QUEUED
-    assert m.read(prefix, name) is None
-    assert claim(m, prefix, name, "next", "op2")[0] == CLAIMED
-
-
-@pytest.mark.parametrize("mode", RUNNING_COUNTS)
-def test_a_running_holder_is_a_duplicate_only_in_until_finished(
-        m: ZkMarkers, zk_url: str, prefix: str, name: str, mode: str) -> None:
-    counts = RUNNING_COUNTS[mode]
-    assert claim(m, prefix, name, "1", "op1", running_counts=counts)[0] == CLAIMED
-    lock = running(zk_url, prefix, name, "1")
-    try:
-        assert start(m, prefix, name, "1", running_counts=counts) is None
-        code, other, left = claim(m, prefix, name, "2", "op2", running_counts=counts)
-        if counts:
-            assert (code, other) == (RUNNING, "1") and left is not None and left > 0
-            assert m.read(prefix, name) is None  # nothing written
-        else:
-            assert code == CLAIMED and marked(m, prefix, name) == "2"
-        # a send with the running call's own id is that call, in every mode
-        code, other, _ = claim(m, prefix, name, "1", "op3", running_counts=counts,
-                               replace=True)
-        assert (code, other) == (RUNNING, "1")
-    finally:
-        lock.release()
-    if counts:
-        assert claim(m, prefix, name, "2", "op4")[0] == CLAIMED  # free once it ends
-
-
-@pytest.mark.parametrize("mode", ["until_started", "queued_and_running"])
-def test_a_started_call_is_kept_among_the_waiting_until_it_ends(
-        m: ZkMarkers, prefix: str, name: str, mode: str) -> None:
-    """Its hand-over keeps it (``keep``): a send of its task id is that call, a new
-    call is queued; its end (``clear``) forgets it."""
-    claim(m, prefix, name, "1", "op1", running_counts=False)
-    assert start(m, prefix, name, "1", running_counts=False, keep=60) is None
-    code, other, left = claim(m, prefix, name, "1", "op2", running_counts=False)
-    assert (code, other) == (QUEUED, "1") and left is not None and 55 < left <= 60
-    assert claim(m, prefix, name, "2", "op3", running_counts=False)[0] == CLAIMED
-    assert m.clear(prefix, name, "1") is False  # not its marker: 2's stays
-    assert marked(m, prefix, name) == "2"
-    assert m.clear(prefix, name, "2") is True
-    assert claim(m, prefix, name, "1", "op4", running_counts=False)[0] == CLAIMED
-
-
-@pytest.mark.parametrize("mode", RUNNING_COUNTS)
-def test_a_dead_processs_call_is_kept_live_only_if_it_had_started(
-        m: ZkMarkers, prefix: str, name: str, mode: str) -> None:
-    counts = RUNNING_COUNTS[mode]
-
-    def keep(task_id: str) -> bool:
-        return m.keep_for_redelivery(prefix, name, task_id, 60.0, running_counts=counts)
-
-    assert claim(m, prefix, name, "queued", "op1", running_counts=counts)[0] == CLAIMED
-    assert keep("queued") is False
-    assert claim(m, prefix, name, "new", "op2", replace=True,
-                 running_counts=counts)[:2] == (REPLACED, "queued")
-    assert m.confirm(prefix, name, "new") is True
-    assert keep("queued") is False
-    assert start(m, prefix, name, "queued", running_counts=counts) == "new"
-    assert start(m, prefix, name, "new", running_counts=counts) is None
-    assert keep("new") is True
-    code, other, _ = claim(m, prefix, name, "new", "op3", running_counts=counts)
-    assert (code, other) == (QUEUED, "new")
-    code, other, _ = claim(m, prefix, name, "later", "op4", running_counts=counts)
-    if counts:
-        assert (code, other) == (QUEUED, "new")
-    else:
-        assert code == CLAIMED
-    assert start(m, prefix, name, "new", running_counts=counts) is None
-    assert marked(m, prefix, name) == (None if counts else "later")
-
-
 def test_a_requeue_keeps_the_marker_and_a_replaced_one_stays_replaced(
         m: ZkMarkers, prefix: str, name: str) -> None:
     claim(m, prefix, name, "a", "op1", ttl=5)
@@ -253,23 +163,6 @@ def test_racing_claims_queue_one_call(m: ZkMarkers, prefix: str, name: str) -> N
                 if task_id != won[0]} == {(QUEUED, won[0])}
         assert marked(m, prefix, f"{name}-{n}") == won[0]
 
-
-def test_queued_lists_live_markers_and_a_marker_expires(
-        m: ZkMarkers, prefix: str, name: str) -> None:
-    assert list(m.queued(prefix)) == []
-    claim(m, prefix, name, "1", "op1", ttl=0.5)
-    claim(m, prefix, f"{name}/b", "2", "op2", ttl=60)
-    listed = {shown: (task_id, left) for shown, task_id, left in m.queued(prefix)}
-    assert set(listed) == {name, f"{name}/b"}
-    assert listed[f"{name}/b"][0] == "2" and 55 < (listed[f"{name}/b"][1] or 0) <= 60
-    assert listed[name][0] == "1" and 0 < (listed[name][1] or 0) <= 0.5
-    time.sleep(0.7)
-    assert m.read(prefix, name) is None
-    assert [shown for shown, _, _ in m.queued(prefix)] == [f"{name}/b"]
-    assert claim(m, prefix, name, "3", "op3")[0] == CLAIMED  # the node, overwritten
-
-
-# -- what is ZooKeeper's own -------------------------------------------------------------
 
 def test_foreign_data_at_a_marker_node_is_a_conflict(
         m: ZkMarkers, view: Any, zk_url: str, prefix: str, name: str) -> None:
