@@ -136,6 +136,28 @@ def mysql_url(args: argparse.Namespace, stack: contextlib.ExitStack,
     return str(server.url)
 
 
+def add_server_arguments(parser: argparse.ArgumentParser, option: str,
+                         what: str) -> None:
+    """The options choosing the servers: ``--postgres-url``, ``--mysql-url``,
+    ``--zookeeper-url``, ``--zookeeper-fsync``, and ``option`` (``--backends``,
+    ``--stores``): the subset of :data:`BACKENDS` to run, ``what`` its default."""
+    parser.add_argument("--postgres-url", default=None,
+                        help="use this PostgreSQL instead of starting a throwaway one")
+    parser.add_argument("--mysql-url", default=None,
+                        help="use this MySQL or MariaDB (mysql://user:pw@host:port/db) "
+                             "instead of starting a throwaway MariaDB")
+    parser.add_argument("--zookeeper-url", default=None,
+                        help="use this ZooKeeper (zookeeper://host:port) instead of "
+                             "starting a throwaway one")
+    parser.add_argument("--zookeeper-fsync", action="store_true",
+                        help="the ZooKeeper started here syncs its log to disk on "
+                             "every write (its default; without: forceSync=no, as "
+                             "the other servers here write nothing durably)")
+    parser.add_argument(option, default=None,
+                        help="comma-separated subset of "
+                             + ",".join(b.name for b in BACKENDS) + f" (default {what})")
+
+
 @dataclass(frozen=True)
 class Backend:
     """One row of :data:`BACKENDS`: a name, and how to get a URL for it (start a
@@ -157,9 +179,13 @@ REFERENCE = BACKENDS[0].name
 
 
 def start_backends(args: argparse.Namespace, stack: contextlib.ExitStack,
-                   broker: str) -> tuple[dict[str, str], dict[str, str]]:
-    """``({name: url}, {name: why skipped})`` for the backends asked for."""
-    wanted = args.backends.split(",") if args.backends else [b.name for b in BACKENDS]
+                   broker: str, wanted: list[str] | None = None
+                   ) -> tuple[dict[str, str], dict[str, str]]:
+    """``({name: url}, {name: why skipped})`` for the backends asked for:
+    ``wanted``, else ``--backends``, else all."""
+    if wanted is None:
+        wanted = (args.backends.split(",") if args.backends
+                  else [b.name for b in BACKENDS])
     urls: dict[str, str] = {}
     skipped: dict[str, str] = {}
     for backend in BACKENDS:
@@ -195,31 +221,42 @@ class Requests:
     sent before the first reply is read share one round trip)."""
 
     sent = 0
+    #: The same count per driver: ``{"redis": n, "postgres": n, "mysql": n,
+    #: "zookeeper": n}`` (named as :data:`BACKENDS`), to tell a store's requests
+    #: from the Redis broker's in one process.
+    by_driver: dict[str, int] = {}
+    _installed = False
 
     @classmethod
     def install(cls) -> None:
-        def counting(cls_: Any, attr: str) -> None:
+        if cls._installed:
+            return
+        cls._installed = True
+
+        def counting(cls_: Any, attr: str, driver: str) -> None:
             original = getattr(cls_, attr)
+            cls.by_driver[driver] = 0
 
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 cls.sent += 1
+                cls.by_driver[driver] += 1
                 return original(*args, **kwargs)
 
             setattr(cls_, attr, wrapper)
 
-        counting(redis.Connection, "send_packed_command")
+        counting(redis.Connection, "send_packed_command", "redis")
         with contextlib.suppress(ImportError):
             import psycopg
 
-            counting(psycopg.Connection, "execute")
+            counting(psycopg.Connection, "execute", "postgres")
         with contextlib.suppress(ImportError):
             import pymysql.cursors
 
-            counting(pymysql.cursors.Cursor, "execute")
+            counting(pymysql.cursors.Cursor, "execute", "mysql")
         with contextlib.suppress(ImportError):
             from kazoo.client import KazooClient
 
-            counting(KazooClient, "_call")
+            counting(KazooClient, "_call", "zookeeper")
 
 
 def server_processes(url: str) -> e2e.Processes | None:

@@ -365,21 +365,7 @@ def run_tasks(urls: dict[str, str], broker: str, redis_server: Any,
 
 def main(argv: list[str] | None = None) -> int:
     parser = c.base_parser(__doc__.split("\n\n")[0], NAME)
-    parser.add_argument("--postgres-url", default=None,
-                        help="use this PostgreSQL instead of starting a throwaway one")
-    parser.add_argument("--mysql-url", default=None,
-                        help="use this MySQL or MariaDB (mysql://user:pw@host:port/db) "
-                             "instead of starting a throwaway MariaDB")
-    parser.add_argument("--zookeeper-url", default=None,
-                        help="use this ZooKeeper (zookeeper://host:port) instead of "
-                             "starting a throwaway one")
-    parser.add_argument("--zookeeper-fsync", action="store_true",
-                        help="the ZooKeeper started here syncs its log to disk on "
-                             "every write (its default; without: forceSync=no, as "
-                             "the other servers here write nothing durably)")
-    parser.add_argument("--backends", default=None,
-                        help="comma-separated subset of "
-                             + ",".join(b.name for b in bk.BACKENDS) + " (default all)")
+    bk.add_server_arguments(parser, "--backends", "all")
     parser.add_argument("--parts", default="cycle,renewal,tasks",
                         help="comma-separated subset of cycle,renewal,tasks")
     parser.add_argument("--rounds", type=int, default=None,

@@ -28,7 +28,7 @@ SCRIPTS = {
     "bench_renewal.py": "| variant | holds | round trips/pass | EVALSHA/pass |",
     "bench_waiters.py": "| variant | waiters | hand-offs | acquisitions |",
     "bench_e2e.py": "| variant | tasks/s | x plain | CPU ms/task | +CPU ms/task |",
-    "bench_send.py": "| variant | sends/s | us/send | x plain |",
+    "bench_send.py": "| store | variant | sends/s | us/send | x plain |",
     "bench_memory.py": "| variant | locks | keys/lock held | bytes/lock held |",
     "bench_contention.py": "| variant | waiting | P | hand-offs | hand-offs/s |",
     "bench_backends.py": "| backend | names | p50 us | p99 us | mean us | x Redis |",
@@ -46,10 +46,10 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     url = os.environ.get("DLOCK_TEST_REDIS_URL")
     if url and args[0] != "plot.py":
         extra = ["--redis-url", url]
-    # bench_backends.py starts the other backends' servers itself (skipping, with the
-    # reason, those it cannot), or takes the suite's.
+    # bench_backends.py and bench_send.py start the other backends' servers
+    # themselves (skipping, with the reason, those they cannot), or take the suite's.
     pg_url = os.environ.get("DLOCK_TEST_POSTGRES_URL")
-    if pg_url and args[0] == "bench_backends.py":
+    if pg_url and args[0] in ("bench_backends.py", "bench_send.py"):
         extra += ["--postgres-url", pg_url]
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / args[0]), *args[1:], *extra],
@@ -93,6 +93,33 @@ def test_backends_measures_or_skips_each_backend(results_dir: Path) -> None:
         "plain task", *(f"LockedTask (hashed args), {b}" for b in measured)}
     # Every cycle sent requests to its server, as counted on the client.
     assert all(r["requests"] >= 2 for r in data["cycle"]), data["cycle"]
+
+
+def test_send_measures_each_mode_on_each_store_or_says_why_not(
+        results_dir: Path) -> None:
+    out = results_dir / "bench_send.json"
+    if not out.exists():
+        proc = _run(["bench_send.py", "--smoke", "--json", str(out)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    measured, skipped = set(data["stores"]), set(data["skipped"])
+    assert "redis" in measured, data["skipped"]
+    assert measured | skipped == {"redis", "postgres", "mysql", "zookeeper"}
+    assert not measured & skipped
+    assert all(why for why in data["skipped"].values())
+    per_store = {"LockedTask until_started", "LockedTask until_finished",
+                 "LockedTask queued_and_running", "LockedTask throttle",
+                 "duplicate until_started, return_existing",
+                 "duplicate until_started, drop"}
+    assert {(r["store"], r["variant"]) for r in data["rows"]} == {
+        ("-", "plain Task"), ("-", "LockedTask while_running"),
+        *((s, v) for s in measured for v in per_store)}
+    for row in data["rows"]:
+        # A send in a mode asks its store at least once (a claim); the plain task and
+        # while_running ask none, and only a queued message reaches the broker.
+        assert (row["store_requests"] >= 1) == (row["store"] != "-"), row
+        assert row["redis_cmds"] >= (0 if row["variant"].startswith("duplicate")
+                                     else 1), row
 
 
 def test_e2e_runs_one_worker_per_pool_size(results_dir: Path) -> None:
