@@ -245,6 +245,17 @@ def test_two_threads_never_get_more_than_the_rate_and_burst(rates, prefix, name)
     assert len(starts) >= 20 and worst <= 22, (worst, len(starts))
 
 
+def _one_slot_taken(write: str, first: Any, after: Any) -> None:
+    """A take whose ``write`` landed twice (or once, its reply lost) took one slot:
+    the take after it waits one interval (5/s: 0.2 s) more, not two."""
+    if write == "_insert":
+        assert first.run and not after.run
+        assert after.slot is not None and after.delay > 0.15, "one slot, not two"
+    else:
+        assert not first.run and first.slot is not None
+        assert after.slot == first.slot + 200_000, "one slot, not two"
+
+
 @pytest.mark.parametrize("write", ["_insert", "_update"])
 def test_a_write_sent_twice_takes_one_slot(cas_store, prefix, name, monkeypatch,
                                           write):
@@ -267,12 +278,7 @@ def test_a_write_sent_twice_takes_one_slot(cas_store, prefix, name, monkeypatch,
     first = rates.take(prefix, name, rate)
     monkeypatch.undo()
     after = rates.take(prefix, name, rate)
-    if write == "_insert":
-        assert first.run and not after.run
-        assert after.slot is not None and after.delay > 0.15, "one slot, not two"
-    else:
-        assert not first.run and first.slot is not None
-        assert after.slot == first.slot + 200_000, "one slot, not two"
+    _one_slot_taken(write, first, after)
 
 
 @pytest.mark.parametrize("write", ["_insert", "_update"])
@@ -298,12 +304,7 @@ def test_zookeeper_a_write_whose_reply_was_lost_takes_one_slot(zk_store, prefix,
     first = rates.take(prefix, name, rate)  # landed; answered by the re-read
     monkeypatch.undo()
     after = rates.take(prefix, name, rate)
-    if write == "_insert":
-        assert first.run and not after.run
-        assert after.slot is not None and after.delay > 0.15, "one slot, not two"
-    else:
-        assert not first.run and first.slot is not None
-        assert after.slot == first.slot + 200_000, "one slot, not two"
+    _one_slot_taken(write, first, after)
 
     def never(*args: Any) -> bool:
         raise BackendUnavailable("ZooKeeper unavailable during a rate take: the "
