@@ -29,7 +29,7 @@ from celery_dlock import LockedTask
 
 #: The lock servers whose runs send every mode (they keep queue markers) and rated
 #: calls (they keep rates).
-MARKER_STORES = ("redis", "postgresql")
+MARKER_STORES = ("redis", "postgresql", "zookeeper")
 #: (key, lock_mode, on_duplicate) of the calls of ``chaos.mode`` on a store with queue
 #: markers (:data:`MARKER_STORES`): every mode with markers, every duplicate policy.
 MARKER_KEYS: tuple[tuple[str, str, str], ...] = (
