@@ -17,9 +17,14 @@ from celery import Celery
 
 from celery_dlock import LockedTask
 from celery_dlock.compat import QueueOnce, Singleton
+from celery_dlock.core.registry import MARKERS, entry_for
 
 
 def register(app: Celery, dp: str, record: Callable[..., None]) -> None:
+    entry = entry_for(app.conf.get("dlock_url"))
+    if entry is not None and not entry.can(MARKERS):
+        return  # a test of a backend that keeps no queue markers (its workers would
+        # refuse these tasks' lock_mode when they start)
     def run(task: Any, seconds: float, **fields: Any) -> None:
         start = time.time()
         record(f"{dp}:compat-start:{task.name}", start=start, task_id=task.request.id,

@@ -15,9 +15,14 @@ from typing import Any
 from celery import Celery
 
 from celery_dlock import LockedTask
+from celery_dlock.core.registry import MARKERS, entry_for
 
 
 def register(app: Celery, dp: str, record: Callable[..., None]) -> None:
+    entry = entry_for(app.conf.get("dlock_url"))
+    if entry is not None and not entry.can(MARKERS):
+        return  # a test of a backend that keeps no queue markers (its workers would
+        # refuse these tasks' lock_mode when they start)
     @app.task(shared=False, name="pf.mode", base=LockedTask, bind=True,
               lock_key="mode:{key}", lock_ttl=3, on_contention="wait", lock_wait=60,
               lock_mode="until_finished")
