@@ -38,7 +38,7 @@ SEED = int(os.environ.get("DLOCK_CHAOS_SEED", "1"))
 VARIANTS = {"redis": ("redis", "redis", False),
             "redis-broker": ("redis", "redis", True),
             "postgresql": ("postgresql", "redis", True)}
-SECONDS = {"redis": 30.0, "redis-broker": 30.0, "postgresql": 20.0}
+SECONDS = {"redis": 30.0, "redis-broker": 30.0, "postgresql": 30.0}
 DEFAULT_VARIANTS = "redis,postgresql"
 _asked = os.environ.get("DLOCK_CHAOS_VARIANTS", DEFAULT_VARIANTS)
 WANTED = set(VARIANTS) if _asked == "all" else {v.strip() for v in _asked.split(",")}
