@@ -142,4 +142,4 @@ def _child_up(**_: Any) -> None:
 
 
 chaos_modes.register(app, lambda: here()[0], ttl=TTL,
-                     rates=app.conf.dlock_url.startswith(("redis", "postgresql", "zookeeper")))
+                     rates=app.conf.dlock_url.startswith(chaos_modes.MARKER_STORES))
