@@ -80,9 +80,18 @@ def open_markers(kind: str, request: pytest.FixtureRequest) -> Iterator[MarkerCa
     try:
         yield MarkerCase(kind, url, backend.markers(), backend)
     finally:
-        client = getattr(backend, "client", None)
-        if kind == "redis" and client is not None:
-            client.close()
+        close_backend(kind, backend)
+
+
+def close_backend(kind: str, backend: Any) -> None:
+    """Close what a backend of :func:`backend_of` opened (a socket left to the
+    garbage collector is reported, as an error, in whichever test it is collected)."""
+    client = getattr(backend, "client", None)
+    if kind == "redis" and client is not None:
+        client.close()
+    server = getattr(backend, "server", None)
+    if kind in ("postgres", "mysql") and server is not None:
+        server.close()
 
 
 @pytest.fixture(params=MARKER_STORES)

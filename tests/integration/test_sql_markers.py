@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from marker_stores import MarkerCase, backend_of, open_markers, store_url
+from marker_stores import MarkerCase, backend_of, close_backend, open_markers, store_url
 
 from celery_dlock import LockKeyConflict
 from celery_dlock.task.markers import CLAIMED, QUEUED, REPLACED
@@ -72,7 +72,14 @@ def test_a_write_sent_twice_answers_as_the_first(sql: MarkerCase, prefix: str,
 def test_two_threads_claim_one_name_once(sql: MarkerCase, prefix: str) -> None:
     """Sends of one name from two threads (each with its own connection): each
     round, exactly one claims it and the other is told a duplicate of that one."""
-    stores = [sql.store, backend_of(sql.kind, sql.url).markers()]
+    other = backend_of(sql.kind, sql.url)
+    try:
+        _race(sql, prefix, [sql.store, other.markers()])
+    finally:
+        close_backend(sql.kind, other)
+
+
+def _race(sql: MarkerCase, prefix: str, stores: list[Any]) -> None:
     for round_ in range(20):
         name = f"race-{round_}"
         answers: dict[str, tuple[int, str]] = {}
@@ -118,12 +125,15 @@ def test_reading_makes_no_table_and_a_step_makes_it(
         request: pytest.FixtureRequest, sql: MarkerCase, prefix: str) -> None:
     table = f"mk{uuid.uuid4().hex[:10]}"
     backend = backend_of(sql.kind, _url_with_table(store_url(sql.kind, request), table))
-    m = backend.markers()
-    assert m.read(prefix, "n") is None
-    assert list(m.queued(prefix)) == []
-    assert not backend.server.ensure_side_table("_markers", create=False)
-    assert _claim(m, prefix, "n", "a") == (CLAIMED, "")
-    assert backend.server.ensure_side_table("_markers", create=False)
+    try:
+        m = backend.markers()
+        assert m.read(prefix, "n") is None
+        assert list(m.queued(prefix)) == []
+        assert not backend.server.ensure_side_table("_markers", create=False)
+        assert _claim(m, prefix, "n", "a") == (CLAIMED, "")
+        assert backend.server.ensure_side_table("_markers", create=False)
+    finally:
+        close_backend(sql.kind, backend)
 
 
 def test_a_foreign_table_at_the_markers_table_name_is_a_conflict(
@@ -139,10 +149,13 @@ def test_a_foreign_table_at_the_markers_table_name_is_a_conflict(
             conn.commit()
     finally:
         conn.close()
-    with pytest.raises(LockKeyConflict, match=f"{table}_markers"):
-        _claim(backend.markers(), prefix, "n", "a")
-    with pytest.raises(LockKeyConflict, match=f"{table}_markers"):
-        backend.markers().read(prefix, "n")  # nor read as markers
+    try:
+        with pytest.raises(LockKeyConflict, match=f"{table}_markers"):
+            _claim(backend.markers(), prefix, "n", "a")
+        with pytest.raises(LockKeyConflict, match=f"{table}_markers"):
+            backend.markers().read(prefix, "n")  # nor read as markers
+    finally:
+        close_backend(sql.kind, backend)
     conn = backend.server.connect()
     try:
         cur = conn.cursor()
