@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,17 +75,25 @@ def test_smoke_mode_runs_and_prints_its_table(script: str, results_dir: Path) ->
     assert data["machine"]["redis_server"]
 
 
-def test_backends_measures_or_skips_each_backend(results_dir: Path) -> None:
-    out = results_dir / "bench_backends.json"
+def _per_store_smoke(results_dir: Path, script: str, key: str
+                     ) -> tuple[dict[str, Any], set[str]]:
+    """``script --smoke``'s JSON and the stores it measured: Redis always, each
+    other store measured or skipped with a reason, never both."""
+    out = results_dir / f"{script.removesuffix('.py')}.json"
     if not out.exists():
-        proc = _run(["bench_backends.py", "--smoke", "--json", str(out)])
+        proc = _run([script, "--smoke", "--json", str(out)])
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
-    measured, skipped = set(data["backends"]), set(data["skipped"])
+    data: dict[str, Any] = json.loads(out.read_text())
+    measured, skipped = set(data[key]), set(data["skipped"])
     assert "redis" in measured, data["skipped"]
     assert measured | skipped == {"redis", "postgres", "mysql", "zookeeper"}
     assert not measured & skipped
     assert all(why for why in data["skipped"].values())
+    return data, measured
+
+
+def test_backends_measures_or_skips_each_backend(results_dir: Path) -> None:
+    data, measured = _per_store_smoke(results_dir, "bench_backends.py", "backends")
     assert {(r["backend"], r["names"]) for r in data["cycle"]} == {
         (b, n) for b in measured for n in ("distinct", "hot")}
     assert {(r["backend"], r["holds"]) for r in data["renewal"]} == {
@@ -97,16 +106,7 @@ def test_backends_measures_or_skips_each_backend(results_dir: Path) -> None:
 
 def test_send_measures_each_mode_on_each_store_or_says_why_not(
         results_dir: Path) -> None:
-    out = results_dir / "bench_send.json"
-    if not out.exists():
-        proc = _run(["bench_send.py", "--smoke", "--json", str(out)])
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
-    measured, skipped = set(data["stores"]), set(data["skipped"])
-    assert "redis" in measured, data["skipped"]
-    assert measured | skipped == {"redis", "postgres", "mysql", "zookeeper"}
-    assert not measured & skipped
-    assert all(why for why in data["skipped"].values())
+    data, measured = _per_store_smoke(results_dir, "bench_send.py", "stores")
     per_store = {"LockedTask until_started", "LockedTask until_finished",
                  "LockedTask queued_and_running", "LockedTask throttle",
                  "duplicate until_started, return_existing",
