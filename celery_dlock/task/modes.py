@@ -56,6 +56,7 @@ from kombu.utils.uuid import uuid
 
 from ..core.errors import BackendUnavailable, DLockError, InvalidLockConfig
 from . import signals
+from .attempt import attempts
 from .backend import markers_for
 from .duplicates import AlreadyQueued, DroppedResult
 from .follow import FOLLOW_HEADER, follow_header, in_canvas
@@ -153,12 +154,17 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
             # Nothing is published, so it is taken back (its ttl bounds it).
             take_back_later(store, prefix, lock_name, task_id, op, ttl)
             raise
-        # An accepted call's re-queue (a retry, a contention re-queue, a rate park) is
-        # never lost for want of its marker: it is published all the same, with its
-        # record; its start finds what the name's marker says by then.
-        logger.warning("Task %s[%s] is re-queued without its queue marker of %r: %s",
-                       task.name, task_id, lock_name, exc)
-        code, other, left = OURS, task_id, None
+        # A started call's retry, sent from its body, tries again while the body's
+        # hold stands: the name stays answered for by the hold until then.
+        answer = _while_held(task, task_id, claim) if started else None
+        if answer is None:
+            # An accepted call's re-queue (a retry, a contention re-queue, a rate
+            # park) is never lost for want of its marker: it is published all the
+            # same, with its record; its start finds what the name's marker says.
+            logger.warning("Task %s[%s] is re-queued without its queue marker of %r: "
+                           "%s", task.name, task_id, lock_name, exc)
+            answer = (OURS, task_id, None)
+        code, other, left = answer
     waited = 0.0
     while code == PENDING and waited < PENDING_WAIT:
         time.sleep(PENDING_STEP)  # another replace's publish: settled in milliseconds
@@ -198,19 +204,67 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
                       arguments=task.lock_arguments(tuple(args or ()), kwargs or {}))
 
 
+#: How often a started call's re-queue asks the store again while its hold stands.
+HELD_RETRY_STEP = 0.1
+HELD_RETRY_MAX_STEP = 0.5
+
+
+def _while_held(task: Any, task_id: str,
+                claim: Callable[[], tuple[int, str, float | None]],
+                ) -> tuple[int, str, float | None] | None:
+    """The claim of a started call's re-queue (its ``self.retry()``, sent from its
+    body in this thread), asked again until the store answers while the body's hold
+    stands: as long as it stands, a send of the name finds the name held, so the
+    re-queue's marker, written late, leaves no moment without an answer for the name.
+    None when the hold was lost first (or no body of this call runs here): the
+    re-queue is then published without its marker (docs/modes.md, Limits)."""
+    attempt = attempts.get().get(getattr(task, "name", ""))
+    if attempt is None or attempt.task_id != task_id:
+        return None
+    lock = attempt.lock
+    # The watchdog finds a hold lost within its ttl of the store's silence; the
+    # deadline only bounds the loop should it not.
+    deadline = time.monotonic() + 2 * lock.ttl + 1.0
+    step = HELD_RETRY_STEP
+    while not lock.lost and attempt.lost_reason is None and time.monotonic() < deadline:
+        time.sleep(step)
+        step = min(step * 2, HELD_RETRY_MAX_STEP)
+        try:
+            return claim()
+        except BackendUnavailable:
+            continue
+    return None
+
+
 def _retry_waits(store: MarkerStore, original: Callable[..., Any], task: Any,
                  prefix: str, lock_name: str, task_id: str, ttl: float,
                  call: tuple[Any, Any, Any], options: dict[str, Any],
                  headers: dict[str, Any], record: MarkerRecord) -> Any:
     """Publish the retry of a started call that holds no marker, its task id kept
     as waiting meanwhile (published all the same when Redis cannot be reached)."""
+    op = uuid()
+
+    def claim() -> tuple[int, str, float | None]:
+        return store.claim(prefix, lock_name, task_id, ttl, running_counts=False,
+                           replace=False, requeue=True, op=op, started=True, waits=True)
+
     try:
-        store.claim(prefix, lock_name, task_id, ttl, running_counts=False,
-                    replace=False, requeue=True, op=uuid(), started=True, waits=True)
+        claim()
     except BackendUnavailable as exc:
+        if _while_held(task, task_id, claim) is not None:
+            return _publish_retry(store, original, prefix, lock_name, task_id, call,
+                                  options, headers, record)
         logger.warning("Task %s[%s] is re-queued without its record of %r as a retry "
                        "waiting (a send of its task id meanwhile is not caught): %s",
                        task.name, task_id, lock_name, exc)
+    return _publish_retry(store, original, prefix, lock_name, task_id, call, options,
+                          headers, record)
+
+
+def _publish_retry(store: MarkerStore, original: Callable[..., Any], prefix: str,
+                   lock_name: str, task_id: str, call: tuple[Any, Any, Any],
+                   options: dict[str, Any], headers: dict[str, Any],
+                   record: MarkerRecord) -> Any:
     headers[MARKER_HEADER] = record.header()
     options["headers"] = headers
     try:

@@ -275,6 +275,26 @@ def test_more_starts_than_the_rate_allows_are_flagged(tmp_path: Path) -> None:
     assert kinds(rep) == ["rate"] and rep["rated_most_starts_in_a_period"] == 4
 
 
+def test_a_start_held_back_by_a_store_fault_stands_for_an_earlier_grant(
+        tmp_path: Path) -> None:
+    """The bound is on grants (the store's clock): a start just after a latency fault
+    (0.12 s a reply) may stand for a grant up to 0.36 s earlier, so four starts in
+    0.9 s are no violation there, and are one without the fault; a fifth start among
+    them (four in 0.4 s) is one even with it."""
+    rate = {"n": 2, "period": 1.0, "burst": 1}
+    run = Run(tmp_path, rate)
+    for i, start in enumerate((10.0, 10.1, 10.4, 10.9)):
+        run.call(start - 0.5, f"R{i}", mode="while_running")
+        run.body(f"R{i}", start, start + 0.001, pid=10 + i, name="rated:r")
+    assert kinds(run.check()) == ["rate"]
+    run.driver.append({"ev": "fault", "kind": "latency", "amount": 0.12, "start": 8.0,
+                       "end": 9.95, "t": 9.95})
+    assert run.check()["violations"] == []
+    run.call(10.0, "R9", mode="while_running")
+    run.body("R9", 10.2, 10.201, pid=20, name="rated:r")
+    assert kinds(run.check()) == ["rate"]
+
+
 #: What each broken marker store's run must show (the shipped store's: nothing).
 EXPECTED = {"real": set(), "always_ours": {"two_live"},
             "replace_records_nothing": {"replaced_ran"}}

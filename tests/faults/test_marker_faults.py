@@ -34,11 +34,12 @@ from marker_stores import MarkerCase
 from proxy import FaultProxy
 from worker_harness import Harness, open_harness, wait_for
 
-from celery_dlock import BackendUnavailable, LockedTask
+from celery_dlock import BackendUnavailable, LockedTask, RedisLock
 from celery_dlock.backends.redis.marker_scripts import CLAIM, CONFIRM, HAND_OVER, UNDO
 from celery_dlock.backends.redis.markers import RedisMarkers
 from celery_dlock.ops.embedded import EmbeddedRedis
 from celery_dlock.task import signals
+from celery_dlock.task.attempt import Attempt, attempts
 from celery_dlock.task.markers import (
     CLAIMED,
     MARKER_HEADER,
@@ -376,6 +377,64 @@ def test_a_re_queue_is_published_when_its_claim_finds_redis_gone(
         task.apply_async(args, task_id="new")
     assert _queued(r, queue) == ["retried"]
     app.close()
+
+
+@pytest.mark.parametrize("mode", ["until_finished", "until_started"])
+@pytest.mark.parametrize("hold", ["stands", "lost", "none here"])
+def test_a_started_calls_retry_asks_again_while_its_hold_stands(
+        redis_url: str, r: redis.Redis, own_server: EmbeddedRedis, proxy: FaultProxy,
+        prefix: str, hold: str, mode: str) -> None:
+    """The ``self.retry()`` of a started call whose claim finds the store gone (2 s):
+    while the body's hold stands, the claim is asked again and the retry published
+    once it went through.  So, after the hold's release, a call of the name
+    (``until_finished``: it takes the name again) or a send of the call's task id
+    (``until_started``: its task id waits for its retry) is a duplicate of the retry.
+    When the hold is found lost meanwhile, or no body of the call runs here, the
+    retry is published at once without its record, and that send is accepted (the
+    limit docs/modes.md states)."""
+    queue = f"q-{prefix}"
+    app = _producer(redis_url, prefix, queue, lambda: redis.Redis.from_url(
+        proxy.url, socket_timeout=0.4, socket_connect_timeout=0.4,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0)))
+    task = app.tasks["pf.mode"]
+    args = ("k", 0.0, "a")
+    name = task.lock_name(args, {})
+    direct = redis.Redis.from_url(own_server.url)
+    lock = RedisLock(direct, name, ttl=30, prefix=prefix)
+    assert lock.acquire(blocking=False)
+    attempt = Attempt(lock, threading.get_ident(), "retried")
+    here = {task.name: attempt} if hold != "none here" else {}
+    record = MarkerRecord(name, prefix, mode, "return_existing", "retried",
+                          True).header()
+    proxy.black_hole()
+    healer = threading.Timer(2.0, proxy.heal)
+    loser = threading.Timer(0.8, attempt.found_lost, ("the watchdog's verdict",))
+    healer.start()
+    if hold == "lost":
+        loser.start()
+    token = attempts.set(here)
+    began = time.monotonic()
+    try:
+        sent = task.apply_async(args, task_id="retried", lock_mode=mode,
+                                headers={MARKER_HEADER: record})
+    finally:
+        took = time.monotonic() - began
+        attempts.reset(token)
+        healer.join(10)
+        loser.cancel()
+    assert sent.id == "retried" and _queued(r, queue) == ["retried"]
+    lock.release()
+    again = ("new", ("k", 0.0, "b")) if mode == "until_finished" else \
+        ("retried", args)
+    other = task.apply_async(again[1], task_id=again[0], lock_mode=mode)
+    if hold == "stands":
+        assert took >= 1.5, f"published after {took:.2f} s, before the store came back"
+        assert other.id == "retried" and _queued(r, queue) == ["retried"]
+    else:
+        assert took < 1.9, f"published after {took:.2f} s: it waited for the store"
+        assert other.id == again[0] and len(_queued(r, queue)) == 2
+    app.close()
+    direct.close()
 
 
 def _stall(kind: str, server: EmbeddedRedis) -> Callable[[], None]:

@@ -191,11 +191,13 @@ def test_a_re_sent_take_takes_one_slot(rates, prefix, name):
     # One a minute: the four takes fall in one interval even when the store is slow
     # or paused meanwhile (the suite's servers are shared by the tests of a run).
     rate = parse_rate("1/m")
-    op = uuid.uuid4().hex
+    # Two distinct operations (a fixed first character would equal the uuid's own
+    # one time in sixteen, making the "second" operation the first one again).
+    op, other = "a" + uuid.uuid4().hex, "b" + uuid.uuid4().hex
     assert rates.take_op(prefix, name, rate, None, op).run
     assert rates.take_op(prefix, name, rate, None, op).run, "its first answer"
-    parked = rates.take_op(prefix, name, rate, None, "b" + op[1:])
-    again = rates.take_op(prefix, name, rate, None, "b" + op[1:])
+    parked = rates.take_op(prefix, name, rate, None, other)
+    again = rates.take_op(prefix, name, rate, None, other)
     assert not parked.run and again.slot == parked.slot
     # One grant and one parked call: the next slot is the second after the grant.
     assert rates.take(prefix, name, rate).slot == parked.slot + 60_000_000
