@@ -23,7 +23,7 @@ from lock_kinds import (  # noqa: F401 (fixtures)
     redlock_servers,
 )
 from mariadb_server import mariadb_url  # noqa: F401 (a fixture)
-from marker_stores import markers  # noqa: F401 (a fixture)
+from marker_stores import markers, store_harness  # noqa: F401 (fixtures)
 from zk_server import zk_server  # noqa: F401 (a fixture)
 
 from celery_dlock.ops.embedded import EmbeddedRedis, find_redis_server

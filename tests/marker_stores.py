@@ -1,7 +1,8 @@
 """The queue-marker stores, one test run per store: Redis, PostgreSQL, MySQL/MariaDB,
 ZooKeeper.
 
-The ``markers`` fixture (loaded by tests/conftest.py) gives a test a
+The ``markers`` fixture (loaded by tests/conftest.py, as ``store_harness``: real
+prefork workers whose locks and markers are on each store) gives a test a
 :class:`MarkerCase`: the store (what :class:`~celery_dlock.task.markers.MarkerStore`
 says), the backend it belongs to (for locks: a running holder is the holder of the
 lock of the same prefix and name whose hold's info carries ``task_id``, taken with
@@ -12,6 +13,7 @@ skipped, with the reason, where there is no server (the ``postgres_server``,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -98,3 +100,23 @@ def close_backend(kind: str, backend: Any) -> None:
 def markers(request: pytest.FixtureRequest) -> Iterator[MarkerCase]:
     """Each store that keeps queue markers in turn."""
     yield from open_markers(request.param, request)
+
+
+@pytest.fixture(params=MARKER_STORES)
+def store_harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+                  ) -> Iterator[Any]:
+    """A worker harness (:func:`worker_harness.open_harness`) whose locks and queue
+    markers are on each store in turn (the broker, results and the tasks' records
+    stay on Redis).  The workers and the test's own app (the producer,
+    :func:`prefork_app.make_app`) both read ``ENV_CONF``: they send and run with the
+    same ``dlock_url``."""
+    from prefork_app import ENV_CONF
+    from worker_harness import open_harness
+
+    if request.param != "redis":
+        url = store_url(request.param, request)
+        monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
+    yield from open_harness(request.getfixturevalue("redis_url"),
+                            request.getfixturevalue("r"),
+                            request.getfixturevalue("prefix"),
+                            request.getfixturevalue("tmp_path"), request)

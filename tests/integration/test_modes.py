@@ -27,8 +27,6 @@ import redis
 from celery import chain, chord, group
 from celery_helpers import canvas_follows_before_57
 from kombu.exceptions import EncodeError
-from marker_stores import MARKER_STORES, store_url
-from prefork_app import ENV_CONF
 from worker_harness import Harness, assert_disjoint, open_harness, wait_for
 
 from celery_dlock import DROPPED, AlreadyQueued, DroppedResult, InvalidLockConfig
@@ -43,20 +41,6 @@ MODES = ("until_started", "until_finished", "queued_and_running", "throttle")
 @pytest.fixture
 def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
             request: pytest.FixtureRequest) -> Iterator[Harness]:
-    yield from open_harness(redis_url, r, prefix, tmp_path, request)
-
-
-@pytest.fixture(params=MARKER_STORES)
-def store_harness(request: pytest.FixtureRequest, redis_url: str, r: redis.Redis,
-                  prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                  ) -> Iterator[Harness]:
-    """A harness whose locks and queue markers are on each store in turn (the
-    broker, results and the tasks' records stay on Redis).  The workers and the
-    test's own app (the producer, :func:`prefork_app.make_app`) both read
-    ``ENV_CONF``: they send and run with the same ``dlock_url``."""
-    if request.param != "redis":
-        url = store_url(request.param, request)
-        monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
     yield from open_harness(redis_url, r, prefix, tmp_path, request)
 
 

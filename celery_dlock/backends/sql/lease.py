@@ -71,8 +71,9 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 def holder_of(row: tuple[Any, ...]) -> Holder:
     """The :class:`Holder` of a hold row: ``name, owner, count, fence, age (s), ttl
-    left (s), info``."""
-    _, owner, count, fence, age, ttl, info = row
+    left (s), info`` (and, on a read of holds, the longest ttl in ms it was taken or
+    extended with)."""
+    _, owner, count, fence, age, ttl, info = row[:7]
     return Holder(owner=_text(owner), count=int(count), fence=int(fence),
                   age=None if age is None else max(0.0, float(age)),
                   ttl=None if ttl is None else max(0.0, float(ttl)),
@@ -90,11 +91,16 @@ def hold_info(row: tuple[Any, ...]) -> HoldInfo:
     task_id = extra.pop("task_id", None)
     worker = extra.pop("worker", None)
     host = extra.pop("host", None)
+    # The longest ttl it was taken or extended with (as Redis keeps it): less the ttl
+    # left, how long ago the hold was renewed (``clear_locks`` judges a stopped
+    # renewal by it).
+    lease = float(row[7]) / 1000.0 if len(row) > 7 and row[7] else None
     return HoldInfo(key=str(key) if key is not None else _text(row[0]) or "",
                     task_name=task_name, task_id=task_id,
                     worker=worker, pid=int(pid) if pid and pid.isdigit() else None,
                     owner=holder.owner or "", count=holder.count, fence=holder.fence,
-                    ttl=holder.ttl, held_for=holder.age, host=host, extra=extra)
+                    ttl=holder.ttl, held_for=holder.age, host=host, extra=extra,
+                    lease=lease)
 
 
 class Status(NamedTuple):

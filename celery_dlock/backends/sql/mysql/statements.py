@@ -71,9 +71,10 @@ STATUS = (f"SELECT owner, expires_at > {NOW}, {_APPLIED}, forced "
 _HOLD_COLUMNS = (
     "name, owner, `count`, fence, "
     f"TIMESTAMPDIFF(MICROSECOND, acquired_at, {NOW}) / 1000000, "
-    f"TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) / 1000000, info")
+    f"TIMESTAMPDIFF(MICROSECOND, {NOW}, expires_at) / 1000000, info, ttl_ms")
 
-#: The live hold of a name: name, owner, count, fence, age, ttl left (s), info.
+#: The live hold of a name: name, owner, count, fence, age, ttl left (s), info, and
+#: the longest ttl (ms) it was taken or extended with.
 HOLD = f"SELECT {_HOLD_COLUMNS} FROM {{t}} WHERE lock_id = %(id)s AND {_LIVE}"
 
 #: Every live hold under a prefix.

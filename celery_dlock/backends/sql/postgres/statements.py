@@ -160,9 +160,11 @@ EXTEND = sql.SQL(
 _HOLD_COLUMNS = (
     "l.name, l.owner, l.count, l.fence, "
     "extract(epoch FROM clock_timestamp() - l.acquired_at)::float8, "
-    "extract(epoch FROM l.expires_at - clock_timestamp())::float8, l.info")
+    "extract(epoch FROM l.expires_at - clock_timestamp())::float8, l.info, "
+    "l.ttl_ms")
 
-#: The live hold of a name: name, owner, count, fence, age, ttl left (s), info.
+#: The live hold of a name: name, owner, count, fence, age, ttl left (s), info, and
+#: the longest ttl (ms) it was taken or extended with.
 HOLD = sql.SQL(
     f"SELECT {_HOLD_COLUMNS} FROM {{t}} l WHERE {_KEY} AND l.owner IS NOT NULL "
     "AND l.expires_at > clock_timestamp()")
