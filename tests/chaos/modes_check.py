@@ -8,7 +8,9 @@ when it was told its lock is lost); or, if it was replaced, the start of the sen
 that replaced it (or of a replace that superseded it at its start, whose signal did
 not come: its confirmation failed); or the moment the producer revoked it; or the
 start of a delivery or body whose process died (a killed body frees the name within
-``lock_ttl``); or its end without a body (ignored, failed).  The producer sends from
+``lock_ttl``; so does one whose process died after its body ended, before its
+delivery did, as in ``self.retry()`` waiting for the store); or its end without a
+body (ignored, failed).  The producer sends from
 one thread, so sends (and their claims) are in the order of their records.
 
 Violations (``{"kind": ..., ...}``; a run is safe when there is none):
@@ -132,15 +134,25 @@ def check(out: Path) -> dict[str, Any]:
     for b in bodies:
         bodies_of[b["task_id"]].append(b)
     starts: dict[str, list[float]] = defaultdict(list)
-    # Deliveries whose process died in them (their start is its last record).
+    # Deliveries whose process died in them: its last records are of a delivery that
+    # has no task_end (its start or its body's; or its body's end, as when it died in
+    # self.retry(), waiting for the store to write its retry's marker: the retry may
+    # never have been published, and the message comes back).
     last_of: dict[int, dict[str, Any]] = {}
+    open_delivery: dict[int, str | None] = {}
     for r in sorted(records, key=lambda r: r["t"]):
         last_of[r["pid"]] = r
         if r["ev"] == "task_start":
             starts[r["task_id"]].append(r["t"])
+            open_delivery[r["pid"]] = r["task_id"]
+        elif r["ev"] == "task_end":
+            open_delivery[r["pid"]] = None
     killed: dict[str, list[float]] = defaultdict(list)
-    for r in last_of.values():
-        if r["ev"] in ("task_start", "body_start"):
+    for pid, r in last_of.items():
+        in_body = r["ev"] in ("task_start", "body_start")
+        after_body = r["ev"] in ("body_end", "lost") and open_delivery.get(pid) \
+            is not None and r.get("task_id") == open_delivery[pid]
+        if in_body or after_body:
             killed[r["task_id"]].append(r["t"])
     ends: dict[str, list[tuple[float, str]]] = defaultdict(list)
     # Ignored at its start, superseded: (when, by which call: None when not named).

@@ -261,6 +261,30 @@ def test_two_bodies_of_one_name_at_once_overlap(tmp_path: Path) -> None:
     assert run.check()["violations"] == []
 
 
+def test_a_process_dead_after_its_body_ended_in_retry_frees_its_name(
+        tmp_path: Path) -> None:
+    # until_finished: A's body ends in self.retry() at 1.0; its retry runs at 5.0.
+    # B accepted at 3.0 is a second live call while A waits for its retry, unless A's
+    # process died before its delivery ended (in self.retry(), waiting for the
+    # store): the name frees within lock_ttl then, and A's message comes back.
+    run = Run(tmp_path)
+    run.call(0.0, "A")
+    run.worker.append({"ev": "task_start", "task_id": "A", "t": 0.4, "pid": 10})
+    run.worker.append({"ev": "body_start", "task_id": "A", "key": "k",
+                       "name": "mode:k", "t": 0.5, "pid": 10})
+    run.worker.append({"ev": "body_end", "task_id": "A", "key": "k",
+                       "outcome": "retry", "t": 1.0, "pid": 10})
+    run.call(3.0, "B")
+    run.body("B", 3.5, 4.0, pid=11)
+    run.body("A", 5.0, 5.5, pid=12)
+    assert run.check()["violations"] == []
+    # Its delivery ended (task_end RETRY) and its process went on: A stays live.
+    run.worker.append({"ev": "task_end", "task_id": "A", "state": "RETRY", "t": 1.1,
+                       "pid": 10})
+    run.body("C", 9.0, 9.5, pid=10)
+    assert kinds(run.check()) == ["two_live"]
+
+
 def test_more_starts_than_the_rate_allows_are_flagged(tmp_path: Path) -> None:
     rate = {"n": 2, "period": 1.0, "burst": 1}  # at most 3 starts in any second
     run = Run(tmp_path, rate)
