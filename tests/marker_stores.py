@@ -1,8 +1,8 @@
 """The queue-marker stores, one test run per store: Redis, PostgreSQL, MySQL/MariaDB,
 ZooKeeper.
 
-The ``markers`` fixture (loaded by tests/conftest.py, as ``store_harness``: real
-prefork workers whose locks and markers are on each store) gives a test a
+Two fixtures, loaded by tests/conftest.py: ``store_harness`` (real prefork workers
+whose locks and markers are on each store), and ``markers``, which gives a test a
 :class:`MarkerCase`: the store (what :class:`~celery_dlock.task.markers.MarkerStore`
 says), the backend it belongs to (for locks: a running holder is the holder of the
 lock of the same prefix and name whose hold's info carries ``task_id``, taken with
@@ -110,8 +110,8 @@ def markers(request: pytest.FixtureRequest) -> Iterator[MarkerCase]:
 
 
 @pytest.fixture(params=MARKER_STORES)
-def store_harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-                  ) -> Iterator[Any]:
+def store_harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                  redis_url: str, r: Any, prefix: str, tmp_path: Any) -> Iterator[Any]:
     """A worker harness (:func:`worker_harness.open_harness`) whose locks and queue
     markers are on each store in turn (the broker, results and the tasks' records
     stay on Redis).  The workers and the test's own app (the producer,
@@ -123,7 +123,4 @@ def store_harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     if request.param != "redis":
         url = store_url(request.param, request)
         monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
-    yield from open_harness(request.getfixturevalue("redis_url"),
-                            request.getfixturevalue("r"),
-                            request.getfixturevalue("prefix"),
-                            request.getfixturevalue("tmp_path"), request)
+    yield from open_harness(redis_url, r, prefix, tmp_path, request)

@@ -241,7 +241,8 @@ def _retry_waits(store: MarkerStore, original: Callable[..., Any], task: Any,
                  call: tuple[Any, Any, Any], options: dict[str, Any],
                  headers: dict[str, Any], record: MarkerRecord) -> Any:
     """Publish the retry of a started call that holds no marker, its task id kept
-    as waiting meanwhile (published all the same when Redis cannot be reached)."""
+    as waiting meanwhile (published all the same when the store cannot be reached
+    while the body's hold stands)."""
     op = uuid()
 
     def claim() -> tuple[int, str, float | None]:
@@ -251,20 +252,10 @@ def _retry_waits(store: MarkerStore, original: Callable[..., Any], task: Any,
     try:
         claim()
     except BackendUnavailable as exc:
-        if _while_held(task, task_id, claim) is not None:
-            return _publish_retry(store, original, prefix, lock_name, task_id, call,
-                                  options, headers, record)
-        logger.warning("Task %s[%s] is re-queued without its record of %r as a retry "
-                       "waiting (a send of its task id meanwhile is not caught): %s",
-                       task.name, task_id, lock_name, exc)
-    return _publish_retry(store, original, prefix, lock_name, task_id, call, options,
-                          headers, record)
-
-
-def _publish_retry(store: MarkerStore, original: Callable[..., Any], prefix: str,
-                   lock_name: str, task_id: str, call: tuple[Any, Any, Any],
-                   options: dict[str, Any], headers: dict[str, Any],
-                   record: MarkerRecord) -> Any:
+        if _while_held(task, task_id, claim) is None:
+            logger.warning("Task %s[%s] is re-queued without its record of %r as a "
+                           "retry waiting (a send of its task id meanwhile is not "
+                           "caught): %s", task.name, task_id, lock_name, exc)
     headers[MARKER_HEADER] = record.header()
     options["headers"] = headers
     try:
