@@ -88,6 +88,24 @@ class LockNode:
             return None
         return decode_node(raw, child), stat
 
+    def read_all(self, children: list[str]) -> list[tuple[NodeData, Any] | None]:
+        """:meth:`read` of each of ``children``, all sent before the first reply is
+        read (one round trip)."""
+        if not children:
+            return []
+        session = self.session
+        client = session.start("read", self.name)
+        pending = [client.get_async(child) for child in children]
+        out: list[tuple[NodeData, Any] | None] = []
+        for child, result in zip(children, pending, strict=True):
+            try:
+                raw, stat = session.wait("read", result, self.name, self.path)
+            except NoNodeError:
+                out.append(None)
+                continue
+            out.append((decode_node(raw, child), stat))
+        return out
+
     def write(self, child: str, data: NodeData, version: int) -> bool:
         """Set a child's data at ``version``; False when it changed or went meanwhile
         (its holder deleted it: told of a loss, or at its max hold)."""
@@ -115,10 +133,11 @@ class LockNode:
         except (NotEmptyError, NoNodeError, DLockError):
             pass
 
-    def code_for(self, owner: str) -> int:
-        """GONE when nobody holds the lock, TAKEN when another owner does."""
+    def code_for(self, owner: str, limit: int = 1) -> int:
+        """GONE when nobody holds the lock, TAKEN when another owner does (a
+        semaphore's slot is never taken from its holder: GONE)."""
         kids = self.children()
-        if not kids:
+        if not kids or limit > 1:
             return GONE
         found = self.read(self.child(kids[0][2]))
         return TAKEN if found is not None and found[0].owner != owner else GONE

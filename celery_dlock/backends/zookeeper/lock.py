@@ -56,12 +56,12 @@ from ...core.errors import (
 )
 from ...core.hold import Hold
 from ...core.lock_args import DEFAULT_PREFIX
-from ...core.lock_options import LockOptions
+from ...core.lock_options import LockOptions, check_limit
 from ...core.protocol import GONE, OK, STILL_HELD, Grant, Refused
 from ...core.renew_target import RenewTarget
 from ...core.scheduler import RenewalScheduler
 from .line import RACES as _RACES
-from .line import LockNode
+from .line import Child, LockNode
 from .nodes import (
     NodeData,
     child_prefix,
@@ -118,11 +118,8 @@ class ZooKeeperLock(Hold):
 
     def _open(self, where: Any, options: LockOptions) -> None:
         name = options.name
-        if options.limit != 1:
-            raise InvalidLockConfig(
-                f"lock_limit={options.limit!r}: the zookeeper backend keeps locks of "
-                f"one holder; semaphores (lock_limit > 1) need a Redis backend "
-                f"(docs/backends.md)", lock_name=name)
+        #: How many owners hold at once (above 1: a semaphore, see the module text).
+        self.limit = check_limit(options.limit, name)
         spec = where if isinstance(where, ZkSpec) else parse_url(where)
         super().__init__(options)
         if self.ttl_ms > MAX_SESSION_MS:
@@ -144,6 +141,8 @@ class ZooKeeperLock(Hold):
         self._pred: dict[str, str] = {}
         self._held: dict[str, tuple[str, int]] = {}
         self._waited: set[str] = set()
+        # Per owner waiting for a semaphore's slot: the line as it saw it last.
+        self._seen: dict[str, list[str]] = {}
         # The final release whose delete was sent: (op, child path).
         self._deleted: tuple[str, str] | None = None
         # The child and depth of the current hold, for a lock object dropped while
@@ -158,7 +157,7 @@ class ZooKeeperLock(Hold):
         gen = self._generation
         super()._sync_generation()
         if gen != self._generation:  # a forked child: none of these are its own
-            self._line, self._pred, self._held = {}, {}, {}
+            self._line, self._pred, self._held, self._seen = {}, {}, {}, {}
             self._waited, self._deleted = set(), None
 
     def _holder_child(self, owner: str) -> str | None:
@@ -170,6 +169,8 @@ class ZooKeeperLock(Hold):
         if held is not None:
             return held[0]
         kids = self._node.children()
+        if self.limit > 1:
+            return self._slot_of(owner, kids)
         if kids:
             child = self._node.child(kids[0][2])
             found = self._node.read(child)
@@ -182,7 +183,8 @@ class ZooKeeperLock(Hold):
     def _new_data(self, owner: str, op: str) -> NodeData:
         granted = self._node.session.granted_ms or self._node.session.timeout_ms
         return NodeData(owner=owner, count=1, ttl_ms=granted, op=op,
-                        acquired_at=time.time(), pid=os.getpid(), info=self._info)
+                        acquired_at=time.time(), pid=os.getpid(), info=self._info,
+                        limit=self.limit)
 
     def _send_acquire(self, owner: str, op: str, *, queue: bool,
                       reentry: bool) -> Grant | Refused | int:
@@ -191,6 +193,8 @@ class ZooKeeperLock(Hold):
         session.check_ttl(self.ttl_ms, self.name)
         if reentry:
             return self._reenter(owner, op)
+        if self.limit > 1:
+            return self._send_acquire_slot(owner, op, queue=queue)
         for _ in range(_RACES):
             kids = self._node.children(make=True)
             with self._nodes:
@@ -227,29 +231,100 @@ class ZooKeeperLock(Hold):
                 self._join_line(owner, op)
                 continue
             # Ours is the lowest child: we hold the lock.
-            child = self._node.child(mine[2])
-            found = self._node.read(child)
-            if found is None:
-                with self._nodes:
-                    self._line.pop(owner, None)
-                continue
-            data, stat = found
-            with self._nodes:
-                waited = owner in self._waited
-            if waited:
-                # We waited in line: the hold starts now.
-                data.acquired_at = time.time()
-                if not self._node.write(child, data, stat.version):
-                    continue
-            with self._nodes:
-                self._line.pop(owner, None)
-                self._pred.pop(owner, None)
-                self._waited.discard(owner)
-                self._held[owner] = (child, stat.czxid)
-            session.holders.add(self)
-            return Grant(stat.czxid, False)
+            grant = self._take(owner, mine)
+            if grant is not None:
+                return grant
         raise DLockError("too many concurrent changes to the lock's line",
                          lock_name=self.name)
+
+    def _take(self, owner: str, mine: Child) -> Grant | None:
+        """The hold of ``owner`` through its own child ``mine``, now at the head of
+        the line (None: it changed meanwhile; look again)."""
+        child = self._node.child(mine[2])
+        found = self._node.read(child)
+        if found is None:
+            with self._nodes:
+                self._line.pop(owner, None)
+            return None
+        data, stat = found
+        with self._nodes:
+            waited = owner in self._waited
+        if waited:
+            # We waited in line: the hold starts now.
+            data.acquired_at = time.time()
+            if not self._node.write(child, data, stat.version):
+                return None
+        with self._nodes:
+            self._line.pop(owner, None)
+            self._pred.pop(owner, None)
+            self._seen.pop(owner, None)
+            self._waited.discard(owner)
+            self._held[owner] = (child, stat.czxid)
+        self._node.session.holders.add(self)
+        return Grant(stat.czxid, False)
+
+    def _send_acquire_slot(self, owner: str, op: str, *,
+                           queue: bool) -> Grant | Refused:
+        """:meth:`_send_acquire` of a semaphore: the ``limit`` lowest children hold."""
+        session = self._node.session
+        for _ in range(_RACES):
+            kids = self._node.children(make=True)
+            with self._nodes:
+                guid = self._line.get(owner)
+            mine = next((k for k in kids if guid is not None and k[1] == guid), None)
+            head = kids[:self.limit]
+            others = [self._node.child(k[2]) for k in head if k != mine]
+            found = self._node.read_all(others)
+            if any(f is None for f in found):
+                continue  # a holder left meanwhile: look again
+            held = next((child for child, f in zip(others, found, strict=True)
+                         if f is not None and f[0].owner == owner
+                         and session.is_ours(f[1].ephemeralOwner)), None)
+            if held is not None:
+                # The owner holds a slot already (through another object): re-enter.
+                grant = self._join(held, owner, op)
+                if grant is None:
+                    continue
+                if mine is not None:
+                    self._leave_line(owner)
+                return grant
+            if mine is not None and mine in head:
+                # Ours is among the lowest: we hold a slot.
+                taken = self._take(owner, mine)
+                if taken is None:
+                    continue
+                return taken
+            first = found[0] if found else None
+            if first is not None:
+                self.last_holder = first[0].holder(first[1].czxid, time.time())
+            if mine is None:
+                if queue or len(kids) < self.limit:
+                    self._join_line(owner, op)
+                    continue
+                return Refused()
+            if not queue:
+                # A race: others joined before our child; never overtake them.
+                self._leave_line(owner)
+                return Refused()
+            with self._nodes:
+                self._seen[owner] = [k[2] for k in kids]
+                self._waited.add(owner)
+            return Refused()
+        raise DLockError("too many concurrent changes to the semaphore's line",
+                         lock_name=self.name)
+
+    def _slot_of(self, owner: str, kids: list[Child]) -> str | None:
+        """The child of ``owner`` among the ``limit`` lowest of ``kids`` (one of this
+        process's session first), else None."""
+        head = [self._node.child(k[2]) for k in kids[:self.limit]]
+        found = self._node.read_all(head)
+        session = self._node.session
+        mine = [(child, f) for child, f in zip(head, found, strict=True)
+                if f is not None and f[0].owner == owner]
+        for child, f in mine:
+            if session.is_ours(f[1].ephemeralOwner):
+                return child
+        return mine[0][0] if mine else None
 
     def _join_line(self, owner: str, op: str) -> None:
         """Create this object's child for ``owner`` (found again by its guid if a lost
@@ -295,12 +370,16 @@ class ZooKeeperLock(Hold):
                 grant = self._join(held[0], owner, op)
                 if grant is not None:
                     return grant
-        return self._node.code_for(owner)
+        return self._node.code_for(owner, self.limit)
 
     def _wait_turn(self, owner: str, refused: Refused, left: float | None) -> None:
         with self._nodes:
             pred = self._pred.pop(owner, None)
+            seen = self._seen.pop(owner, None)
         slice_ = WAIT_SLICE if left is None else min(WAIT_SLICE, left)
+        if seen is not None:
+            self._wait_line(seen, slice_)
+            return
         if pred is None:
             time.sleep(min(slice_, 0.05))
             return
@@ -308,6 +387,21 @@ class ZooKeeperLock(Hold):
         stat = self._node.call("wait", lambda c: c.exists_async(
             pred, watch=lambda _event: woken.set()))
         if stat is not None and slice_ > 0:
+            woken.wait(slice_)
+
+    def _wait_line(self, seen: list[str], slice_: float) -> None:
+        """A semaphore's waiter: sleep until the line changes (a watch on the lock
+        node's children: any holder's delete may free our slot, not only the one just
+        before ours), or ``slice_`` seconds."""
+        woken = threading.Event()
+        try:
+            now = self._node.call("wait", lambda c: c.get_children_async(
+                self.path, watch=lambda _event: woken.set()))
+        except NoNodeError:
+            return  # the line is gone: look again at once
+        if not set(seen) <= set(now):
+            return  # someone left since we looked: look again at once
+        if slice_ > 0:
             woken.wait(slice_)
 
     def acquire(self, blocking: bool = True, timeout: float | None = None, *,
@@ -324,6 +418,7 @@ class ZooKeeperLock(Hold):
         with self._nodes:
             guid = self._line.pop(owner, None)
             self._pred.pop(owner, None)
+            self._seen.pop(owner, None)
             self._waited.discard(owner)
         if guid is None:
             return
@@ -348,16 +443,16 @@ class ZooKeeperLock(Hold):
         child = self._holder_child(owner)
         for _ in range(_RACES):
             if child is None:
-                return self._node.code_for(owner)
+                return self._node.code_for(owner, self.limit)
             found = self._node.read(child)
             if found is None:
                 if self._deleted == (op, child):
                     return OK  # our delete landed; its reply was lost
-                return self._node.code_for(owner)
+                return self._node.code_for(owner, self.limit)
             data, stat = found
             if data.owner != owner or \
                     not self._node.session.is_ours(stat.ephemeralOwner):
-                return self._node.code_for(owner)
+                return self._node.code_for(owner, self.limit)
             if data.op == op:
                 return STILL_HELD  # this release was applied already
             if data.count > 1:
@@ -391,11 +486,11 @@ class ZooKeeperLock(Hold):
         if child is None:
             child = self._holder_child(owner)
         if child is None:
-            return self._node.code_for(owner)
+            return self._node.code_for(owner, self.limit)
         found = self._node.read(child)
         if found is None or found[0].owner != owner or \
                 not self._node.session.is_ours(found[1].ephemeralOwner):
-            return self._node.code_for(owner)
+            return self._node.code_for(owner, self.limit)
         return OK
 
     def _renew_target(self) -> RenewTarget | None:
@@ -467,26 +562,39 @@ class ZooKeeperLock(Hold):
     # -- reading ------------------------------------------------------------------------
 
     def locked(self) -> bool:
-        """Whether anyone holds the lock."""
+        """Whether anyone holds the lock (a semaphore: a slot)."""
         return bool(self._node.children())
 
     def holder(self) -> Holder | None:
-        """Who holds the lock now (None when free)."""
+        """Who holds the lock now (None when free); a semaphore's first holder in
+        line."""
         kids = self._node.children()
         if not kids:
             return None
+        if self.limit > 1:
+            holders = self.holders()
+            return holders[0] if holders else None
         found = self._node.read(self._node.child(kids[0][2]))
         if found is None:
             return None
         return found[0].holder(found[1].czxid, time.time())
 
+    def holders(self) -> list[Holder]:
+        """Every holder now, in line order (a lock: its one holder, if any)."""
+        kids = self._node.children()[:self.limit]
+        now = time.time()
+        return [f[0].holder(f[1].czxid, now)
+                for f in self._node.read_all([self._node.child(k[2]) for k in kids])
+                if f is not None]
+
     def waiting_count(self) -> int:
-        """How many owners wait in line."""
-        return max(0, len(self._node.children()) - 1)
+        """How many owners wait in line (beyond the ``limit`` holders)."""
+        return max(0, len(self._node.children()) - self.limit)
 
     def __repr__(self) -> str:
-        return (f"<ZooKeeperLock {self.name!r} ttl={self.ttl:g}s depth={self._depth} "
-                f"fence={self._fence}>")
+        limit = f" limit={self.limit}" if self.limit > 1 else ""
+        return (f"<ZooKeeperLock {self.name!r}{limit} ttl={self.ttl:g}s "
+                f"depth={self._depth} fence={self._fence}>")
 
 
 def _abandoned(node: LockNode, tracker: dict[str, Any]) -> None:

@@ -4,13 +4,16 @@ One lock is one *lock node*, ``/<prefix>/<name>``, persistent, whose data marks 
 celery-dlock's (:data:`DIR_MARK`).  Its children are the line: one ephemeral
 sequential node per owner that holds or waits, named ``<guid>-lock-<sequence>``.  The
 child with the lowest sequence holds the lock; each other child waits for the one
-before it.  The guid lets a creator whose reply was lost find its node again (the
-"protected" create of the recipe).
+before it.  A semaphore (``limit`` above 1) keeps the same line: its ``limit`` lowest
+children hold a slot each, the others wait.  The guid lets a creator whose reply was
+lost find its node again (the "protected" create of the recipe).
 
 A child's data is JSON: the owner, how many acquires it holds (``count``), the ttl the
 server keeps it for a dead holder (its session timeout, ms), the holder's ``pid``,
 ``acquired_at`` (the holder's wall clock) and every ``info`` field, plus the id of the
 last operation that changed it (``op``), so that a re-sent call changes nothing twice.
+A semaphore's children also say its ``limit`` (a lock's, whose limit is 1, do not: they
+are byte for byte what they were before semaphores).
 
 Anything else at those paths (another application's data, a child of another shape)
 is a :class:`~celery_dlock.LockKeyConflict`: nothing is changed.
@@ -129,12 +132,17 @@ class NodeData:
     acquired_at: float | None = None
     pid: int | None = None
     info: dict[str, str] = field(default_factory=dict)
+    #: How many hold at once (above 1: a semaphore's slot, or a place in its line).
+    limit: int = 1
 
     def encode(self) -> bytes:
-        return json.dumps({"dlock": 1, "owner": self.owner, "count": self.count,
-                           "ttl": self.ttl_ms, "op": self.op,
-                           "acquired_at": self.acquired_at, "pid": self.pid,
-                           "info": self.info}, separators=(",", ":")).encode()
+        fields: dict[str, Any] = {"dlock": 1, "owner": self.owner, "count": self.count,
+                                  "ttl": self.ttl_ms, "op": self.op,
+                                  "acquired_at": self.acquired_at, "pid": self.pid,
+                                  "info": self.info}
+        if self.limit > 1:  # a lock's children stay as they always were
+            fields["limit"] = self.limit
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     def holder(self, fence: int, now: float) -> Holder:
         age = None if self.acquired_at is None else max(0.0, now - self.acquired_at)
@@ -154,11 +162,15 @@ def decode_node(raw: bytes, where: str) -> NodeData:
         info = data.get("info") or {}
         pid = data.get("pid")
         at = data.get("acquired_at")
+        limit = int(data.get("limit") or 1)
+        if limit < 1:
+            raise ValueError
         return NodeData(owner=str(data["owner"]), count=int(data["count"]),
                         ttl_ms=int(data["ttl"]), op=str(data.get("op") or ""),
                         acquired_at=float(at) if at is not None else None,
                         pid=int(pid) if pid is not None else None,
-                        info={str(k): str(v) for k, v in info.items()})
+                        info={str(k): str(v) for k, v in info.items()},
+                        limit=limit)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
         raise LockKeyConflict(f"ZooKeeper node {where!r} holds data celery-dlock did "
                               f"not write (another application uses this path?): "
