@@ -175,7 +175,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("mysql", ("mysql", "mariadb"), "celery_dlock.backends.sql.mysql",
           frozenset({FENCING, INSPECT, MARKERS, RATES}), "mysql", "PyMySQL"),
     Entry("zookeeper", ("zookeeper",), "celery_dlock.backends.zookeeper",
-          frozenset({FENCING, INSPECT, MARKERS, RATES}), "zookeeper", "kazoo"),
+          frozenset({FENCING, INSPECT, LIMIT, MARKERS, RATES}), "zookeeper", "kazoo"),
 )
 _BY_SCHEME = {scheme: entry for entry in ENTRIES for scheme in entry.schemes}
 _BY_KIND = {entry.kind: entry for entry in ENTRIES}

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from kazoo.exceptions import NoNodeError
+from kazoo.exceptions import BadVersionError, NoNodeError
 
 from ...core.errors import DLockError, LockKeyConflict
 from ...core.holds import HoldChanged, HoldInfo
@@ -47,8 +48,27 @@ def _hold_info(name: str, data: NodeData, stat: Any) -> HoldInfo:
                     held_for=held_for, host=plain["host"], extra=info)
 
 
+def _info_of(name: str, holding: list[tuple[str, NodeData, Any]],
+             limit: int | None = None) -> HoldInfo | None:
+    """What :meth:`ZooKeeperBackend.read` gives of ``holding``: None when empty, a
+    lock's one holder, or a semaphore (``limit``, the largest any holder says: its
+    first holder's fields, and every holder)."""
+    if not holding:
+        return None
+    if limit is None:
+        limit = max(data.limit for _, data, _ in holding)
+    holds = tuple(_hold_info(name, data, stat) for _, data, stat in holding)
+    if limit <= 1:
+        return holds[0]
+    return dataclasses.replace(holds[0], limit=limit, holders=holds)
+
+
 def _getter(path: str) -> Callable[[Any], Any]:
     return lambda client: client.get_async(path)
+
+
+def _deleter(path: str, version: int) -> Callable[[Any], Any]:
+    return lambda client: client.delete_async(path, version)
 
 
 class ZooKeeperBackend:
@@ -73,8 +93,10 @@ class ZooKeeperBackend:
     def lock(self, options: LockOptions) -> ZooKeeperLock:
         return ZooKeeperLock.with_options(self.spec, options)
 
-    def _head(self, prefix: str, name: str) -> tuple[str, NodeData, Any] | None:
-        """The holder's child of ``name`` (path, data, stat), or None when free."""
+    def _holding(self, prefix: str, name: str) -> list[tuple[str, NodeData, Any]]:
+        """The holders' children of ``name`` (path, data, stat), in line order: the
+        lowest child, and as many more as the largest ``limit`` they say (a lock: the
+        one); empty when free."""
         path = lock_path(prefix, name)
         session = self._reader
         client = session.start("read", name)
@@ -83,22 +105,27 @@ class ZooKeeperBackend:
             raw, _ = session.wait("read", data, name)
             names = session.wait("read", line, name)
         except NoNodeError:
-            return None
+            return []
         if raw != DIR_MARK:
             raise LockKeyConflict(f"ZooKeeper node {path} holds data celery-dlock did "
                                   f"not write: nothing was changed", lock_name=name)
+        out: list[tuple[str, NodeData, Any]] = []
+        limit = 1
         for _, _, child_name in sorted((*sequence_of(n, path), n) for n in names):
+            if len(out) >= limit:
+                break
             child = f"{path}/{child_name}"
             try:
                 raw, stat = self._call("read", _getter(child))
             except NoNodeError:
                 continue  # released meanwhile: the next in line holds it
-            return child, decode_node(raw, child), stat
-        return None
+            data = decode_node(raw, child)
+            limit = max(limit, data.limit)
+            out.append((child, data, stat))
+        return out
 
     def read(self, prefix: str, name: str) -> HoldInfo | None:
-        head = self._head(prefix, name)
-        return None if head is None else _hold_info(name, head[1], head[2])
+        return _info_of(name, self._holding(prefix, name))
 
     def holds(self, prefix: str) -> Iterator[HoldInfo]:
         try:
@@ -120,7 +147,11 @@ class ZooKeeperBackend:
     def waiting(self, prefix: str, names: Iterable[str]) -> dict[str, int]:
         out = {}
         for name in names:
-            lock = ZooKeeperLock(self.spec, name, _READER_TTL, prefix=prefix)
+            # A semaphore's waiters are the children beyond its limit.
+            limit = max((data.limit for _, data, _ in self._holding(prefix, name)),
+                        default=1)
+            lock = ZooKeeperLock.with_options(self.spec, LockOptions(
+                name, _READER_TTL, prefix=prefix, limit=limit))
             out[name] = lock.waiting_count()
         return out
 
@@ -151,11 +182,14 @@ class ZooKeeperBackend:
                       conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
         """Delete the holder's child of ``name`` (the next in line gets the lock); the
         holder is told at its next renewal or contact that its node is gone.  ``by``
-        and ``reason`` are not kept on ZooKeeper (docs/backends.md)."""
-        head = self._head(prefix, name)
-        if head is None:
+        and ``reason`` are not kept on ZooKeeper (docs/backends.md).  A semaphore:
+        :meth:`_force_release_slots`."""
+        holding = self._holding(prefix, name)
+        if not holding:
             return None
-        child, data, stat = head
+        if max(data.limit for _, data, _ in holding) > 1:
+            return self._force_release_slots(name, holding, fence, conditions)
+        child, data, stat = holding[0]
         found = _hold_info(name, data, stat)
         if fence is not None and fence != found.fence:
             raise HoldChanged(f"lock {name!r} is now held with fence {found.fence}, "
@@ -173,6 +207,31 @@ class ZooKeeperBackend:
         except DLockError:
             raise
         return found
+
+    def _force_release_slots(self, name: str,
+                             holding: list[tuple[str, NodeData, Any]],
+                             fence: int | None,
+                             conditions: Mapping[str, str] | None) -> HoldInfo | None:
+        """Delete the holders' children of semaphore ``name`` that match ``fence``
+        and ``conditions`` (neither: every holder), each at the version read, so a
+        slot taken again meanwhile is left alone; the waiters first in line take the
+        freed slots.  The semaphore as read, with the freed holds as its ``holders``
+        (None: nothing freed)."""
+        freed = []
+        for child, data, stat in holding:
+            if fence is not None and fence != int(stat.czxid):
+                continue
+            if conditions:
+                fields = {**data.info, "owner": data.owner,
+                          "pid": "" if data.pid is None else str(data.pid)}
+                if any(fields.get(k) != v for k, v in conditions.items()):
+                    continue
+            try:
+                self._call("release", _deleter(child, stat.version))
+            except (NoNodeError, BadVersionError):
+                continue  # released, or changed, meanwhile
+            freed.append((child, data, stat))
+        return _info_of(name, freed, max(data.limit for _, data, _ in holding))
 
     def __repr__(self) -> str:
         return f"<ZooKeeperBackend {self.spec!r}>"
