@@ -12,6 +12,16 @@ The lock recipe of ZooKeeper's own documentation, with the one hold bookkeeping 
   child; the lowest holds the lock.  A waiter sets a watch on the child just before
   its own and sleeps until the server pushes its deletion: no polling, no herd, served
   in arrival order.  A non-blocking acquire joins only an empty line.
+* **Semaphores** (``limit`` above 1, Curator's ``InterProcessSemaphoreV2`` keeps its
+  leases the same way): the ``limit`` lowest children hold a slot each, still in
+  arrival order; an owner holding one of them on this session re-enters it, and a
+  non-blocking acquire joins only a line shorter than ``limit`` (and leaves it when
+  its child landed beyond the first ``limit``).  Any holder's delete may free a
+  waiter's slot, not only the child just before it, so a waiter watches the lock
+  node's children instead.  That is a herd: every waiter wakes on every change of
+  the line (a holder leaving, a newcomer joining) and lists it again, so a release
+  costs one listing, one read of the holders and one watch per waiter.  A lock
+  (``limit`` 1) keeps the predecessor watch.
 * **Re-entry** (per owner, as on Redis) counts in the holder's child (``count``,
   changed with the child's version, so two objects of one owner never lose an
   update); the last release deletes the child, only that child, and only at the
