@@ -78,6 +78,27 @@ def test_limit_owners_hold_at_once_and_the_next_is_refused(zk_server, prefix, na
     assert not late.locked()
 
 
+def test_a_non_blocking_acquire_that_loses_the_race_leaves_the_line(
+        zk_server, zk, prefix, name, monkeypatch):
+    a = _slot(zk_server.url, prefix, name, "a", limit=2)
+    assert a.acquire(blocking=False)
+    b = _slot(zk_server.url, prefix, name, "b", limit=2)
+    c = _slot(zk_server.url, prefix, name, "c", limit=2)
+    join = b._join_line
+
+    def overtaken(owner: str, op: str) -> None:
+        # b saw one free slot; c takes it before b's create lands
+        assert c.acquire(blocking=False)
+        join(owner, op)
+
+    monkeypatch.setattr(b, "_join_line", overtaken)
+    assert not b.acquire(blocking=False)
+    assert [d["owner"] for d in _line(zk, prefix, name)] == ["a", "c"]  # b left
+    assert b.last_holder is not None and b.last_holder.owner == "a"
+    c.release()
+    a.release()
+
+
 def test_reentry_takes_no_second_slot(zk_server, zk, prefix, name):
     a = _slot(zk_server.url, prefix, name, "a", limit=2)
     a_again = _slot(zk_server.url, prefix, name, "a", limit=2)
