@@ -295,7 +295,8 @@ def test_backend_waiting_counts_beyond_the_limit(zk_server, prefix, name):
     held = [_slot(zk_server.url, prefix, name, f"h{n}", limit=2) for n in range(2)]
     for lock in held:
         assert lock.acquire(blocking=False)
-    waiter = _slot(zk_server.url, prefix, name, "w", limit=2)
+    waiter = ZooKeeperLock(zk_server.url, name, 30, prefix=prefix, owner="w", limit=2)
+    assert waiter.limit == 2 and "limit=2" in repr(waiter)
     thread = threading.Thread(target=lambda: waiter.acquire(timeout=1.5))
     thread.start()
     try:

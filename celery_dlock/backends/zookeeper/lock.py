@@ -101,6 +101,9 @@ class ZooKeeperLock(Hold):
         after its last confirmed renewal.
     :param max_hold: as :class:`~celery_dlock.RedisLock`'s; the session would keep the
         hold past it, so once the holder is told, its child is deleted.
+    :param limit: how many owners hold at once (above 1: a semaphore of that many
+        slots, each hold with the whole surface of a lock's; every process must give
+        a name the same limit).
 
     The other parameters are :class:`~celery_dlock.RedisLock`'s.
     """
@@ -120,11 +123,13 @@ class ZooKeeperLock(Hold):
         scheduler: RenewalScheduler | None = None,
         pause_budget: float | None = None,
         max_hold: float | None = None,
+        limit: int = 1,
     ) -> None:
         self._open(zk, LockOptions(
             name, ttl, prefix=prefix, owner=owner, on_lost=on_lost, info=info,
             blocking_timeout=blocking_timeout, scheduler=scheduler,
-            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold))
+            auto_renew=auto_renew, pause_budget=pause_budget, max_hold=max_hold,
+            limit=limit))
 
     def _open(self, where: Any, options: LockOptions) -> None:
         name = options.name
