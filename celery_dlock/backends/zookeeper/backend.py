@@ -7,13 +7,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from kazoo.exceptions import BadVersionError, NoNodeError
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
 
 from ...core.errors import DLockError, LockKeyConflict
 from ...core.holds import HoldChanged, HoldInfo
 from ...core.lock_options import LockOptions
 from ...core.registry import entry_named
 from ...core.store_check import Problem, probe
+from .line import RACES
 from .lock import ZooKeeperLock
 from .markers import ZkMarkers
 from .nodes import (
@@ -27,6 +28,7 @@ from .nodes import (
     sequence_of,
 )
 from .rates import ZkRates
+from .released import add_note, notes_path, released_path
 from .session import ZkSession, session_for
 from .url import ZkSpec, parse_url
 
@@ -182,13 +184,15 @@ class ZooKeeperBackend:
                       conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
         """Delete the holder's child of ``name`` (the next in line gets the lock); the
         holder is told at its next renewal or contact that its node is gone.  ``by``
-        and ``reason`` are not kept on ZooKeeper (docs/backends.md).  A semaphore:
-        :meth:`_force_release_slots`."""
+        and ``reason`` are not kept for a lock (docs/backends.md); a semaphore
+        (:meth:`_force_release_slots`) notes them for its holders."""
         holding = self._holding(prefix, name)
         if not holding:
             return None
         if max(data.limit for _, data, _ in holding) > 1:
-            return self._force_release_slots(name, holding, fence, conditions)
+            return self._force_release_slots(prefix, name, holding, fence=fence,
+                                             by=by, reason=reason,
+                                             conditions=conditions)
         child, data, stat = holding[0]
         found = _hold_info(name, data, stat)
         if fence is not None and fence != found.fence:
@@ -208,15 +212,17 @@ class ZooKeeperBackend:
             raise
         return found
 
-    def _force_release_slots(self, name: str,
-                             holding: list[tuple[str, NodeData, Any]],
-                             fence: int | None,
+    def _force_release_slots(self, prefix: str, name: str,
+                             holding: list[tuple[str, NodeData, Any]], *,
+                             fence: int | None, by: str | None, reason: str | None,
                              conditions: Mapping[str, str] | None) -> HoldInfo | None:
         """Delete the holders' children of semaphore ``name`` that match ``fence``
         and ``conditions`` (neither: every holder), each at the version read, so a
         slot taken again meanwhile is left alone; the waiters first in line take the
-        freed slots.  The semaphore as read, with the freed holds as its ``holders``
-        (None: nothing freed)."""
+        freed slots.  With ``by`` or ``reason``, each delete notes who and why in the
+        same transaction (:mod:`.released`), for the holder's loss reason.  The
+        semaphore as read, with the freed holds as its ``holders`` (None: nothing
+        freed)."""
         freed = []
         for child, data, stat in holding:
             if fence is not None and fence != int(stat.czxid):
@@ -226,12 +232,55 @@ class ZooKeeperBackend:
                           "pid": "" if data.pid is None else str(data.pid)}
                 if any(fields.get(k) != v for k, v in conditions.items()):
                     continue
+            if by is not None or reason is not None:
+                if not self._delete_noted(prefix, name, child, stat.version,
+                                          data.owner, int(stat.czxid), by, reason):
+                    continue  # released, or changed, meanwhile
+                freed.append((child, data, stat))
+                continue
             try:
                 self._call("release", _deleter(child, stat.version))
             except (NoNodeError, BadVersionError):
                 continue  # released, or changed, meanwhile
             freed.append((child, data, stat))
         return _info_of(name, freed, max(data.limit for _, data, _ in holding))
+
+    def _delete_noted(self, prefix: str, name: str, child: str, version: int,
+                      owner: str, fence: int, by: str | None,
+                      reason: str | None) -> bool:
+        """Delete ``child`` at ``version`` and note who freed it and why, in one
+        transaction; False when the child is gone or changed (nothing noted)."""
+        session = self._reader
+        client = session.start("release", name)
+        try:
+            session.wait("release", client.create_async(notes_path(prefix), b"",
+                                                        makepath=True), name)
+        except NodeExistsError:
+            pass
+        path = released_path(prefix, name)
+        for _ in range(RACES):
+            try:
+                raw, stat = session.wait("release", client.get_async(path), name)
+            except NoNodeError:
+                raw, stat = None, None
+            note = add_note(raw, path, owner, fence, by, reason)
+            tx = client.transaction()
+            tx.delete(child, version)
+            if stat is None:
+                tx.create(path, note)
+            else:
+                tx.set_data(path, note, stat.version)
+            results = session.wait("release", tx.commit_async(), name)
+            if not any(isinstance(r, Exception) for r in results):
+                return True
+            if isinstance(results[0], (NoNodeError, BadVersionError)):
+                return False  # the hold went, or changed, meanwhile
+            if isinstance(results[1], (NodeExistsError, BadVersionError, NoNodeError)):
+                continue  # another force release noted meanwhile: read again
+            raise DLockError(f"ZooKeeper refused a force release of {name!r}: "
+                             f"{results[1]!r}", lock_name=name)
+        raise DLockError(f"too many concurrent force releases of {name!r}",
+                         lock_name=name)
 
     def __repr__(self) -> str:
         return f"<ZooKeeperBackend {self.spec!r}>"

@@ -77,6 +77,7 @@ from .nodes import (
     child_prefix,
     lock_path,
 )
+from .released import note_for, released_path
 from .renewal import renew_target
 from .session import MAX_SESSION_MS
 from .url import ZkSpec, parse_url
@@ -145,6 +146,7 @@ class ZooKeeperLock(Hold):
         self.spec = spec
         #: The lock node (its children are the holder and the line).
         self.path = lock_path(options.prefix, name)
+        self._released = released_path(options.prefix, name)
         self._info = options.info_fields
         # The session is chosen by the ttl the lock was made with (extend cannot
         # move a hold to another session).
@@ -522,6 +524,18 @@ class ZooKeeperLock(Hold):
             return ("its node is gone (its ZooKeeper session expired, or it was "
                     "released by force)")
         return "taken by another owner"
+
+    def _explain_loss(self, default: str, owner: str, fence: int | None) -> str:
+        """``default``, or who released this semaphore's hold by force and why (the
+        note of :mod:`.released`; a lock's force release leaves none)."""
+        if self.limit == 1:
+            return default
+        try:
+            raw, _ = self._node.call("read", lambda c: c.get_async(self._released))
+        except (NoNodeError, DLockError):
+            return default
+        note = note_for(raw, owner, fence)
+        return default if note is None else note[1]
 
     def _session_expired(self, session_id: int | None) -> None:
         """The server expired a session: report the hold if it was taken on it."""

@@ -23,8 +23,9 @@ of their own, ``/<prefix>/.rates``: one node per rated name, ``/<prefix>/.rates/
 (the name encoded as a lock node's is), and the clock node ``/<prefix>/.rates/.clock``
 (:mod:`.clock`).  Queue markers (a ``lock_mode``, :mod:`.markers`) likewise, under
 ``/<prefix>/.markers``: ``/<prefix>/.markers/<name>`` and ``/<prefix>/.markers/.clock``.
-No lock name's segment contains a dot (it is encoded), so no subtree nor clock can be
-a lock node nor a name's node.
+Who freed a semaphore's holds by force, and why, under ``/<prefix>/.released``
+(:mod:`.released`).  No lock name's segment contains a dot (it is encoded), so no
+subtree nor clock can be a lock node nor a name's node.
 """
 
 from __future__ import annotations

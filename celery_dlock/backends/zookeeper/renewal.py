@@ -9,7 +9,8 @@ hold node, all sent before the first reply is read and answered in order.  A rep
 the session proves the server heard from it after the renewal was sent, so the server
 cannot expire it before ``sent + session timeout``, and the session timeout is at
 least the lock's ttl.  A node that is gone, or that belongs to an expired session of
-this client, is reported gone.
+this client, is reported gone; when a force release noted who freed it and why (a
+semaphore's hold, :mod:`.released`), with that reason.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kazoo.exceptions import NoNodeError
+
+from ...core.errors import DLockError
+from ...core.renew_target import LossNote
+from .released import note_for, released_path_of
 from .session import ZkSession
 
 __all__ = ["ZkRenewTarget"]
@@ -28,7 +34,7 @@ class ZkRenewTarget:
     def __init__(self, session: ZkSession) -> None:
         self.session = session
 
-    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int]:
+    def renew(self, items: Sequence[tuple[str, str, int]]) -> list[int | LossNote]:
         session = self.session
         client = session.start("renewal")
         current = session.session_id()
@@ -37,11 +43,37 @@ class ZkRenewTarget:
         session.wait("renewal", synced)
         if session.session_id() != current:  # pragma: no cover - a new session
             raise RuntimeError("the ZooKeeper session changed during a renewal")
-        out = []
+        out: list[int | LossNote] = []
         for result in pending:
             stat = session.wait("renewal", result)
             out.append(1 if stat is not None and session.is_ours(stat.ephemeralOwner)
                        else 0)
+        gone = [i for i, code in enumerate(out) if code == 0]
+        if gone:
+            for i, note in zip(gone, self._notes([items[i] for i in gone]),
+                               strict=True):
+                if note is not None:
+                    out[i] = LossNote(0, note[0], note[1])
+        return out
+
+    def _notes(self, items: Sequence[tuple[str, str, int]]
+               ) -> list[tuple[int, str] | None]:
+        """For each hold found gone: who freed it by force and why, when a note says
+        (best effort: None when it cannot be read; the loss is reported anyway)."""
+        session = self.session
+        out: list[tuple[int, str] | None] = [None] * len(items)
+        try:
+            client = session.start("renewal")
+            pending = [(i, client.get_async(path)) for i, (key, _, _) in
+                       enumerate(items) if (path := released_path_of(key)) is not None]
+            for i, result in pending:
+                try:
+                    raw, _ = session.wait("renewal", result)
+                except NoNodeError:
+                    continue
+                out[i] = note_for(raw, items[i][1], None)
+        except DLockError:
+            pass
         return out
 
 
