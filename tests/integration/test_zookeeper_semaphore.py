@@ -310,42 +310,53 @@ def test_backend_waiting_counts_beyond_the_limit(zk_server, prefix, name):
     assert backend.waiting(prefix, [name]) == {name: 0}
 
 
-def test_force_release_frees_the_chosen_holders_and_they_are_told(zk_server, prefix,
-                                                                 name):
+def test_force_release_frees_the_chosen_holders_and_they_are_told(zk_server, zk,
+                                                                 prefix, name):
     backend = backend_from_url(zk_server.url)
     told: list[ZooKeeperLock] = []
-    slots = [_slot(zk_server.url, prefix, name, f"s{n}", on_lost=told.append,
+    slots = [_slot(zk_server.url, prefix, name, f"s{n}", ttl=3, on_lost=told.append,
                    info={"task_id": f"task-{n}"}) for n in range(3)]
     for lock in slots:
         assert lock.acquire(blocking=False)
     # by fence: that holder only
     freed = backend.force_release(prefix, name, fence=slots[0].fence, by="op@box",
-                                  reason="disk full")
+                                  reason="disk\nfull")
     assert freed is not None and freed.limit == 3 and freed.slots == "1/3"
     assert [h.owner for h in freed.holders] == ["s0"]
     assert freed.fence == slots[0].fence
-    # told at its next contact, as a lock's holder is (by and reason are not kept on
-    # ZooKeeper: docs/backends.md)
-    with pytest.raises(LockLost, match="released by force"):
-        slots[0].ensure_held()
-    assert told == [slots[0]] and slots[0].lost
+    # its renewal (every second) finds the node gone, and the note says who and why
+    assert wait_until(lambda: slots[0].lost, timeout=10)
+    assert told == [slots[0]]
+    assert slots[0].lost_reason == "released by op@box: disk full"
     assert slots[1].owned() and slots[2].owned()
     # a fence nobody holds frees nothing
     assert backend.force_release(prefix, name, fence=1) is None
-    # by conditions
+    # by conditions, without a reason: told its node is gone
     freed = backend.force_release(prefix, name, conditions={"task_id": "task-2"})
     assert freed is not None and [h.owner for h in freed.holders] == ["s2"]
-    assert not slots[2].owned() and slots[1].owned()
-    # neither: every holder
+    with pytest.raises(LockLost, match="node is gone"):
+        slots[2].ensure_held()
+    assert slots[1].owned()
+    # neither: every holder, each told at its next contact
     newcomer = _slot(zk_server.url, prefix, name, "new")
     assert newcomer.acquire(blocking=False)
     freed = backend.force_release(prefix, name, by="op@box", reason="all of them")
     assert freed is not None and sorted(h.owner for h in freed.holders) == ["new",
                                                                            "s1"]
     assert backend.read(prefix, name) is None
-    assert not slots[1].owned() and not newcomer.owned()
-    assert told == [slots[0], slots[2], slots[1]]
+    with pytest.raises(LockLost, match="released by op@box: all of them"):
+        newcomer.ensure_held()
+    assert wait_until(lambda: slots[1].lost, timeout=10)
+    assert slots[1].lost_reason == "released by op@box: all of them"
+    assert told == [slots[0], slots[2], slots[1]]  # each once
     assert backend.force_release(prefix, name) is None
+    # the notes live beside the lock nodes, never listed as a hold
+    assert [h.key for h in backend.holds(prefix)] == []
+    notes = json.loads(zk.get(f"{lock_path(prefix, name).rsplit('/', 1)[0]}"
+                              f"/.released/{lock_path(prefix, name).rsplit('/', 1)[1]}"
+                              )[0])
+    assert [(n["owner"], n["reason"]) for n in notes["holds"]] == [
+        ("s0", "disk full"), ("s1", "all of them"), ("new", "all of them")]
     with pytest.raises(LockLost):
         newcomer.release()
 
