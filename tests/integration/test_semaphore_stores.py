@@ -283,3 +283,21 @@ def test_the_backend_shows_slots_and_holders_and_frees_them(semaphore_store, nam
     assert "ops" in (holders[1].lost_reason or "") and \
         "stuck" in (holders[1].lost_reason or ""), holders[1].lost_reason
     lock.release()
+
+
+def test_max_hold_bounds_a_slot_and_frees_it(semaphore_store, name, prefix):
+    """A slot is no longer renewed at its max hold: its holder is told, and the slot
+    is free for another owner once the server's hold ends."""
+    s = semaphore_store
+    told: list[Any] = []
+    bounded = _sem(s, name, prefix, "bounded", limit=2, ttl=1.0, max_hold=1.5,
+                   on_lost=told.append)
+    bounded.acquire()
+    keeper = _sem(s, name, prefix, "keeper", limit=2)
+    keeper.acquire()
+    other = _sem(s, name, prefix, "other", limit=2)
+    assert not other.acquire(blocking=False)
+    assert other.acquire(timeout=10), "the bounded slot was never freed"
+    assert told == [bounded] and "max hold" in (bounded.lost_reason or "")
+    other.release()
+    keeper.release()
