@@ -138,7 +138,7 @@ class SlotLease(LeaseLock[S]):
         self._use_slot(kept)
         if not live:  # the free slots were taken meanwhile and freed again
             self.last_holder = None
-            return Refused(0.0)
+            return Refused(0.01)
         soonest = min(live.values(), key=_ttl_left)
         self.last_holder = holder_of(soonest)
         return Refused(_ttl_left(soonest) + 0.001)
