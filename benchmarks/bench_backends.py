@@ -6,7 +6,9 @@ on, the default) and a ``LockedTask`` whose app's ``dlock_url`` is that URL.
 
 1. **Lock cycle**: ``acquire(blocking=False)`` + ``release()`` on one client, on
    distinct names (a new lock object and name per cycle, as a ``LockedTask`` makes
-   one per call) and on one hot name (one lock object, taken and given back).  Every
+   one per call), on one hot name (one lock object, taken and given back) and, on a
+   backend that keeps semaphores, on one slot of a semaphore of 3 (``lock_limit=3``:
+   one object, taken and given back; the others free).  Every
    round runs every (backend, names) variant for ``--cycles`` cycles, the order
    rotated from round to round.  Per variant: the median over rounds of each round's
    p50, p99 and mean wall time per cycle, the CPU time of this process per cycle
@@ -60,7 +62,7 @@ import bench_e2e as e2e
 import psutil
 import redis
 
-from celery_dlock import lock_from_url
+from celery_dlock import InvalidLockConfig, lock_from_url
 from celery_dlock.core.scheduler import RenewalScheduler
 from celery_dlock.core.urls import mask_url
 
@@ -132,6 +134,17 @@ def cycle_variants(urls: dict[str, str],
 
         variants[(backend, "distinct")] = distinct
         variants[(backend, "hot")] = hot
+        try:  # a backend without semaphores refuses the limit
+            slot = lock_from_url(url, f"{prefix}:{backend}:slots", ttl=30, limit=3)
+        except InvalidLockConfig:
+            continue
+
+        def one_slot(lock: Any = slot, backend: str = backend) -> None:
+            if not lock.acquire(blocking=False):
+                raise RuntimeError(f"{backend}: no slot of the semaphore was free")
+            lock.release()
+
+        variants[(backend, "slot of 3")] = one_slot
     return variants
 
 

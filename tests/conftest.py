@@ -23,7 +23,12 @@ from lock_kinds import (  # noqa: F401 (fixtures)
     redlock_servers,
 )
 from mariadb_server import mariadb_url  # noqa: F401 (a fixture)
-from marker_stores import markers, store_harness  # noqa: F401 (fixtures)
+from marker_stores import (  # noqa: F401 (fixtures)
+    markers,
+    semaphore_harness,
+    semaphore_store,
+    store_harness,
+)
 from zk_server import zk_server  # noqa: F401 (a fixture)
 
 from celery_dlock.ops.embedded import EmbeddedRedis, find_redis_server

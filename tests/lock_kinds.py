@@ -35,10 +35,12 @@ __all__ = ["KINDS", "NO_FENCE", "NO_KEYS", "NO_LINE", "NO_LONGER_SESSION",
            "postgres_server", "redlock_servers"]
 
 #: The kinds of lock every lock-contract test runs on ("semaphore": a RedisSemaphore
-#: of one slot, which behaves as a lock).  ``$DLOCK_LOCK_KINDS`` (comma-separated)
-#: narrows them: CI's reruns of the lock core on other Redis servers name only the
-#: kinds those servers keep.
-_ALL_KINDS = ("redis", "redlock", "semaphore", "postgres", "mysql", "zookeeper")
+#: of one slot, which behaves as a lock; "pg_semaphore": a PostgreSQL semaphore of one
+#: slot, the slot rows every SQL dialect shares, without a line of waiters).
+#: ``$DLOCK_LOCK_KINDS`` (comma-separated) narrows them: CI's reruns of the lock core
+#: on other Redis servers name only the kinds those servers keep.
+_ALL_KINDS = ("redis", "redlock", "semaphore", "postgres", "pg_semaphore", "mysql",
+              "zookeeper")
 KINDS = tuple(k for k in _ALL_KINDS
               if k in (os.environ.get("DLOCK_LOCK_KINDS") or ",".join(_ALL_KINDS))
               .split(","))
@@ -424,6 +426,18 @@ def make_lock_postgres(url: str, name: str, ttl: float, **options: Any) -> Any:
     return lock
 
 
+def make_pg_semaphore(url: str, name: str, ttl: float, **options: Any) -> Any:
+    """A PostgreSQL semaphore of one slot (its slot rows, celery_dlock/backends/sql/
+    slots.py), with the ``keys`` the tests read it by: the slot's row."""
+    from celery_dlock.backends.sql.postgres.semaphore import PostgresSemaphore
+    from celery_dlock.backends.sql.slots import slot_name, slot_prefix
+
+    lock = PostgresSemaphore(url, name, ttl, **options)
+    lock.keys = PgKeys.for_name(  # type: ignore[attr-defined]
+        slot_prefix(lock.prefix), slot_name(name, 0))
+    return lock
+
+
 def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
     """The :class:`LockKind` named ``kind`` (for the ``lock_kind`` fixture)."""
     clients: list[Any]
@@ -446,6 +460,12 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         clients = [PgView(url)]
         yield PgKind("postgres", clients,
                      lambda n, ttl, **kw: make_lock_postgres(url, n, ttl, **kw), True,
+                     [url])
+    elif kind == "pg_semaphore":
+        url = request.getfixturevalue("postgres_server").url
+        clients = [PgView(url)]
+        yield PgKind("pg_semaphore", clients,
+                     lambda n, ttl, **kw: make_pg_semaphore(url, n, ttl, **kw), True,
                      [url])
     elif kind == "mysql":
         from my_kind import make_my_kind

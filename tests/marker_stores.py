@@ -1,8 +1,10 @@
 """The queue-marker stores, one test run per store: Redis, PostgreSQL, MySQL/MariaDB,
 ZooKeeper.
 
-Two fixtures, loaded by tests/conftest.py: ``store_harness`` (real prefork workers
-whose locks and markers are on each store), and ``markers``, which gives a test a
+Fixtures, loaded by tests/conftest.py: ``store_harness`` (real prefork workers
+whose locks and markers are on each store; ``semaphore_harness`` the same over the
+stores that keep semaphores, and ``semaphore_store`` one of their backends), and
+``markers``, which gives a test a
 :class:`MarkerCase`: the store (what :class:`~celery_dlock.task.markers.MarkerStore`
 says), the backend it belongs to (for locks: a running holder is the holder of the
 lock of the same prefix and name whose hold's info carries ``task_id``, taken with
@@ -24,6 +26,8 @@ from celery_dlock.core.lock_options import LockOptions
 
 #: The stores that keep queue markers, in the order the tests run on them.
 MARKER_STORES = ("redis", "postgres", "mysql", "zookeeper")
+#: The stores that keep semaphores (``lock_limit`` above 1).
+SEMAPHORE_STORES = ("redis", "postgres", "mysql")
 
 
 class MarkerCase(NamedTuple):
@@ -109,18 +113,53 @@ def markers(request: pytest.FixtureRequest) -> Iterator[MarkerCase]:
     yield from open_markers(request.param, request)
 
 
-@pytest.fixture(params=MARKER_STORES)
-def store_harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
-                  redis_url: str, r: Any, prefix: str, tmp_path: Any) -> Iterator[Any]:
+def open_store_harness(kind: str, request: pytest.FixtureRequest,
+                       monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """A worker harness (:func:`worker_harness.open_harness`) whose locks and queue
-    markers are on each store in turn (the broker, results and the tasks' records
+    markers are on the store ``kind`` (the broker, results and the tasks' records
     stay on Redis).  The workers and the test's own app (the producer,
     :func:`prefork_app.make_app`) both read ``ENV_CONF``: they send and run with the
     same ``dlock_url``."""
     from prefork_app import ENV_CONF
     from worker_harness import open_harness
 
-    if request.param != "redis":
-        url = store_url(request.param, request)
+    if kind != "redis":
+        url = store_url(kind, request)
         monkeypatch.setenv(ENV_CONF, json.dumps({"dlock_url": url}))
-    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+    yield from open_harness(request.getfixturevalue("redis_url"),
+                            request.getfixturevalue("r"),
+                            request.getfixturevalue("prefix"),
+                            request.getfixturevalue("tmp_path"), request)
+
+
+@pytest.fixture(params=MARKER_STORES)
+def store_harness(request: pytest.FixtureRequest,
+                  monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """:func:`open_store_harness` on each store that keeps queue markers in turn."""
+    yield from open_store_harness(request.param, request, monkeypatch)
+
+
+class StoreCase(NamedTuple):
+    """A lock store under test: its kind, URL and backend."""
+
+    kind: str
+    url: str
+    backend: Any
+
+
+@pytest.fixture(params=SEMAPHORE_STORES)
+def semaphore_store(request: pytest.FixtureRequest) -> Iterator[StoreCase]:
+    """Each store that keeps semaphores in turn."""
+    url = store_url(request.param, request)
+    backend = backend_of(request.param, url)
+    try:
+        yield StoreCase(request.param, url, backend)
+    finally:
+        close_backend(request.param, backend)
+
+
+@pytest.fixture(params=SEMAPHORE_STORES)
+def semaphore_harness(request: pytest.FixtureRequest,
+                      monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """:func:`open_store_harness` on each store that keeps semaphores in turn."""
+    yield from open_store_harness(request.param, request, monkeypatch)

@@ -30,8 +30,8 @@ return n
 
 def register(app: Celery, dp: str, record: Callable[..., None],
              data: Callable[[], redis.Redis]) -> None:
-    if not str(app.conf.get("dlock_url") or "").startswith(("redis", "unix")):
-        return  # a test of another backend (PostgreSQL keeps no semaphores)
+    if str(app.conf.get("dlock_url") or "").startswith("redlock"):
+        return  # Redlock keeps no semaphores
     def body(task: Any, key: str, seconds: float) -> int:
         r = data()
         base = f"{dp}:slots:{key}"

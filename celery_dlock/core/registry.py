@@ -170,10 +170,10 @@ ENTRIES: tuple[Entry, ...] = (
                            "different set, so more than lock_limit could run at once"),)),
     Entry("postgres", ("postgresql", "postgres"),
           "celery_dlock.backends.sql.postgres",
-          frozenset({FENCING, INSPECT, MARKERS, RATES}),
+          frozenset({FENCING, INSPECT, LIMIT, MARKERS, RATES}),
           "postgres", "psycopg 3"),
     Entry("mysql", ("mysql", "mariadb"), "celery_dlock.backends.sql.mysql",
-          frozenset({FENCING, INSPECT, MARKERS, RATES}), "mysql", "PyMySQL"),
+          frozenset({FENCING, INSPECT, LIMIT, MARKERS, RATES}), "mysql", "PyMySQL"),
     Entry("zookeeper", ("zookeeper",), "celery_dlock.backends.zookeeper",
           frozenset({FENCING, INSPECT, LIMIT, MARKERS, RATES}), "zookeeper", "kazoo"),
 )

@@ -90,8 +90,9 @@ def lock_from_url(url: Any, name: str, ttl: float = 30.0, *,
     :class:`~celery_dlock.RedlockLock`, PostgreSQL, MySQL/MariaDB or ZooKeeper lock,
     each with the same surface (``acquire``, ``release``, ``extend``, ``owned``,
     ``ensure_held``, ``holder``, ``depth``, ``fence``, ``on_lost``, the context
-    manager).  ``limit`` > 1 gives a :class:`~celery_dlock.RedisSemaphore` of that
-    many slots (a Redis URL only; the others refuse it).  No server call."""
+    manager).  ``limit`` > 1 gives a semaphore of that many slots (a
+    :class:`~celery_dlock.RedisSemaphore` on Redis; every backend with the ``limit``
+    capability keeps them, Redlock refuses them).  No server call."""
     options = LockOptions(name, ttl, prefix=prefix, info=info, owner=owner,
                           on_lost=on_lost, auto_renew=auto_renew,
                           pause_budget=pause_budget, max_hold=max_hold, limit=limit,

@@ -68,7 +68,7 @@ def _assert_untouched(clients: list[Any], key: str, dumps: dict[int, bytes],
 
 def test_foreign_data_at_the_lock_key_is_a_conflict_and_left_untouched(
         lock_kind, prefix, name, foreign):
-    if lock_kind.name in ("postgres", "mysql"):
+    if lock_kind.name in ("postgres", "pg_semaphore", "mysql"):
         pytest.skip(NO_KEYS)
     if lock_kind.name == "zookeeper":
         pytest.skip("Redis values at a Redis key; ZooKeeper's foreign nodes at a lock's "

@@ -1,5 +1,6 @@
-"""``celery dlock`` shows a semaphore (``RedisSemaphore``, ``lock_limit`` > 1) as its
-slots used/limit and its holders, and frees its slots."""
+"""``celery dlock`` shows a semaphore (``lock_limit`` > 1) as its slots used/limit and
+its holders, and frees its slots: on every store that keeps semaphores (the
+``semaphore_store`` fixture: Redis, PostgreSQL, MySQL/MariaDB)."""
 
 from __future__ import annotations
 
@@ -7,35 +8,36 @@ import json
 import uuid
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import cli_app
 import pytest
-import redis
 from celery.bin.celery import celery as celery_cli
 from celery_helpers import close_app
 from click.testing import CliRunner, Result
 
-from celery_dlock import RedisSemaphore
+from celery_dlock.core.lock_options import LockOptions
 
 
 @pytest.fixture
-def env(redis_url: str) -> Iterator[SimpleNamespace]:
+def env(redis_url: str, semaphore_store: Any) -> Iterator[SimpleNamespace]:
     tag = uuid.uuid4().hex[:8]
     prefix = f"dlsem{tag}"
-    app = cli_app.configure(redis_url, prefix, f"q-sem-{tag}")
-    r = redis.Redis.from_url(redis_url, socket_timeout=10)
+    # (the app is shared by the tests: a Redis store unsets the last one's URL)
+    url = None if semaphore_store.kind == "redis" else semaphore_store.url
+    app = cli_app.configure(redis_url, prefix, f"q-sem-{tag}", dlock_url=url)
     name = f"sem:{tag}"
-    holds = [RedisSemaphore(r, name, 3, 30, prefix=prefix, owner=f"owner-{i}",
-                            info={"task_id": f"task-{i}", "task_name": "t.slots"})
-             for i in range(2)]
+    holds = [semaphore_store.backend.lock(LockOptions(
+        name, 30, prefix=prefix, owner=f"owner-{i}", limit=3,
+        info={"task_id": f"task-{i}", "task_name": "t.slots"})) for i in range(2)]
     for s in holds:
         assert s.acquire(blocking=False)
-    yield SimpleNamespace(r=r, prefix=prefix, name=name, holds=holds)
+    yield SimpleNamespace(prefix=prefix, name=name, holds=holds)
     for s in holds:
         if s.depth:
             s.release_all()
+    app.conf.update(dlock_url=None)  # the next test of the shared app: its own URL
     close_app(app)
-    r.close()
 
 
 def run_cli(*args: str, input: str | None = None) -> Result:

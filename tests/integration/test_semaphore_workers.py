@@ -1,5 +1,6 @@
-"""``lock_limit=N`` on real prefork workers: never more than N bodies of one key at
-once, N reached, every call run; with the ``wait`` and ``retry`` policies."""
+"""``lock_limit=N`` on real prefork workers, on every store that keeps semaphores
+(the ``semaphore_harness`` fixture): never more than N bodies of one key at once, N
+reached, every call run; with the ``wait`` and ``retry`` policies."""
 
 from __future__ import annotations
 
@@ -8,23 +9,20 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import redis
 from celery.result import ResultSet
-from worker_harness import Harness, open_harness, wait_for
+from worker_harness import Harness, wait_for
 
 from celery_dlock import InvalidLockConfig
-from celery_dlock.backends.redis.backend import RedisBackend
+from celery_dlock.task.backend import backend_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
 @pytest.fixture
-def harness(redis_url: str, r: redis.Redis, prefix: str, tmp_path: Path,
-            request: pytest.FixtureRequest) -> Iterator[Harness]:
-    yield from open_harness(redis_url, r, prefix, tmp_path, request)
+def harness(semaphore_harness: Harness) -> Iterator[Harness]:
+    yield semaphore_harness
 
 
 @pytest.mark.parametrize("policy", ["wait", "retry"])
@@ -41,7 +39,7 @@ def test_twelve_calls_on_five_processes_run_three_at_a_time(harness: Harness,
     assert int(h.r.get(f"{base}:inside") or 0) == 0
     assert h.r.llen(f"{base}:runs") == 12
     assert len(set(fences)) == 12, "each hold has its own fence"
-    assert h.lock_keys_left() == []
+    assert list(backend_for(h.app).holds(h.prefix)) == []
 
 
 def test_sigkill_of_a_slot_holder_frees_its_slot(harness: Harness) -> None:
@@ -54,7 +52,7 @@ def test_sigkill_of_a_slot_holder_frees_its_slot(harness: Harness) -> None:
     wait_for(lambda: h.r.llen(holding) == 2, 30, what="two slot holders")
     records = [json.loads(x) for x in h.r.lrange(holding, 0, -1)]
     victim = records[0]
-    backend = RedisBackend(h.r)
+    backend = backend_for(h.app)
     info = backend.read(h.prefix, f"slots:{key}")
     assert info is not None and info.slots == "2/2"
     os.kill(victim["pid"], signal.SIGKILL)

@@ -132,17 +132,18 @@ def test_a_driver_is_imported_once() -> None:
 def test_a_missing_capability_names_the_setting_and_who_has_it() -> None:
     text = entry_named("redlock").missing(LIMIT, "task 't': lock_limit=3")
     assert text.startswith("task 't': lock_limit=3 needs semaphores")
-    assert "redlock backend does not keep" in text and "kept by: redis" in text
+    assert "redlock backend does not keep" in text
+    assert "kept by: redis, postgres, mysql, zookeeper" in text
 
 
 @pytest.mark.parametrize(("settings", "refused", "keeps_rates"), [
     ({"dlock_url": "zookeeper://127.0.0.1:1/x"}, None, True),
-    ({"dlock_url": "mysql://u@127.0.0.1:1/app"}, "mysql", True),
+    ({"dlock_url": "mysql://u@127.0.0.1:1/app"}, None, True),
     ({"dlock_url": ["redis://a:1/0", "redis://b:1/0", "redis://c:1/0"]}, "redlock",
      False),
     # no dlock_url: the locks follow a PostgreSQL broker, and so does the check
-    # (PostgreSQL keeps rates, not semaphores)
-    ({"broker_url": "sqla+postgresql://u@127.0.0.1:1/app"}, "postgres", True),
+    # (PostgreSQL keeps rates and semaphores)
+    ({"broker_url": "sqla+postgresql://u@127.0.0.1:1/app"}, None, True),
     ({"broker_url": "redis://127.0.0.1:1/0"}, None, True),
     ({"dlock_url": "redis+cluster://127.0.0.1:1"}, None, True),
 ])

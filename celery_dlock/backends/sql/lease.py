@@ -128,6 +128,11 @@ class LeaseLock(Hold, Generic[S]):
 
     prefix: str
     server: S
+    #: A fresh hold's fence is ``max(last + fence_step, server µs * fence_step +
+    #: fence_slot)``: a lock's row steps by 1; a semaphore's slot rows by the limit,
+    #: each from its own slot, so no two slots give the same fence (:mod:`.slots`).
+    fence_step = 1
+    fence_slot = 0
 
     def __init__(
         self,
@@ -167,6 +172,11 @@ class LeaseLock(Hold, Generic[S]):
     def _prepare(self) -> None:
         """Set up what the dialect keeps beside the row (the server, prefix and name
         known)."""
+
+    def _key_row(self, prefix: str, name: str) -> None:
+        """Address the row of the lock ``(prefix, name)`` from now on (a lock's own
+        at :meth:`_prepare`; a semaphore's slots: :mod:`.slots`)."""
+        raise NotImplementedError
 
     def _try_acquire(self, owner: str, op: str, ttl_ms: int, queue: bool
                      ) -> tuple[int, int] | None:

@@ -8,10 +8,9 @@ No driver is imported here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-from ...core.errors import InvalidLockConfig
 from ...core.holds import HoldChanged, HoldInfo
 from ...core.lock_options import LockOptions
 from ...core.registry import entry_named
@@ -19,6 +18,7 @@ from ...core.store_check import Problem, probe
 from .lease import LeaseLock
 from .markers import SqlMarkers
 from .rates import SqlRates
+from .slots import semaphores, shown_key, slot_name, slot_of, slot_prefix
 
 __all__ = ["LeaseBackend"]
 
@@ -56,6 +56,8 @@ class LeaseBackend(Generic[S, L]):
 
     #: The dialect's lock class (it knows the dialect's server objects).
     lock_class: type[L]
+    #: The dialect's semaphore class (``lock_limit`` above 1: :mod:`.slots`).
+    semaphore_class: type[LeaseLock[Any]]
     #: The dialect's rates (``lock_rate``), made of its server object.
     rates_class: Callable[[Any], SqlRates]
 
@@ -80,13 +82,75 @@ class LeaseBackend(Generic[S, L]):
         return found
 
 
-    def lock(self, options: LockOptions) -> L:
+    def lock(self, options: LockOptions) -> LeaseLock[Any]:
+        """A lock of ``options``; with ``limit`` above 1 a semaphore of that many
+        slots (:mod:`.slots`)."""
         if options.limit != 1:
-            raise InvalidLockConfig(
-                f"lock_limit={options.limit!r}: the {self.kind} backend keeps locks of "
-                f"one holder; semaphores (lock_limit > 1) need a Redis backend "
-                f"(docs/backends.md)", lock_name=options.name)
+            return self.semaphore_class.with_options(self.server, options)
         return self.lock_class.with_options(self.server, options)
+
+    # -- what the dialect provides: a lock's row read, listed, freed ------------------
+
+    def _read_lock(self, prefix: str, name: str) -> HoldInfo | None:
+        """The live hold of the lock row of ``(prefix, name)`` (None: free)."""
+        raise NotImplementedError
+
+    def _lock_holds(self, prefix: str) -> Iterator[HoldInfo]:
+        """Every live hold of a lock row under ``prefix``."""
+        raise NotImplementedError
+
+    def _force_lock(self, prefix: str, name: str, *, fence: int | None,
+                    by: str | None, reason: str | None,
+                    conditions: Mapping[str, str] | None,
+                    waiters: tuple[str, str] | None = None) -> HoldInfo | None:
+        """Free the lock row of ``(prefix, name)``, as :meth:`force_release` says;
+        ``waiters``: the (prefix, name) whose waiters are told (None: its own)."""
+        raise NotImplementedError
+
+    # -- locks and semaphores, as the operators' tools see them ------------------------
+
+    def read(self, prefix: str, name: str) -> HoldInfo | None:
+        """The hold of ``name``: a lock's, or a semaphore's with its holders."""
+        found = self._read_lock(prefix, name)
+        return found if found is not None else next(iter(
+            semaphores(self._slots_of(prefix, name))), None)
+
+    def holds(self, prefix: str) -> Iterator[HoldInfo]:
+        """Every hold under ``prefix``: each lock, and each semaphore once."""
+        found = [*self._lock_holds(prefix),
+                 *semaphores(self._lock_holds(slot_prefix(prefix)))]
+        yield from sorted(found, key=lambda info: info.key)
+
+    def _slots_of(self, prefix: str, name: str) -> list[HoldInfo]:
+        """The live slot holds of semaphore ``name``."""
+        key = shown_key(name)
+        return [info for info in self._lock_holds(slot_prefix(prefix))
+                if info.key == key and slot_of(info) is not None]
+
+    def force_release(self, prefix: str, name: str, *, fence: int | None = None,
+                      by: str | None = None, reason: str | None = None,
+                      conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+        """Free ``name``: a lock's hold, or a semaphore's holds that match (``fence``,
+        ``conditions``; neither: every holder), returned as the semaphore with the
+        freed holds as its ``holders`` (None: nothing freed)."""
+        found = self._force_lock(prefix, name, fence=fence, by=by, reason=reason,
+                                 conditions=conditions)
+        if found is not None:
+            return found
+        freed = []
+        for slot in self._slots_of(prefix, name):
+            if fence is not None and slot.fence != fence:
+                continue
+            try:
+                got = self._force_lock(
+                    slot_prefix(prefix), slot_name(name, cast(int, slot_of(slot))),
+                    fence=slot.fence, by=by, reason=reason, conditions=conditions,
+                    waiters=(prefix, name))
+            except HoldChanged:
+                continue  # the slot changed hands meanwhile: not the hold asked for
+            if got is not None:
+                freed.append(got)
+        return next(iter(semaphores(freed)), None)
 
     def storage_key(self, prefix: str, name: str) -> str:
         return f"{self.server.table_name}[{prefix}, {name}]"

@@ -14,6 +14,7 @@ from .lock import MySQLLock
 from .markers import MyMarkers
 from .rates import MyRates
 from .schema import lock_id
+from .semaphore import MySQLSemaphore
 from .server import MyServer
 from .statements import FORCE_FREE, FORCE_ROW, HOLD, HOLDS, waiting_many
 
@@ -39,6 +40,7 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
     lock_class = MySQLLock
     rates_class = MyRates
     markers_class = MyMarkers
+    semaphore_class = MySQLSemaphore
 
     def _rows(self, statement: str, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
@@ -47,11 +49,11 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
             return [tuple(row) for row in cur.fetchall()]
         return self.server.run(work, what, name)
 
-    def read(self, prefix: str, name: str) -> HoldInfo | None:
+    def _read_lock(self, prefix: str, name: str) -> HoldInfo | None:
         rows = self._rows(HOLD, {"id": lock_id(prefix, name)}, "a read", name)
         return hold_info(rows[0]) if rows else None
 
-    def holds(self, prefix: str) -> Iterator[HoldInfo]:
+    def _lock_holds(self, prefix: str) -> Iterator[HoldInfo]:
         for row in self._rows(HOLDS, {"prefix": prefix}, "a read"):
             yield hold_info(row)
 
@@ -68,9 +70,11 @@ class MySQLBackend(LeaseBackend[MyServer, MySQLLock]):
         counts = self.server.run(work, "a read")
         return {name: counts.get(key, 0) for key, name in ids.items()}
 
-    def force_release(self, prefix: str, name: str, *, fence: int | None = None,
-                      by: str | None = None, reason: str | None = None,
-                      conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+    def _force_lock(self, prefix: str, name: str, *, fence: int | None,
+                    by: str | None, reason: str | None,
+                    conditions: Mapping[str, str] | None,
+                    waiters: tuple[str, str] | None = None) -> HoldInfo | None:
+        # MySQL's waiters poll: nobody to tell.
         wanted = {str(k): str(v) for k, v in (conditions or {}).items()}
         params = {"id": lock_id(prefix, name)}
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from ....core.errors import InvalidLockConfig
 from ....core.renew_target import RenewTarget
-from ..lease import LeaseLock, Status
+from ..lease import LeaseLock, Status, renew_key
 from .renewal import renew_target
 from .schema import BLOB_MAX_BYTES, lock_id, owner_id
 from .server import MyServer, server_for
@@ -83,10 +83,16 @@ class MySQLLock(LeaseLock[MyServer]):
 
     def _prepare(self) -> None:
         self._check_sizes()
-        self.lock_id = lock_id(self.prefix, self.name)
+        self._key_row(self.prefix, self.name)
         # How many waiters stood before this object's owner at its last refused try
         # (0: it was first).
         self._ahead = 0
+
+    def _key_row(self, prefix: str, name: str) -> None:
+        """Address the row of the lock ``(prefix, name)`` (a semaphore's slots
+        address several: :mod:`.semaphore`)."""
+        self.row_prefix, self.row_name = prefix, name
+        self.lock_id = lock_id(prefix, name)
 
     def _check_sizes(self) -> None:
         """InvalidLockConfig, naming the limit, for a prefix, name or info longer than
@@ -128,9 +134,10 @@ class MySQLLock(LeaseLock[MyServer]):
                      ) -> tuple[int, int] | None:
         info = json.dumps({**self._info, "pid": str(os.getpid())})
         params = self._params(owner, op=op, ttl=ttl_ms, ttl_us=ttl_ms * 1000, info=info,
-                              prefix=self.prefix, name=self.name,
+                              prefix=self.row_prefix, name=self.row_name,
                               owner_id=owner_id(owner),
-                              lease_us=int(QUEUE_LEASE * 1_000_000))
+                              lease_us=int(QUEUE_LEASE * 1_000_000),
+                              fstep=self.fence_step, fslot=self.fence_slot)
 
         def refused(cur: Any) -> None:
             if queue:  # join the line, or keep one's place and renew its lease
@@ -161,7 +168,8 @@ class MySQLLock(LeaseLock[MyServer]):
                             params)
                 fence = int(cur.fetchone()[0])
             else:
-                fence = max(int(row[2]) + 1, int(row[5]))
+                fence = max(int(row[2]) + self.fence_step,
+                            int(row[5]) * self.fence_step + self.fence_slot)
                 cur.execute(self._sql(TAKE), {**params, "fence": fence})
             cur.execute(self._sql(LEFT), params)
             return fence, 1
@@ -246,6 +254,9 @@ class MySQLLock(LeaseLock[MyServer]):
 
     def _stop_waiting(self) -> None:
         self._ahead = 0
+
+    def _renew_key(self) -> str:
+        return renew_key(self.row_prefix, self.row_name)
 
     def _renew_target(self) -> RenewTarget | None:
         target: RenewTarget = renew_target(self.server)

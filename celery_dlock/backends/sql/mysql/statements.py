@@ -19,7 +19,7 @@ from __future__ import annotations
 
 __all__ = ["EXTEND", "FORCE_FREE", "FORCE_ROW", "HEAD", "HOLD", "HOLDS", "INSERT",
            "JOIN", "LEAVE", "LEFT", "LINE", "OPS_KEPT", "REENTER", "RELEASE", "ROW",
-           "STATUS", "TAKE", "renew_many", "status_many", "waiting_many"]
+           "STATUS", "TAKE", "renew_many", "slots", "status_many", "waiting_many"]
 
 #: How many operation ids each row keeps.
 OPS_KEPT = 64
@@ -39,7 +39,8 @@ ROW = (f"SELECT owner, `count`, fence, expires_at > {NOW}, {_APPLIED}, {_EPOCH_U
 #: The first hold of a name (its row did not exist): fence = the server's time.
 INSERT = ("INSERT INTO {t} (lock_id, prefix, name, owner, `count`, fence, acquired_at, "
           "expires_at, ttl_ms, info, ops) VALUES (%(id)s, %(prefix)s, %(name)s, "
-          f"%(owner)s, 1, {_EPOCH_US}, {NOW}, {_EXPIRY}, %(ttl)s, %(info)s, %(op)s)")
+          f"%(owner)s, 1, {_EPOCH_US} * %(fstep)s + %(fslot)s, {NOW}, {_EXPIRY}, "
+          "%(ttl)s, %(info)s, %(op)s)")
 
 #: A fresh hold on an existing row (free, expired, or another hold of the caller's
 #: that lapsed), with the fence the transaction chose.
@@ -76,6 +77,14 @@ _HOLD_COLUMNS = (
 #: The live hold of a name: name, owner, count, fence, age, ttl left (s), info, and
 #: the longest ttl (ms) it was taken or extended with.
 HOLD = f"SELECT {_HOLD_COLUMNS} FROM {{t}} WHERE lock_id = %(id)s AND {_LIVE}"
+
+def slots(table: str, count: int) -> str:
+    """The live holds of ``count`` rows (parameters: their lock_ids): the lock_id,
+    then HOLD's columns (a semaphore's slots, :mod:`..slots`)."""
+    ids = ", ".join(["%s"] * count)
+    return (f"SELECT lock_id, {_HOLD_COLUMNS} FROM {table} WHERE lock_id IN ({ids}) "
+            f"AND {_LIVE}")
+
 
 #: Every live hold under a prefix.
 HOLDS = (f"SELECT {_HOLD_COLUMNS} FROM {{t}} WHERE prefix = %(prefix)s AND {_LIVE} "

@@ -14,6 +14,7 @@ from .keys import row_key, row_part
 from .lock import PostgresLock
 from .markers import PgMarkers
 from .rates import PgRates
+from .semaphore import PostgresSemaphore
 from .server import PgServer
 from .statements import FORCE_RELEASE, HOLD, HOLDS, WAITING_MANY
 from .waiting import channel_of
@@ -31,6 +32,7 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
     lock_class = PostgresLock
     rates_class = PgRates
     markers_class = PgMarkers
+    semaphore_class = PostgresSemaphore
 
     def _rows(self, statement: Any, params: Mapping[str, Any], what: str,
               name: str | None = None) -> list[tuple[Any, ...]]:
@@ -38,13 +40,13 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
                                                 w=self.server.line_table),
                                params, what, name)
 
-    def read(self, prefix: str, name: str) -> HoldInfo | None:
+    def _read_lock(self, prefix: str, name: str) -> HoldInfo | None:
         row_prefix, row_name = row_key(prefix, name)
         rows = self._rows(HOLD, {"prefix": row_prefix, "name": row_name}, "a read",
                           name)
         return _info(rows[0]) if rows else None
 
-    def holds(self, prefix: str) -> Iterator[HoldInfo]:
+    def _lock_holds(self, prefix: str) -> Iterator[HoldInfo]:
         for row in self._rows(HOLDS, {"prefix": row_part(prefix)}, "a read"):
             yield _info(row)
 
@@ -58,15 +60,17 @@ class PostgresBackend(LeaseBackend[PgServer, PostgresLock]):
                            "names": [row_part(name) for name in names]}, "a read")}
         return {name: counts.get(row_part(name), 0) for name in names}
 
-    def force_release(self, prefix: str, name: str, *, fence: int | None = None,
-                      by: str | None = None, reason: str | None = None,
-                      conditions: Mapping[str, str] | None = None) -> HoldInfo | None:
+    def _force_lock(self, prefix: str, name: str, *, fence: int | None,
+                    by: str | None, reason: str | None,
+                    conditions: Mapping[str, str] | None,
+                    waiters: tuple[str, str] | None = None) -> HoldInfo | None:
         row_prefix, row_name = row_key(prefix, name)
         rows = self._rows(FORCE_RELEASE, {
             "prefix": row_prefix, "name": row_name, "fence": fence, "by": clean_text(by),
             "reason": clean_text(reason),
             "cond": json.dumps({str(k): str(v) for k, v in (conditions or {}).items()}),
-            "channel": channel_of(prefix, name)}, "force release", name)
+            "channel": channel_of(*(waiters or (prefix, name)))}, "force release",
+            name)
         if not rows:
             return None
         found = _info(rows[0][:7])

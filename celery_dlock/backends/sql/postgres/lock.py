@@ -58,12 +58,15 @@ class PostgresLock(LeaseLock[PgServer]):
 
     def _prepare(self) -> None:
         self.channel = channel_of(self.prefix, self.name)
-        # The row's key: the prefix and name, or their digests (:mod:`.keys`).
-        self.row_prefix, self.row_name = row_key(self.prefix, self.name)
+        self._key_row(self.prefix, self.name)
         self._info.pop(NAME_FIELD, None)
         if not is_raw(self.name):
             self._info[NAME_FIELD] = shown_name(self.name)
         self._listener: Listener | None = None
+
+    def _key_row(self, prefix: str, name: str) -> None:
+        # The row's key: the prefix and name, or their digests (:mod:`.keys`).
+        self.row_prefix, self.row_name = row_key(prefix, name)
 
     # -- talking to PostgreSQL --------------------------------------------------------
 
@@ -84,7 +87,8 @@ class PostgresLock(LeaseLock[PgServer]):
         info = json.dumps({shown_name(k): shown_name(v)
                            for k, v in {**self._info, "pid": str(os.getpid())}.items()})
         rows = self._run(ACQUIRE, self._params(
-            owner, op=op, ttl=ttl_ms, info=info, lease=QUEUE_LEASE_MS if queue else 0),
+            owner, op=op, ttl=ttl_ms, info=info, lease=QUEUE_LEASE_MS if queue else 0,
+            fstep=self.fence_step, fslot=self.fence_slot),
             "acquire")
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
 

@@ -7,7 +7,9 @@ last :data:`OPS_KEPT`) let a re-sent acquire or release be answered as the first
 was (a re-sent acquire that joined the line only renews the caller's place).  Fences are
 ``max(last + 1, server microseconds)``: they grow across holders, and after the table
 lost its rows (a restore) they restart above every token given before, as long as the
-server's clock did not go back (docs/fencing.md).
+server's clock did not go back (docs/fencing.md).  A semaphore's slot rows
+(:mod:`..slots`) step by the limit from the slot's own residue (``%(fstep)s``,
+``%(fslot)s``; a lock's row: 1 and 0), so no two slots ever give the same fence.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 from psycopg import sql
 
 __all__ = ["ACQUIRE", "EXTEND", "FORCE_RELEASE", "HEAD", "HOLD", "LEAVE", "LINE",
-           "OPS_KEPT", "REENTER", "RELEASE", "RENEW_MANY", "RENEW_SLACK_MS", "STATUS",
+           "OPS_KEPT", "REENTER", "RELEASE", "RENEW_MANY", "RENEW_SLACK_MS", "SLOTS",
+           "STATUS",
            "STATUS_MANY", "WAITING_MANY"]
 
 #: How many operation ids each row keeps.
@@ -54,7 +57,8 @@ ACQUIRE = sql.SQL(
     "a AS (INSERT INTO {t} AS l (prefix, name, owner, count, fence, acquired_at,"
     " expires_at, ttl_ms, info, ops) "
     "SELECT %(prefix)s, %(name)s, %(owner)s, 1,"
-    " floor(extract(epoch FROM c.now) * 1000000)::bigint, c.now,"
+    " floor(extract(epoch FROM c.now) * 1000000)::bigint * %(fstep)s::bigint"
+    " + %(fslot)s::bigint, c.now,"
     f" c.now + {_TTL}, %(ttl)s, %(info)s::jsonb, ARRAY[%(op)s]::text[] FROM c, turn "
     "WHERE turn.ok OR EXISTS (SELECT 1 FROM {t} x WHERE x.prefix = %(prefix)s "
     "AND x.name = %(name)s) "
@@ -62,7 +66,7 @@ ACQUIRE = sql.SQL(
     f"count = CASE WHEN {_SAME} THEN l.count + "
     "(CASE WHEN %(op)s = ANY(l.ops) THEN 0 ELSE 1 END) ELSE 1 END, "
     f"fence = CASE WHEN {_SAME} THEN l.fence "
-    "ELSE GREATEST(l.fence + 1, EXCLUDED.fence) END, "
+    "ELSE GREATEST(l.fence + %(fstep)s::bigint, EXCLUDED.fence) END, "
     f"acquired_at = CASE WHEN {_SAME} THEN l.acquired_at ELSE EXCLUDED.acquired_at END, "
     f"expires_at = CASE WHEN {_SAME} THEN GREATEST(l.expires_at, EXCLUDED.expires_at) "
     "ELSE EXCLUDED.expires_at END, "
@@ -167,6 +171,13 @@ _HOLD_COLUMNS = (
 #: the longest ttl (ms) it was taken or extended with.
 HOLD = sql.SQL(
     f"SELECT {_HOLD_COLUMNS} FROM {{t}} l WHERE {_KEY} AND l.owner IS NOT NULL "
+    "AND l.expires_at > clock_timestamp()")
+
+#: The live holds of several names (``%(names)s``) of a prefix: the row's name, then
+#: HOLD's columns (a semaphore's slots, :mod:`..slots`).
+SLOTS = sql.SQL(
+    f"SELECT l.name, {_HOLD_COLUMNS} FROM {{t}} l WHERE l.prefix = %(prefix)s "
+    "AND l.name = ANY(%(names)s::text[]) AND l.owner IS NOT NULL "
     "AND l.expires_at > clock_timestamp()")
 
 #: Every live hold under a prefix.
