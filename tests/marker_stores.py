@@ -27,7 +27,7 @@ from celery_dlock.core.lock_options import LockOptions
 #: The stores that keep queue markers, in the order the tests run on them.
 MARKER_STORES = ("redis", "postgres", "mysql", "zookeeper")
 #: The stores that keep semaphores (``lock_limit`` above 1).
-SEMAPHORE_STORES = ("redis", "postgres", "mysql")
+SEMAPHORE_STORES = ("redis", "postgres", "mysql", "zookeeper")
 
 
 class MarkerCase(NamedTuple):
