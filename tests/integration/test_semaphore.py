@@ -1,14 +1,12 @@
-"""What a semaphore of several slots adds to the lock's contract (a semaphore of one
-slot runs every lock test: the ``semaphore`` kind of tests/lock_kinds.py): N holders
-at once, a FIFO line woken by releases, a fence per hold, slots freed by expiry and by
-a holder's death, re-entry in its own slot, owner-only release, one cluster slot."""
+"""What a Redis semaphore adds to the semaphore contract every store keeps
+(tests/integration/test_semaphore_stores.py: N holders at once, fences, re-entry,
+owner-only release, expiry, a killed holder, force release), and to the lock's (a
+semaphore of one slot runs every lock test: the ``semaphore`` kind of
+tests/lock_kinds.py): a FIFO line woken by releases, one cluster slot, a lock of the
+same name is a conflict, and the checks of ``lock_limit`` at declaration."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -21,68 +19,15 @@ from dlock_helpers import wait_until
 from celery_dlock import (
     InvalidLockConfig,
     LockKeyConflict,
-    LockNotAcquired,
-    LockNotOwned,
     RedisLock,
     RedisSemaphore,
 )
-from celery_dlock.backends.redis.backend import RedisBackend
 from celery_dlock.backends.redis.hashtag import lock_key
 from celery_dlock.core.lock_options import LockOptions
 
 
 def _sem(r, name, prefix, owner, limit=3, ttl=30.0, **kw):
     return RedisSemaphore(r, name, limit, ttl, owner=owner, prefix=prefix, **kw)
-
-
-def test_limit_holders_at_once_and_the_next_is_refused(r, name, prefix):
-    holders = [_sem(r, name, prefix, f"o{i}") for i in range(3)]
-    assert all(s.acquire(blocking=False) for s in holders)
-    extra = _sem(r, name, prefix, "o3")
-    assert extra.acquire(blocking=False) is False
-    assert extra.last_holder is not None and extra.last_holder.owner in \
-        {"o0", "o1", "o2"}
-    with pytest.raises(LockNotAcquired), _sem(r, name, prefix, "o4",
-                                              blocking_timeout=0.2):
-        pytest.fail("a fourth holder ran")
-    fences = [s.fence for s in holders]
-    assert all(isinstance(f, int) for f in fences)
-    assert fences == sorted(fences) and len(set(fences)) == 3, fences
-    holders[1].release()
-    assert extra.acquire(blocking=False)
-    assert extra.fence is not None and extra.fence > max(fences)
-    for s in (holders[0], holders[2], extra):
-        s.release()
-    assert not r.exists(lock_key(prefix, name))
-
-
-def test_reentry_takes_no_second_slot(r, name, prefix):
-    a = _sem(r, name, prefix, "a", limit=2)
-    assert a.acquire() and a.acquire()
-    fence = a.fence
-    b = _sem(r, name, prefix, "b", limit=2)
-    assert b.acquire(blocking=False), "re-entry took a second slot"
-    assert a.fence == fence and a.depth == 2
-    assert not _sem(r, name, prefix, "c", limit=2).acquire(blocking=False)
-    a.release()
-    assert a.owned() and a.depth == 1
-    assert not _sem(r, name, prefix, "c", limit=2).acquire(blocking=False)
-    a.release()
-    assert not a.owned()
-    b.release()
-
-
-def test_release_is_owner_only(r, name, prefix):
-    a = _sem(r, name, prefix, "a", limit=2)
-    a.acquire()
-    stranger = _sem(r, name, prefix, "stranger", limit=2)
-    with pytest.raises(LockNotOwned):
-        stranger.release()
-    with pytest.raises(LockNotOwned):
-        stranger.extend()
-    assert a.owned()
-    assert [h.owner for h in a.holders()] == ["a"]
-    a.release()
 
 
 def test_waiters_are_woken_in_line_by_releases(r, name, prefix):
@@ -125,84 +70,6 @@ def test_waiters_are_woken_in_line_by_releases(r, name, prefix):
         second.join(10)
 
 
-def test_an_expired_slot_is_free_again(r, name, prefix):
-    gone = _sem(r, name, prefix, "gone", limit=1, ttl=0.3, auto_renew=False)
-    gone.acquire()
-    other = _sem(r, name, prefix, "other", limit=1)
-    assert not other.acquire(blocking=False)
-    assert other.acquire(timeout=5), "an expired holder kept its slot"
-    other.release()
-
-
-def test_a_renewed_slot_outlives_three_ttls(r, name, prefix):
-    kept = _sem(r, name, prefix, "kept", limit=1, ttl=0.6)
-    kept.acquire()
-    time.sleep(3 * 0.6 + 0.3)
-    assert kept.owned() and not kept.lost
-    assert not _sem(r, name, prefix, "other", limit=1).acquire(blocking=False)
-    kept.release()
-
-
-_CHILD = """
-import sys, time, redis
-from celery_dlock import RedisSemaphore
-s = RedisSemaphore(redis.Redis.from_url(sys.argv[1]), sys.argv[2], 2, 1.5,
-                   prefix=sys.argv[3], owner="child")
-assert s.acquire(blocking=False)
-print("held", flush=True)
-time.sleep(60)
-"""
-
-
-def test_a_killed_holder_frees_its_slot_within_the_ttl(r, redis_url, name, prefix):
-    keeper = _sem(r, name, prefix, "keeper", limit=2)
-    keeper.acquire()
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, redis_url, name, prefix],
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "held"
-        other = _sem(r, name, prefix, "other", limit=2)
-        time.sleep(2.0)  # past the ttl: the child's renewal keeps its slot
-        assert not other.acquire(blocking=False)
-        os.kill(child.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        assert other.acquire(timeout=10)
-        assert time.monotonic() - killed_at < 1.5 + 1.0
-        other.release()
-    finally:
-        child.kill()
-        child.wait(10)
-        if child.stdout is not None:
-            child.stdout.close()
-    keeper.release()
-
-
-def test_many_threads_never_exceed_the_limit_and_reach_it(r, name, prefix):
-    running = 0
-    peak = 0
-    done = 0
-    guard = threading.Lock()
-
-    def body(i: int) -> None:
-        nonlocal running, peak, done
-        with _sem(r, name, prefix, f"t{i}", limit=3, blocking_timeout=30):
-            with guard:
-                running += 1
-                peak = max(peak, running)
-            time.sleep(0.15)
-            with guard:
-                running -= 1
-                done += 1
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert done == 12
-    assert peak == 3
-
-
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "3", True, None])
 def test_a_bad_limit_is_refused_naming_it(r, name, bad):
     with pytest.raises(InvalidLockConfig, match="limit"):
@@ -222,24 +89,6 @@ def test_a_lock_of_the_same_name_is_a_conflict(r, name, prefix):
         _sem(r, name, prefix, "sem").acquire(blocking=False)
     assert lock.owned()
     lock.release()
-
-
-def test_the_backend_shows_slots_and_holders(r, name, prefix):
-    backend = RedisBackend(r)
-    holders = [_sem(r, name, prefix, f"o{i}", info={"task_id": f"t{i}"})
-               for i in range(2)]
-    for s in holders:
-        s.acquire()
-    info = backend.read(prefix, name)
-    assert info is not None and info.limit == 3 and info.slots == "2/3"
-    assert sorted(h.task_id for h in info.holders) == ["t0", "t1"]
-    listed = [i for i in backend.holds(prefix) if i.key == name]
-    assert len(listed) == 1 and listed[0].slots == "2/3"
-    freed = backend.force_release(prefix, name, by="ops", reason="test")
-    assert freed is not None and len(freed.holders) == 2
-    assert backend.read(prefix, name) is None
-    for s in holders:
-        assert not s.owned()
 
 
 # -- LockedTask(lock_limit=N): checks ---------------------------------------------------
@@ -329,14 +178,3 @@ def test_the_redlock_backend_refuses_a_limit(redlock_servers):
         c.close()
 
 
-def test_a_slot_released_by_force_is_told_who_and_why(r, name, prefix):
-    told: list[object] = []
-    a = _sem(r, name, prefix, "a", limit=2, on_lost=told.append)
-    a.acquire()
-    fence = a.fence
-    RedisBackend(r).force_release(prefix, name, fence=fence, by="ops@host",
-                                  reason="disk full")
-    assert not a.owned()
-    assert told == [a]
-    assert a.lost_reason is not None and "ops@host" in a.lost_reason \
-        and "disk full" in a.lost_reason

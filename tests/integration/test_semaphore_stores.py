@@ -262,8 +262,9 @@ def test_many_threads_never_exceed_the_limit_and_reach_it(semaphore_store, name,
 def test_the_backend_shows_slots_and_holders_and_frees_them(semaphore_store, name,
                                                             prefix):
     s = semaphore_store
-    holders = [_sem(s, name, prefix, f"o{i}", info={"task_id": f"t{i}"})
-               for i in range(2)]
+    told: list[Any] = []
+    holders = [_sem(s, name, prefix, f"o{i}", info={"task_id": f"t{i}"},
+                    on_lost=told.append) for i in range(2)]
     for h in holders:
         h.acquire()
     lock = s.backend.lock(LockOptions(f"{name}-lock", 30, prefix=prefix))
@@ -286,6 +287,7 @@ def test_the_backend_shows_slots_and_holders_and_frees_them(semaphore_store, nam
     assert lock.owned(), "freeing the semaphore touched a lock"
     for h in holders:
         assert not h.owned()
+    assert sorted(told, key=id) == sorted(holders, key=id), "each holder told once"
     assert "ops" in (holders[1].lost_reason or "") and \
         "stuck" in (holders[1].lost_reason or ""), holders[1].lost_reason
     lock.release()
