@@ -1,6 +1,6 @@
 """``celery dlock`` shows a semaphore (``lock_limit`` > 1) as its slots used/limit and
 its holders, and frees its slots: on every store that keeps semaphores (the
-``semaphore_store`` fixture: Redis, PostgreSQL, MySQL/MariaDB)."""
+``semaphore_store`` fixture: Redis, PostgreSQL, MySQL/MariaDB, ZooKeeper)."""
 
 from __future__ import annotations
 

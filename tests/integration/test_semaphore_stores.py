@@ -1,11 +1,11 @@
-"""A semaphore's contract (``lock_limit`` above 1) on every store that keeps them,
-each test once per store (Redis, PostgreSQL, MySQL/MariaDB): N holders at once and
-the next refused, a fence per hold that no other hold has, re-entry in the owner's own
-slot, a re-sent acquire taking one slot, owner-only release, slots freed by expiry, by
-a holder's death and by force (the holder told who and why), renewal, waiters woken by
-a release, many threads never above the limit, and the operators' view (one entry per
-semaphore, its slots and holders).  Redis-only details (hash tags, the FIFO line's
-keys) stay in test_semaphore.py."""
+"""A semaphore's contract (``lock_limit`` above 1) on every store that keeps them, each
+test once per store (Redis, PostgreSQL, MySQL/MariaDB, ZooKeeper): N holders at once
+and the next refused, a fence per hold that no other hold has, re-entry in the owner's
+own slot, a re-sent acquire taking one slot, owner-only release, slots freed by
+expiry, by a holder's death and by force (the holder told who and why), renewal,
+waiters woken by a release, many threads never above the limit, and the operators'
+view (one entry per semaphore, its slots and holders). Redis-only details (hash tags,
+the FIFO line's keys) stay in test_semaphore.py."""
 
 from __future__ import annotations
 
