@@ -375,3 +375,25 @@ def test_a_lock_s_children_keep_their_data_unchanged(zk_server, zk, prefix, name
     with sem:
         (data,) = _line(zk, prefix, "sem-" + name)
         assert data["limit"] == 3
+
+
+def test_a_noted_delete_is_all_or_nothing(zk_server, zk, prefix, name):
+    """A force release's note and the child's delete are one transaction: a child
+    that changed since it was read is neither deleted nor noted."""
+    from celery_dlock.backends.zookeeper.released import released_path
+
+    backend = backend_from_url(zk_server.url)
+    a = _slot(zk_server.url, prefix, name, "a")
+    assert a.acquire(blocking=False)
+    path = lock_path(prefix, name)
+    child = f"{path}/{zk.get_children(path)[0]}"
+    read_at = zk.exists(child).version
+    assert a.acquire(blocking=False)  # re-entry: the child's version moves on
+    assert not backend._delete_noted(prefix, name, child, read_at, "a", a.fence or 0,
+                                     "ops", "stale read")
+    assert a.owned() and zk.exists(released_path(prefix, name)) is None
+    assert backend._delete_noted(prefix, name, child, read_at + 1, "a", a.fence or 0,
+                                 "ops", "fresh read")
+    assert zk.exists(child) is None
+    with pytest.raises(LockLost, match="released by ops: fresh read"):
+        a.ensure_held()
