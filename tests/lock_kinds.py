@@ -455,18 +455,12 @@ def make_kind(kind: str, request: pytest.FixtureRequest) -> Iterator[LockKind]:
         yield LockKind("redlock", clients,
                        lambda n, ttl, **kw: RedlockLock(clients, n, ttl, **kw), False,
                        [s.url for s in servers])
-    elif kind == "postgres":
+    elif kind in ("postgres", "pg_semaphore"):
         url = request.getfixturevalue("postgres_server").url
         clients = [PgView(url)]
-        yield PgKind("postgres", clients,
-                     lambda n, ttl, **kw: make_lock_postgres(url, n, ttl, **kw), True,
-                     [url])
-    elif kind == "pg_semaphore":
-        url = request.getfixturevalue("postgres_server").url
-        clients = [PgView(url)]
-        yield PgKind("pg_semaphore", clients,
-                     lambda n, ttl, **kw: make_pg_semaphore(url, n, ttl, **kw), True,
-                     [url])
+        make = make_lock_postgres if kind == "postgres" else make_pg_semaphore
+        yield PgKind(kind, clients,
+                     lambda n, ttl, **kw: make(url, n, ttl, **kw), True, [url])
     elif kind == "mysql":
         from my_kind import make_my_kind
 

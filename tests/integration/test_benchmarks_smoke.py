@@ -95,7 +95,7 @@ def _per_store_smoke(results_dir: Path, script: str, key: str
 def test_backends_measures_or_skips_each_backend(results_dir: Path) -> None:
     data, measured = _per_store_smoke(results_dir, "bench_backends.py", "backends")
     assert {(r["backend"], r["names"]) for r in data["cycle"]} == {
-        (b, n) for b in measured for n in ("distinct", "hot")}
+        (b, n) for b in measured for n in ("distinct", "hot", "slot of 3")}
     assert {(r["backend"], r["holds"]) for r in data["renewal"]} == {
         (b, n) for b in measured for n in data["holds"]}
     assert {r["variant"] for r in data["tasks"]["rows"]} == {

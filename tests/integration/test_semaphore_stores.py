@@ -145,16 +145,26 @@ def test_release_is_owner_only(semaphore_store, name, prefix):
     assert a.holders() == [] and not a.locked()
 
 
-def test_an_expired_slot_is_free_again(semaphore_store, name, prefix):
+@pytest.mark.parametrize("ends", ["expiry", "max_hold"])
+def test_a_slot_that_ends_by_itself_is_free_again(semaphore_store, name, prefix,
+                                                  ends):
+    """A slot that is not renewed (expiry), or no longer renewed at its max hold, is
+    free for another owner once the server's hold ends; at a max hold its holder is
+    told first."""
     s = semaphore_store
-    gone = _sem(s, name, prefix, "gone", limit=2, ttl=0.5, auto_renew=False)
+    told: list[Any] = []
+    kw: dict[str, Any] = ({"ttl": 0.5, "auto_renew": False} if ends == "expiry" else
+                          {"ttl": 1.0, "max_hold": 1.5})
+    gone = _sem(s, name, prefix, "gone", limit=2, on_lost=told.append, **kw)
     gone.acquire()
     keeper = _sem(s, name, prefix, "keeper", limit=2)
     keeper.acquire()
     other = _sem(s, name, prefix, "other", limit=2)
     assert not other.acquire(blocking=False)
-    assert other.acquire(timeout=5), "an expired holder kept its slot"
+    assert other.acquire(timeout=10), f"a slot ended by {ends} was never freed"
     assert gone.lost or not gone.owned()
+    if ends == "max_hold":
+        assert told == [gone] and "max hold" in (gone.lost_reason or "")
     other.release()
     keeper.release()
 
@@ -292,20 +302,3 @@ def test_the_backend_shows_slots_and_holders_and_frees_them(semaphore_store, nam
         "stuck" in (holders[1].lost_reason or ""), holders[1].lost_reason
     lock.release()
 
-
-def test_max_hold_bounds_a_slot_and_frees_it(semaphore_store, name, prefix):
-    """A slot is no longer renewed at its max hold: its holder is told, and the slot
-    is free for another owner once the server's hold ends."""
-    s = semaphore_store
-    told: list[Any] = []
-    bounded = _sem(s, name, prefix, "bounded", limit=2, ttl=1.0, max_hold=1.5,
-                   on_lost=told.append)
-    bounded.acquire()
-    keeper = _sem(s, name, prefix, "keeper", limit=2)
-    keeper.acquire()
-    other = _sem(s, name, prefix, "other", limit=2)
-    assert not other.acquire(blocking=False)
-    assert other.acquire(timeout=10), "the bounded slot was never freed"
-    assert told == [bounded] and "max hold" in (bounded.lost_reason or "")
-    other.release()
-    keeper.release()
