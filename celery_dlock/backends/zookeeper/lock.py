@@ -12,8 +12,9 @@ The lock recipe of ZooKeeper's own documentation, with the one hold bookkeeping 
   child; the lowest holds the lock.  A waiter sets a watch on the child just before
   its own and sleeps until the server pushes its deletion: no polling, no herd, served
   in arrival order.  A non-blocking acquire joins only an empty line.
-* **Semaphores** (``limit`` above 1, Curator's ``InterProcessSemaphoreV2`` keeps its
-  leases the same way): the ``limit`` lowest children hold a slot each, still in
+* **Semaphores** (``limit`` above 1; Curator's ``InterProcessSemaphoreV2`` guards
+  its leases with a second lock, the line orders them here): the ``limit`` lowest
+  children hold a slot each, still in
   arrival order; an owner holding one of them on this session re-enters it, and a
   non-blocking acquire joins only a line shorter than ``limit`` (and leaves it when
   its child landed beyond the first ``limit``).  Any holder's delete may free a
