@@ -353,6 +353,10 @@ def test_a_retry_within_one_acquire_is_not_undone_by_the_last_attempts_give_back
             acquiring.join(15)
         assert got == [True]  # a later attempt of the same acquire
         assert wait_until(lambda: nodes.owners(a.keys.lock) == ["owner-a"] * 3)
+        # Node 2 had attempt 1's hold already: wait for attempt 2 to count there too
+        # (its call may land after the quorum's reply, on a loaded machine).
+        assert wait_until(lambda: nodes.admin(2).hget(a.keys.lock, "count") == b"2",
+                          timeout=5)
         before = _evalsha_calls(nodes.admin(2))
         held.let_go()
         assert held.forwarded.wait(5)
