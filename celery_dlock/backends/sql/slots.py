@@ -125,7 +125,7 @@ class SlotLease(LeaseLock[S]):
             return super()._send_acquire(owner, op, queue=False, reentry=True)
         kept = self._slot
         live = self._live_slots()
-        own = [i for i, row in live.items() if _owner(row) == owner]
+        own = [i for i, row in live.items() if holder_of(row).owner == owner]
         free = [i for i in range(self.limit) if i not in live]
         random.shuffle(free)  # acquirers spread over the free slots
         ttl = self._acquire_ttl_ms(False)
@@ -170,11 +170,6 @@ class SlotLease(LeaseLock[S]):
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.name!r} limit={self.limit} "
                 f"ttl={self.ttl:g}s depth={self._depth} fence={self._fence}>")
-
-
-def _owner(row: tuple[Any, ...]) -> str | None:
-    owner = row[1]
-    return owner.decode() if isinstance(owner, (bytes, bytearray)) else owner
 
 
 def semaphores(slots: Iterable[HoldInfo]) -> Iterator[HoldInfo]:
