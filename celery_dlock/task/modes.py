@@ -74,7 +74,7 @@ from .markers import (
     record_of,
 )
 from .settings import check_combination, check_limit_mode
-from .takeback import take_back_later
+from .takeback import settle, take_back_later
 
 __all__ = ["send"]
 
@@ -146,6 +146,9 @@ def send(app: Any, original: Callable[..., Any], task: Any, name: str, args: Any
                            replace=policy == "replace" and not requeue, requeue=requeue,
                            op=op, started=started)
 
+    # This process's claims of the name whose take-back waits for the store are taken
+    # back first: a call never published is nobody's duplicate.
+    settle(prefix, lock_name)
     try:
         code, other, left = claim()
     except BackendUnavailable as exc:

@@ -6,6 +6,13 @@ at most :data:`FOR` seconds (or the marker's ttl), until the store answers.
 
 At most :data:`MAX_PENDING` claims wait at once (an outage with many sends): the
 oldest beyond that is given up with a warning (its marker expires within its ttl).
+
+A send of a name from this process first takes back, at once, this process's claims
+of that name still waiting (:func:`settle`), so that it is never told of a call that
+was never published (a duplicate of nothing) in the moment between the store
+answering again and the thread's next try.  A claim is removed from the waiting only
+once taken back (or given up): the thread and a send may both run its ``undo``,
+which names the claim's operation id, so the second does nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from ..core.errors import DLockError
 from ..core.process import after_fork
 from .markers import MarkerStore
 
-__all__ = ["EVERY", "FOR", "MAX_PENDING", "take_back_later"]
+__all__ = ["EVERY", "FOR", "MAX_PENDING", "settle", "take_back_later"]
 
 logger = logging.getLogger("celery_dlock.task")
 
@@ -29,7 +36,7 @@ FOR = 30.0
 MAX_PENDING = 1000
 
 
-@dataclass
+@dataclass(eq=False)
 class _Claim:
     store: MarkerStore
     prefix: str
@@ -67,6 +74,37 @@ def _give_up(claim: _Claim, why: str) -> None:
                    "reply (%s; it expires within its ttl)", claim.name, why)
 
 
+def _undo(claim: _Claim) -> bool:
+    """Take ``claim`` back; False when the store did not answer."""
+    try:
+        claim.store.undo(claim.prefix, claim.name, claim.task_id, claim.op, claim.ttl)
+    except DLockError as exc:
+        if time.monotonic() + EVERY > claim.deadline:
+            _give_up(claim, str(exc))
+            return True
+        return False
+    return True
+
+
+def _drop(done: list[_Claim]) -> None:
+    with _lock:
+        for claim in done:
+            try:
+                _pending.remove(claim)
+            except ValueError:  # taken back by the other side (a send, the thread)
+                pass
+
+
+def settle(prefix: str, name: str) -> None:
+    """Take back now this process's waiting claims of ``name`` under ``prefix`` (see
+    the module).  One that the store does not answer for stays waiting."""
+    if not _pending:  # (no lock: the usual case costs nothing)
+        return
+    with _lock:  # (each with its own store: one claim's undo is harmless elsewhere)
+        mine = [c for c in _pending if c.prefix == prefix and c.name == name]
+    _drop([c for c in mine if _undo(c)])
+
+
 def _run() -> None:
     global _thread
     while True:
@@ -75,20 +113,9 @@ def _run() -> None:
                 _thread = None
                 return
             batch = list(_pending)
-            _pending.clear()
-        left: list[_Claim] = []
-        for claim in batch:
-            try:
-                claim.store.undo(claim.prefix, claim.name, claim.task_id, claim.op,
-                                 claim.ttl)
-            except DLockError as exc:
-                if time.monotonic() + EVERY > claim.deadline:
-                    _give_up(claim, str(exc))
-                else:
-                    left.append(claim)
-        if left:
-            with _lock:
-                _pending.extendleft(reversed(left))
+        done = [claim for claim in batch if _undo(claim)]
+        _drop(done)
+        if len(done) < len(batch):
             time.sleep(EVERY)
 
 

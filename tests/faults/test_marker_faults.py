@@ -38,7 +38,7 @@ from celery_dlock import BackendUnavailable, LockedTask, RedisLock
 from celery_dlock.backends.redis.marker_scripts import CLAIM, CONFIRM, HAND_OVER, UNDO
 from celery_dlock.backends.redis.markers import RedisMarkers
 from celery_dlock.ops.embedded import EmbeddedRedis
-from celery_dlock.task import signals
+from celery_dlock.task import signals, takeback
 from celery_dlock.task.attempt import Attempt, attempts
 from celery_dlock.task.markers import (
     CLAIMED,
@@ -515,6 +515,42 @@ def test_a_failed_publish_whose_take_back_fails_is_taken_back_later(
              what="the claim of the call never sent to be taken back")
     nxt = task.apply_async(("k", 0.0, "b"))
     assert nxt.id != "never-sent" and nxt.id in _queued(r, queue)
+    app.close()
+
+
+def test_a_send_right_after_the_store_answers_again_is_not_told_of_a_call_never_sent(
+        redis_url: str, r: redis.Redis, own_server: EmbeddedRedis, prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the next send of the name (from the same process) comes the
+    moment the server answers again, before the take-back thread tries again (its
+    period made long here): it takes the waiting claim back first, so it is queued,
+    never told "a duplicate of" the call that was never published."""
+    monkeypatch.setattr(takeback, "EVERY", 10.0)
+    queue = f"q-{prefix}"
+    app = _producer(redis_url, prefix, queue, lambda: redis.Redis.from_url(
+        own_server.url, socket_timeout=0.5, socket_connect_timeout=0.5,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0)))
+    markers = RedisMarkers(redis.Redis.from_url(own_server.url, socket_timeout=10))
+    task = app.tasks["pf.mode"]
+    task.apply_async(("warm", 0.0, "w"))  # connected, scripts loaded
+    resume: list[Callable[[], None]] = []
+
+    def stall(**_: Any) -> None:
+        resume.append(_stall("SIGSTOP", own_server))
+
+    before_task_publish.connect(stall, weak=False)
+    try:
+        with pytest.raises(EncodeError):
+            task.apply_async(("k", 0.0, complex(1, 2)), task_id="never-sent")
+    finally:
+        before_task_publish.disconnect(stall)
+        time.sleep(1.0)  # the thread's first try fails; its next is 10 s away
+        for go_on in resume:
+            go_on()
+    assert markers.read(prefix, "mode:k") is not None, "the claim was taken back early"
+    nxt = task.apply_async(("k", 0.0, "b"))
+    assert nxt.id != "never-sent" and nxt.id in _queued(r, queue)
+    assert "never-sent" not in _queued(r, queue)
     app.close()
 
 
