@@ -481,15 +481,16 @@ def test_a_send_against_a_stalled_server_leaves_no_marker_behind(
     nxt = app.tasks["pf.mode"].apply_async(("k", 0.0, "b"))
     assert nxt.id != "stalled" and nxt.id in _queued(r, queue)
     app.close()
+    markers.client.close()
 
 
-def test_a_failed_publish_whose_take_back_fails_is_taken_back_later(
-        redis_url: str, r: redis.Redis, own_server: EmbeddedRedis, prefix: str) -> None:
-    """The claim went through, then the lock's Redis stalls and the publish fails
-    (the broker down with it, as when they are one server): the take-back cannot
-    run then.  It is tried again until the server answers, so the name is not held
-    for the marker's ttl by a call that was never published."""
-    queue = f"q-{prefix}"
+def _publish_fails_while_stalled(redis_url: str, own_server: EmbeddedRedis,
+                                 prefix: str, queue: str, *,
+                                 stalled_for: float) -> tuple[Any, Any, RedisMarkers]:
+    """A producer whose send of ``mode:k`` as task id ``never-sent`` claims its marker,
+    then fails to publish (the serializer refuses an argument) while the lock's Redis
+    is SIGSTOPped (its take-back fails); the server resumes ``stalled_for`` seconds
+    later.  The app, its task, and a reader of the markers."""
     app = _producer(redis_url, prefix, queue, lambda: redis.Redis.from_url(
         own_server.url, socket_timeout=0.5, socket_connect_timeout=0.5,
         retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0)))
@@ -507,15 +508,29 @@ def test_a_failed_publish_whose_take_back_fails_is_taken_back_later(
             task.apply_async(("k", 0.0, complex(1, 2)), task_id="never-sent")
     finally:
         before_task_publish.disconnect(stall)
-        time.sleep(2 * TAKE_BACK_EVERY)  # (tried meanwhile, in vain)
+        time.sleep(stalled_for)
         for go_on in resume:
             go_on()
+    return app, task, markers
+
+
+def test_a_failed_publish_whose_take_back_fails_is_taken_back_later(
+        redis_url: str, r: redis.Redis, own_server: EmbeddedRedis, prefix: str) -> None:
+    """The claim went through, then the lock's Redis stalls and the publish fails
+    (the broker down with it, as when they are one server): the take-back cannot
+    run then.  It is tried again until the server answers, so the name is not held
+    for the marker's ttl by a call that was never published."""
+    queue = f"q-{prefix}"
+    app, task, markers = _publish_fails_while_stalled(
+        redis_url, own_server, prefix, queue,
+        stalled_for=2 * TAKE_BACK_EVERY)  # (the take-back tried meanwhile, in vain)
     assert "never-sent" not in _queued(r, queue)
     wait_for(lambda: markers.read(prefix, "mode:k") is None, 10, 0.05,
              what="the claim of the call never sent to be taken back")
     nxt = task.apply_async(("k", 0.0, "b"))
     assert nxt.id != "never-sent" and nxt.id in _queued(r, queue)
     app.close()
+    markers.client.close()
 
 
 def test_a_send_right_after_the_store_answers_again_is_not_told_of_a_call_never_sent(
@@ -527,31 +542,15 @@ def test_a_send_right_after_the_store_answers_again_is_not_told_of_a_call_never_
     never told "a duplicate of" the call that was never published."""
     monkeypatch.setattr(takeback, "EVERY", 10.0)
     queue = f"q-{prefix}"
-    app = _producer(redis_url, prefix, queue, lambda: redis.Redis.from_url(
-        own_server.url, socket_timeout=0.5, socket_connect_timeout=0.5,
-        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0)))
-    markers = RedisMarkers(redis.Redis.from_url(own_server.url, socket_timeout=10))
-    task = app.tasks["pf.mode"]
-    task.apply_async(("warm", 0.0, "w"))  # connected, scripts loaded
-    resume: list[Callable[[], None]] = []
-
-    def stall(**_: Any) -> None:
-        resume.append(_stall("SIGSTOP", own_server))
-
-    before_task_publish.connect(stall, weak=False)
-    try:
-        with pytest.raises(EncodeError):
-            task.apply_async(("k", 0.0, complex(1, 2)), task_id="never-sent")
-    finally:
-        before_task_publish.disconnect(stall)
-        time.sleep(1.0)  # the thread's first try fails; its next is 10 s away
-        for go_on in resume:
-            go_on()
+    app, task, markers = _publish_fails_while_stalled(
+        redis_url, own_server, prefix, queue,
+        stalled_for=1.0)  # the thread's first try fails; its next is 10 s away
     assert markers.read(prefix, "mode:k") is not None, "the claim was taken back early"
     nxt = task.apply_async(("k", 0.0, "b"))
     assert nxt.id != "never-sent" and nxt.id in _queued(r, queue)
     assert "never-sent" not in _queued(r, queue)
     app.close()
+    markers.client.close()
 
 
 @pytest.mark.parametrize("send", ("claim", "replace"))
