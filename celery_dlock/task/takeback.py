@@ -87,12 +87,15 @@ def _undo(claim: _Claim) -> bool:
 
 
 def _drop(done: list[_Claim]) -> None:
+    """Remove ``done`` from the waiting (each by identity; one already removed by the
+    other side, a send or the thread, is simply not there), in one pass."""
+    if not done:
+        return
+    gone = set(done)
     with _lock:
-        for claim in done:
-            try:
-                _pending.remove(claim)
-            except ValueError:  # taken back by the other side (a send, the thread)
-                pass
+        kept = [claim for claim in _pending if claim not in gone]
+        _pending.clear()
+        _pending.extend(kept)
 
 
 def settle(prefix: str, name: str) -> None:
