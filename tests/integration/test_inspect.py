@@ -14,6 +14,7 @@ import redis
 from dlock_helpers import closed_port, fast_failing_client, wait_until
 
 from celery_dlock import BackendUnavailable, RedisLock
+from celery_dlock.backends.redis import inspect as inspect_module
 from celery_dlock.backends.redis.inspect import (
     SUMMARY_FIELDS,
     HoldChanged,
@@ -200,6 +201,23 @@ def test_force_release_with_a_fence_frees_only_that_hold(r, prefix, name):
     assert caught.value.current.owner == "second"
     assert caught.value.current.fence == second.fence
     assert get_lock(r, prefix, name) is not None  # left alone
+
+
+def test_force_release_of_an_ended_hold_is_refused_whatever_its_operation_id(
+        r, prefix, name, monkeypatch):
+    # The counter keeps 8 bits of a force release's operation id: two calls whose ids
+    # share them look alike to it.  The second call, naming a hold that had already
+    # ended, is still told that another hold has the lock.
+    ids = iter(["ab" + os.urandom(7).hex() for _ in range(2)])
+    monkeypatch.setattr(inspect_module, "new_op_id", lambda: next(ids))
+    first = hold(r, prefix, name, owner="first")
+    assert force_release(r, prefix, name, fence=first.fence) is not None
+    second = hold(r, prefix, name, owner="second")
+    with pytest.raises(HoldChanged) as caught:
+        force_release(r, prefix, name, fence=first.fence)
+    assert caught.value.current is not None
+    assert caught.value.current.fence == second.fence
+    assert get_lock(r, prefix, name) is not None
 
 
 def test_waiting_counts_only_live_waiters(r, prefix, name):
