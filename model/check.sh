@@ -78,6 +78,7 @@ expect_fail "renewal without a timeout (deadlock)" "$MUTANT_BITS" -DNO_RENEW_TIM
 expect_fail "re-entry takes a new hold after force release" "$MUTANT_BITS" -DOLD_REENTRY -DFORCE
 expect_fail "re-entry takes a new hold after data loss" "$MUTANT_BITS" -DOLD_REENTRY -DDATA_LOSS
 expect_fail "fence = counter + 1 (repeats after data loss)" "$MUTANT_BITS" -DOLD_FENCE -DDATA_LOSS
+expect_fail "a waiter joins the line without flagging the hold" "$MUTANT_BITS" -DNO_LINE_FLAG
 
 MODEL=markers.pml
 MARKER_BITS=$((BITS - 1))  # one less than the lock's: the marker runs stay near 2 minutes

@@ -39,6 +39,8 @@
  *   OLD_REENTRY   a re-entry whose hold is gone takes a new hold silently (the bug
  *                 of a force release or data loss followed by a nested acquire)
  *   OLD_FENCE     the fence is the counter + 1 only: it repeats after a data loss
+ *   NO_LINE_FLAG  a waiter joins the line without flagging the hold: its holder's
+ *                 release, which reads the line only when flagged, would not ring
  *   PAUSE=k       a pause longer than the margin allows (told-first may fail; fencing
  *                 must still hold: run with -DBEYOND_BOUND to check only fencing)
  */
@@ -105,6 +107,7 @@ bool gone_by_loss[3];    /* the client's hold ended otherwise than by its releas
 bool ended_since[3];     /* another hold ended since the client's final release */
 byte s_waiter = NONE;    /* the first in line */
 byte s_promise_end = 0;  /* a free lock is promised to s_waiter until then */
+bool s_line = false;     /* the hold's hash says: someone joined the line during it */
 
 /* -- the resource: accepts a write whose fence is at least the highest seen ------- */
 byte res_max = 0;
@@ -229,6 +232,7 @@ end_server:
              next_fence();
              s_owner = c; s_count = 1; s_fence = fence_ctr; s_lastop[c] = op;
              gone_by_loss[c] = false;
+             s_line = false;   /* a new hash (the line is empty after a grant here) */
              s_expiry = now + ttl - DRIFT;
              if
              :: s_waiter == c || now >= s_promise_end -> s_waiter = NONE
@@ -237,6 +241,12 @@ end_server:
              reply(c, OK, s_fence)
           :: else ->
              s_waiter = c;                            /* joins the line */
+#ifndef NO_LINE_FLAG
+             if
+             :: s_owner != NONE -> s_line = true      /* ...and flags the hold */
+             :: else -> skip
+             fi;
+#endif
              reply(c, FAIL, 0)
           fi
        :: kind == REL ->
@@ -250,14 +260,17 @@ end_server:
                 s_count--; s_lastop[c] = op;
                 if
                 :: s_count == 0 ->
-                   /* the counter says: freed by its owner (fence + 1) */
-                   if
-                   :: fence_ctr < s_fence + 1 -> fence_ctr = s_fence + 1
-                   :: else -> skip
-                   fi;
+                   /* the counter says: freed by its owner (fence + 1), written
+                    * without being read: it never holds more than the hold's fence
+                    * then (only this hold's end changes it after its grant) */
+                   assert(fence_ctr <= s_fence);
+                   fence_ctr = s_fence + 1;
                    s_owner = NONE; ended_since[c] = false; ended_since[other] = true;
+                   /* the line is read only when the hold was flagged: a waiter in
+                    * line is always behind a flag */
+                   assert(s_waiter == NONE || s_line);
                    if
-                   :: s_waiter != NONE -> s_promise_end = now + GRACE  /* ring */
+                   :: s_line && s_waiter != NONE -> s_promise_end = now + GRACE /* ring */
                    :: else -> skip
                    fi
                 :: else -> skip
@@ -382,6 +395,7 @@ proctype Operator() {
        gone_by_loss[s_owner] = true; ended_since[3 - s_owner] = true;
 #ifdef DATA_LOSS
        s_owner = NONE; s_count = 0; fence_ctr = 0; s_waiter = NONE; s_prev = 0;
+       s_line = false;
        s_lastop[1] = 0; s_lastop[2] = 0
 #else
        /* a force release leaves the counter at fence + 2 (+ a tag of its op id) */

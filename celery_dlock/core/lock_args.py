@@ -18,7 +18,7 @@ DEFAULT_PREFIX = "dlock"
 _HOST = socket.gethostname()
 #: Fields of a hold that ``info`` may not set.
 RESERVED_INFO = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid", "ops",
-                           "prev"})
+                           "prev", "line"})
 
 
 def _encodable(text: str) -> bool:

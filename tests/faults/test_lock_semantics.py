@@ -21,7 +21,14 @@ import redis
 from dlock_helpers import queue_members, wait_in_line, wait_until
 from lock_kinds import NO_LONGER_SESSION, ONE_SERVER_KINDS, OneServerKind
 
-from celery_dlock import DLockError, InvalidLockConfig, LockLost, LockNotOwned, RedisLock
+from celery_dlock import (
+    BackendUnavailable,
+    DLockError,
+    InvalidLockConfig,
+    LockLost,
+    LockNotOwned,
+    RedisLock,
+)
 from celery_dlock.ops.embedded import EmbeddedRedis
 
 # -- 1. re-entry never shortens --------------------------------------------------------
@@ -338,6 +345,22 @@ def test_a_noeviction_server_gets_no_warning(caplog, prefix, name):
         with RedisLock(client, name, prefix=prefix):
             pass
         assert _warnings_about_eviction(caplog) == []
+        client.close()
+
+
+def test_a_full_noeviction_server_refuses_a_grant_and_keeps_nothing(prefix, name):
+    """docs/deployments.md: with ``noeviction`` a full server refuses writes, and a
+    grant is refused before it wrote anything: no hold, no fence counter."""
+    with EmbeddedRedis(extra_args=("--maxmemory-policy", "noeviction")) as server:
+        client = redis.Redis.from_url(server.url)
+        lock = RedisLock(client, name, ttl=30, prefix=prefix, auto_renew=False)
+        client.config_set("maxmemory", 1)
+        with pytest.raises(BackendUnavailable, match="maxmemory"):
+            lock.acquire(blocking=False)
+        assert client.keys(f"{prefix}:*") == []
+        client.config_set("maxmemory", 0)
+        assert lock.acquire(blocking=False)  # room again: granted
+        lock.release()
         client.close()
 
 

@@ -74,7 +74,7 @@ __all__ = [
 # Hash fields that HoldInfo shows under their own name (or turns into ttl/held_for);
 # every other field of the hash goes to HoldInfo.extra.
 _KNOWN = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "ops", "prev",
-                    "task_id", "task_name", "worker", "pid", "host"})
+                    "line", "task_id", "task_name", "worker", "pid", "host"})
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError)
 #: How often :func:`force_release` without a fence reads a hold that changed hands.

@@ -16,9 +16,9 @@ from ...core.errors import Holder, InvalidLockConfig
 from .hashtag import lock_key
 from .waiters import doorbell_suffix
 
-__all__ = ["FENCE_SUFFIX", "HOLD_FIELDS", "MARKER_SUFFIX", "RELEASED_SUFFIX", "SUFFIXES",
-           "UNTOUCHED", "LockKeys", "check_client", "decode", "foreign_keys",
-           "parse_holder"]
+__all__ = ["FENCE_SUFFIX", "HOLD_FIELDS", "LINE_FIELD", "MARKER_SUFFIX",
+           "RELEASED_SUFFIX", "SUFFIXES", "UNTOUCHED", "LockKeys", "check_client",
+           "decode", "foreign_keys", "parse_holder"]
 
 #: What a key of a lock must be (TYPE), to name a key holding foreign data.
 _KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zset",
@@ -27,9 +27,14 @@ _KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zse
 #: as a whole): a hash at a lock's key without one of them is another application's.
 #: A hold's other fields are metadata, free-form (``info=``): they tell nothing.
 HOLD_FIELDS = ("owner", "count", "fence", "acquired_at", "ttl", "ops")
+#: The field a hold's hash gets when a waiter joins the line during the hold (or the
+#: line is not empty when it is granted): its final release rings the first in line
+#: only then, so that a release of a lock nobody waited for reads no line.
+LINE_FIELD = "line"
 #: The scripts' own bookkeeping in a hold's hash (the last operation ids and their
-#: results, the fence of the hold before): never shown as a holder's metadata.
-BOOKKEEPING = ("ops", "prev")
+#: results, the fence of the hold before, the line's flag): never shown as a holder's
+#: metadata.
+BOOKKEEPING = ("ops", "prev", LINE_FIELD)
 #: What a conflict's message says of the foreign data, after naming it.
 UNTOUCHED = ("another application's data is under this lock's keys and was left "
              "untouched (use another prefix or lock name)")

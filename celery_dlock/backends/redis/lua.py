@@ -12,7 +12,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from ...core.lock_options import DEFAULT_FENCE_TTL
-from .keyspace import HOLD_FIELDS, SUFFIXES
+from .keyspace import HOLD_FIELDS, LINE_FIELD, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
@@ -141,7 +141,19 @@ local WAKE_GRACE = {WAKE_GRACE_MS}
 local LINE_TTL = {LINE_TTL_MS}
 local OPS_KEPT = {OPS_KEPT}
 local FENCE_KEEP = {round(DEFAULT_FENCE_TTL * 1000)}
+local LINE_FIELD = '{LINE_FIELD}'
 """ + "".join(f"local {name} = '{suffix}'\n" for name, suffix in SUFFIXES.items()) + """
+-- The expiry of a key this script just made: a PEXPIRE the user may not run deletes
+-- the key first (no key is left without its expiry), then stops the script naming
+-- the command.  (Where the server refuses nothing, one command, not a guard before.)
+local function expire_new(key, ttl)
+  local reply = redis.pcall('PEXPIRE', key, ttl)
+  if type(reply) == 'table' and reply.err then
+    redis.pcall('DEL', key)
+    call('PEXPIRE', key, ttl)
+  end
+end
+
 -- The decimal digits of ``n``, an integer below 2^53 (a fence, a time in ms), as
 -- the scripts store it: ``%d`` prints it exactly (Lua 5.1 casts it to a C long) at
 -- about half the server's cost of a float format; ``tostring`` would print a fence

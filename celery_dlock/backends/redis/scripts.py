@@ -6,8 +6,10 @@ One lock named ``NAME`` under prefix ``P`` is a handful of keys that share the h
 ``P:{NAME}``          hash: owner, count, fence, acquired_at (ms, server clock), ttl (ms,
                       the longest asked for), ops (the last few operation ids with their
                       results) and free-form metadata (task_id, task_name, worker, pid,
-                      host).  It expires at least ``ttl`` after the last acquire, extend
-                      or renewal: no operation ever brings its expiry closer.
+                      host), and ``line`` once a waiter joined the line during the
+                      hold (its final release reads the line only then).  It expires
+                      at least ``ttl`` after the last acquire, extend or renewal: no
+                      operation ever brings its expiry closer.
 ``P:{NAME}:fence``    integer, the last fencing token handed out.  A fresh hold gets
                       ``max(counter + 1, server clock in microseconds)``,
                       and its owner's final release leaves it at that hold's fence
@@ -157,20 +159,22 @@ if not holder then
     head = call('ZRANGE', queue, 0, 0)[1]
   end
   if (not head) or head == owner then
-    -- The key does not exist (not_a_hold_in saw to it), so PEXPIRE changes nothing
-    -- here: it stops a user who may not run it before the hold is written.
-    call('PEXPIRE', lock, ttl_arg)
     local fence, prev = next_fence(lock, t)
     if type(fence) == 'table' then return fence end
+    local line = false
     if head then
       leave_line(lock, owner)
+      line = call('EXISTS', queue) == 1
     end
     local token = digits(fence)
     call('SET', lock .. FENCE_SUFFIX, token, 'PX', digits(ttl + tonumber(ARGV[6])))
     call('HSET', lock, 'owner', owner, 'count', '1', 'fence', token,
          'acquired_at', digits(now), 'ttl', ttl_arg,
          'ops', '|' .. op .. '=1', 'prev', prev, unpack(ARGV, 7))
-    call('PEXPIRE', lock, ttl_arg)
+    if line then
+      call('HSET', lock, LINE_FIELD, '1')
+    end
+    expire_new(lock, ttl_arg)
     return {1, fence, 1}
   end
   -- Free, but promised to the first in line: make sure it has heard.
@@ -178,6 +182,10 @@ if not holder then
   pttl = -1
 else
   pttl = call('PTTL', lock)
+  if tonumber(ARGV[3]) > 0 and not h[LINE_FIELD] then
+    -- It joins the line: its holder's release is to ring the first in line.
+    call('HSET', lock, LINE_FIELD, '1')
+  end
 end
 return refused(queue, leases, owner, now, pttl, flat)
 """,
@@ -209,7 +217,7 @@ RELEASE = LuaScript(
 local lock, op = KEYS[1], ARGV[2]
 -- The owner's release reads the fields it needs in one HMGET (cheaper for the server
 -- than an HGETALL of a hold with a task's metadata, and than one HGET per field).
-local got = call('HMGET', lock, 'owner', 'ops', 'fence', 'count')
+local got = call('HMGET', lock, 'owner', 'ops', 'fence', 'count', LINE_FIELD)
 local holder = got[1]
 if holder ~= ARGV[1] then
   local foreign = not_a_hold(lock, holder)
@@ -235,12 +243,16 @@ if count > 0 then
   call('HSET', lock, 'count', count, 'ops', remembered(ops, op, count))
   return {2, count}
 end
--- The final release.  The counter first (never lowered): a command refused there
--- stops the script before any other write.  The first in line is woken before the
--- hold goes, so that a command refused on the way leaves the hold held (a bumped
--- counter and a doorbell rung early change nothing a holder relies on).
-mark_freed(lock, tonumber(hold_fence), FREED_BY_OWNER, tonumber(ARGV[5]))
-if call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
+-- The final release.  The counter first: a command refused there stops the script
+-- before any other write.  It is written without being read: the grant of this
+-- hold wrote it at the hold's fence, and only the end of this hold changes it
+-- (a force release of it leaves another owner, or none, at the key).  The first in
+-- line is woken before the hold goes, so that a command refused on the way leaves
+-- the hold held (a counter written and a doorbell rung early change nothing a holder
+-- relies on); there is a line to wake only when someone joined it during this hold.
+call('SET', lock .. FENCE_SUFFIX, digits(tonumber(hold_fence) + FREED_BY_OWNER), 'PX',
+     digits(tonumber(ARGV[5]) or FENCE_KEEP))
+if got[5] and call('EXISTS', lock .. QUEUE_SUFFIX) == 1 then
   wake_head(lock, now_ms())
 end
 call('DEL', lock)
