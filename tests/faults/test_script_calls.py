@@ -22,6 +22,7 @@ from dlock_helpers import wait_until
 
 from celery_dlock import BackendUnavailable, InvalidLockConfig, RedisLock
 from celery_dlock.backends.redis.renewal import renew_target
+from celery_dlock.backends.redis.script_call import _packed
 from celery_dlock.backends.redis.scripts import LuaScript
 from celery_dlock.ops.embedded import EmbeddedRedis
 
@@ -284,6 +285,58 @@ def test_a_client_subclass_sees_every_script_call(redis_url, prefix, name):
     assert lock.acquire(blocking=False)
     lock.release()
     assert Counting.calls >= 2  # acquire and release went through it
+    client.close()
+
+
+def test_a_wrapper_put_on_the_client_class_later_sees_every_script_call(
+        redis_url, prefix, name, monkeypatch):
+    """An instrumentation that wraps ``redis.Redis.execute_command`` after the lock's
+    modules were imported (OpenTelemetry's does) still sees the lock's calls."""
+    seen: list[object] = []
+    stock = redis.Redis.execute_command
+
+    def wrapped(self: redis.Redis, *args: object, **options: object) -> object:
+        seen.append(args[0])
+        return stock(self, *args, **options)
+
+    client = _client(redis_url)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
+    assert lock.acquire(blocking=False)  # the lean path: nothing to see
+    lock.release()
+    assert seen == []
+    monkeypatch.setattr(redis.Redis, "execute_command", wrapped)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    assert seen.count("EVALSHA") >= 2
+    client.close()
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_a_script_call_is_packed_as_redis_py_packs_it(encoding):
+    """The bytes sent for a script call are the bytes redis-py's own packer makes
+    for the same command, whatever the arguments' types."""
+    import random
+
+    conn = redis.Connection(encoding=encoding)
+    rng = random.Random(5)
+    for _ in range(200):
+        args: list[object] = ["EVALSHA", "ab" * 20, 1, f"dlock:{{k{rng.random()}}}"]
+        for _ in range(rng.randint(0, 12)):
+            args.append(rng.choice([
+                rng.randint(-10**15, 10**15), rng.random() * 1e6, "",
+                "".join(chr(rng.randint(32, 255)) for _ in range(rng.randint(1, 40))),
+                bytes(rng.randint(0, 255) for _ in range(rng.randint(0, 40))),
+                "x" * rng.randint(6000, 7000)]))
+        theirs = b"".join(bytes(part) for part in conn.pack_command(*args))
+        assert _packed(conn.encoder.encode, args) == theirs, args
+
+
+def test_a_value_the_client_cannot_send_is_refused_before_anything_is_sent(
+        redis_url, prefix, name):
+    client = _client(redis_url)
+    with pytest.raises(redis.DataError):
+        LuaScript("echo_b", "return ARGV")(client, (f"{prefix}:{name}",), (True,))
+    assert client.ping()
     client.close()
 
 

@@ -14,6 +14,7 @@ from redis.exceptions import NoScriptError
 from ...core.lock_options import DEFAULT_FENCE_TTL
 from .keyspace import HOLD_FIELDS, LINE_FIELD, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
+from .script_call import plain, run
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
 
 __all__ = ["CALL", "COMMON", "HOLD_SHAPE", "OPS_KEPT", "LuaScript", "trimmed"]
@@ -25,7 +26,7 @@ OPS_KEPT = 8
 class LuaScript:
     """A Lua script identified by its SHA1; runs with ``EVALSHA``, loading on a miss.
 
-    Every call goes through the client's own command path and connection pool: a
+    Every call goes through the client's connection pool (:mod:`.script_call`): a
     connection the server closed is replaced before use as the pool does it, the
     client's re-send policy applies, and ``pool.disconnect()``, ``client.close()``
     and the pool's ``max_connections`` govern the lock's calls as they govern the
@@ -43,6 +44,11 @@ class LuaScript:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        if plain(client):  # (script_call.py: the pool's connection, packed once)
+            try:
+                return run(client, "EVALSHA", self.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return run(client, "EVAL", self.source, len(keys), *keys, *args)
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
