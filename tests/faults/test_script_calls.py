@@ -288,6 +288,23 @@ def test_a_client_subclass_sees_every_script_call(redis_url, prefix, name):
     client.close()
 
 
+def test_a_client_subclass_with_its_own_evalsha_sees_every_script_call(
+        redis_url, prefix, name):
+    class Counting(redis.Redis):  # type: ignore[type-arg]
+        calls = 0
+
+        def evalsha(self, sha: str, numkeys: int, *keys_and_args: object) -> object:
+            Counting.calls += 1
+            return super().evalsha(sha, numkeys, *keys_and_args)  # type: ignore[arg-type]
+
+    client = Counting.from_url(redis_url)
+    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    assert Counting.calls >= 2  # acquire and release went through it
+    client.close()
+
+
 def test_a_wrapper_put_on_the_client_class_later_sees_every_script_call(
         redis_url, prefix, name, monkeypatch):
     """An instrumentation that wraps ``redis.Redis.execute_command`` after the lock's

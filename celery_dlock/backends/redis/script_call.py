@@ -2,8 +2,9 @@
 client's own connection pool, sent the way redis-py sends a command, with less of
 redis-py's general machinery around it.
 
-For a plain :class:`redis.Redis` (its ``execute_command`` not replaced by a subclass
-or an instrumentation wrapper, not a single-connection client), :func:`run` takes a
+For a plain :class:`redis.Redis` (its ``execute_command``, ``evalsha`` and ``eval``
+not replaced by a subclass or an instrumentation wrapper, not a single-connection
+client), :func:`run` takes a
 connection from the client's pool (``get_connection``, which checks it is usable as
 for any command), packs the call once in the RESP form redis-py would send (each
 argument encoded by the connection's own ``encoder``: the client's encoding, its
@@ -33,19 +34,21 @@ from redis import ConnectionPool, Redis
 
 __all__ = ["plain", "run"]
 
-#: redis-py's own ``Redis.execute_command``, as this module found it.  A client whose
-#: class has another (a subclass's, or an instrumentation's wrapper put on the class,
-#: at any time) is called through it.
-_STOCK = Redis.__dict__.get("execute_command")
+#: redis-py's own ``execute_command``, ``evalsha`` and ``eval``, as this module found
+#: them.  A client whose class has another of any of them (a subclass's, or an
+#: instrumentation's wrapper put on the class, at any time) is called through it.
+_STOCK = (Redis.__dict__.get("execute_command"), getattr(Redis, "evalsha", None),
+          getattr(Redis, "eval", None))
 #: (``type()``, not ``isinstance``: a wrapper object may claim to be a function.)
-_USABLE = type(_STOCK) is types.FunctionType
+_USABLE = all(type(f) is types.FunctionType for f in _STOCK)
 
 
 def plain(client: Any) -> bool:
     """Whether ``client`` is a redis-py client whose command path is redis-py's own,
     on a pool of its own connections."""
-    return (_USABLE and type(client).execute_command is _STOCK
-            and getattr(client, "connection", None) is None
+    kind = type(client)
+    return (_USABLE and kind.execute_command is _STOCK[0] and kind.evalsha is _STOCK[1]
+            and kind.eval is _STOCK[2] and getattr(client, "connection", None) is None
             and isinstance(getattr(client, "connection_pool", None), ConnectionPool))
 
 
