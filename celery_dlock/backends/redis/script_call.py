@@ -20,8 +20,9 @@ script calls are not in those).  It costs the client about a quarter less per ca
 (benchmarks/README.md, issue 34's round).
 
 Any other client (a cluster client, a subclass with its own ``execute_command``, an
-instrumented one) is called through its own ``evalsha``/``eval``
-(:class:`~.lua.LuaScript` asks :func:`plain` first).
+instrumented one), and every client on redis-py 4 (which sends every argument as
+UTF-8 whatever the client's encoding), is called through its own
+``evalsha``/``eval`` (:class:`~.lua.LuaScript` asks :func:`plain` first).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 from redis import ConnectionPool, Redis
 
 __all__ = ["plain", "run"]
@@ -40,7 +42,9 @@ __all__ = ["plain", "run"]
 _STOCK = (Redis.__dict__.get("execute_command"), getattr(Redis, "evalsha", None),
           getattr(Redis, "eval", None))
 #: (``type()``, not ``isinstance``: a wrapper object may claim to be a function.)
-_USABLE = all(type(f) is types.FunctionType for f in _STOCK)
+#: redis-py 4 keeps its own path (see the module's note on encodings).
+_USABLE = (all(type(f) is types.FunctionType for f in _STOCK)
+           and int(redis.__version__.split(".")[0]) >= 5)
 
 
 def plain(client: Any) -> bool:
