@@ -272,36 +272,32 @@ def test_a_call_reaches_the_server_in_the_clients_encoding(redis_url, prefix, na
     client.close()
 
 
-def test_a_client_subclass_sees_every_script_call(redis_url, prefix, name):
-    class Counting(redis.Redis):  # type: ignore[type-arg]
-        calls = 0
+class _CountingCommands(redis.Redis):  # type: ignore[type-arg]
+    calls = 0
 
-        def execute_command(self, *args: object, **options: object) -> object:
-            Counting.calls += 1
-            return super().execute_command(*args, **options)
+    def execute_command(self, *args: object, **options: object) -> object:
+        type(self).calls += 1
+        return super().execute_command(*args, **options)
 
-    client = Counting.from_url(redis_url)
+
+class _CountingEvalsha(redis.Redis):  # type: ignore[type-arg]
+    calls = 0
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: object) -> object:
+        type(self).calls += 1
+        return super().evalsha(sha, numkeys, *keys_and_args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", [_CountingCommands, _CountingEvalsha],
+                         ids=["execute_command", "evalsha"])
+def test_a_client_subclass_sees_every_script_call(redis_url, prefix, name, kind):
+    """A subclass with its own ``execute_command`` or ``evalsha`` gets every call."""
+    kind.calls = 0
+    client = kind.from_url(redis_url)
     lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
     assert lock.acquire(blocking=False)
     lock.release()
-    assert Counting.calls >= 2  # acquire and release went through it
-    client.close()
-
-
-def test_a_client_subclass_with_its_own_evalsha_sees_every_script_call(
-        redis_url, prefix, name):
-    class Counting(redis.Redis):  # type: ignore[type-arg]
-        calls = 0
-
-        def evalsha(self, sha: str, numkeys: int, *keys_and_args: object) -> object:
-            Counting.calls += 1
-            return super().evalsha(sha, numkeys, *keys_and_args)  # type: ignore[arg-type]
-
-    client = Counting.from_url(redis_url)
-    lock = RedisLock(client, name, ttl=10, prefix=prefix, auto_renew=False)
-    assert lock.acquire(blocking=False)
-    lock.release()
-    assert Counting.calls >= 2  # acquire and release went through it
+    assert kind.calls >= 2  # acquire and release went through it
     client.close()
 
 
