@@ -42,7 +42,7 @@ from ...core.protocol import new_op_id
 from .cluster import node_clients
 from .hashtag import name_of_key
 from .hashtag import scan_pattern as _scan_pattern
-from .keyspace import LockKeys, decode
+from .keyspace import HOLD_FIELDS, LockKeys, decode
 from .refusals import refusal
 from .released import clean_text
 from .scripts import FORCE_RELEASE, READ_HOLD
@@ -312,7 +312,8 @@ def force_release(client: Any, prefix: str, name: str, *,
             before, pttl, now_ms = _read_hold(client, keys.lock)
             if not before:
                 return None
-            if fence is not None and before.get("fence") != str(fence):
+            if (fence is not None and _is_hold(before)
+                    and before.get("fence") != str(fence)):
                 break  # another hold: the named one ended before this call
             expected = before.get("fence") if fence is None else str(fence)
             conditions = ("fence", expected) if expected is not None else ()
@@ -342,6 +343,21 @@ def force_release(client: Any, prefix: str, name: str, *,
     # counter keeps 8 bits of the id).
     raise _changed(name, fence, before.get("fence"),
                    _lock_info(name, before, pttl, now_ms))
+
+
+def _is_hold(fields: Mapping[str, str]) -> bool:
+    """Whether ``fields`` have every field of a hold, its numbers numbers (what the
+    scripts check before they touch a hash; anything else they refuse as foreign)."""
+    for f in HOLD_FIELDS:
+        value = fields.get(f)
+        if value is None:
+            return False
+        if f not in ("owner", "ops"):
+            try:
+                float(value)
+            except ValueError:
+                return False
+    return True
 
 
 def _changed(name: str, fence: int | None, now_fence: str | None,
