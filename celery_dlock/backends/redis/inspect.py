@@ -314,7 +314,13 @@ def force_release(client: Any, prefix: str, name: str, *,
                 return None
             if (fence is not None and _is_hold(before)
                     and before.get("fence") != str(fence)):
-                break  # another hold: the named one ended before this call
+                # The named hold ended before this call and another holds the
+                # lock.  Told by the read, not by the script: the script would ask
+                # the counter whether this call freed the named hold, which a call
+                # with another operation id answers wrongly once in 256 (the
+                # counter keeps 8 bits of the id).
+                raise _changed(name, fence, before.get("fence"),
+                               _lock_info(name, before, pttl, now_ms))
             expected = before.get("fence") if fence is None else str(fence)
             conditions = ("fence", expected) if expected is not None else ()
             op = new_op_id()
@@ -334,15 +340,8 @@ def force_release(client: Any, prefix: str, name: str, *,
                 continue  # taken since it was read: read it again
             raise _changed(name, fence, fields.get("fence"), info)
         return info
-    else:
-        raise HoldChanged(f"the lock changed hands {_FORCE_ATTEMPTS} times while it "
-                          "was being released; nothing was released", lock_name=name)
-    # The named hold is gone and another holds the lock.  Told by the read, not by
-    # the script: the script would ask the counter whether this call freed the named
-    # hold, which a call with another operation id answers wrongly once in 256 (the
-    # counter keeps 8 bits of the id).
-    raise _changed(name, fence, before.get("fence"),
-                   _lock_info(name, before, pttl, now_ms))
+    raise HoldChanged(f"the lock changed hands {_FORCE_ATTEMPTS} times while it was "
+                      "being released; nothing was released", lock_name=name)
 
 
 def _is_hold(fields: Mapping[str, str]) -> bool:
