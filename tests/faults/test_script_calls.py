@@ -326,24 +326,48 @@ def test_a_wrapper_put_on_the_client_class_later_sees_every_script_call(
 
 @pytest.mark.skipif(_REDIS_4, reason="redis-py 4's script calls keep its own path "
                     "(backends/redis/script_call.py): nothing packed to compare")
-@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
-def test_a_script_call_is_packed_as_redis_py_packs_it(encoding):
+@pytest.mark.parametrize(("encoding", "errors"),
+                         [("utf-8", "strict"), ("latin-1", "strict"),
+                          ("latin-1", "replace")])
+def test_a_script_call_is_packed_as_redis_py_packs_it(encoding, errors):
     """The bytes sent for a script call are the bytes redis-py's own packer makes
-    for the same command, whatever the arguments' types."""
+    for the same command, whatever the arguments' types and the client's encoding
+    and its errors setting."""
     import random
 
-    conn = redis.Connection(encoding=encoding)
+    class Text(str):
+        pass
+
+    conn = redis.Connection(encoding=encoding, encoding_errors=errors)
+    top = 0x2FF if errors == "replace" else 0xFF  # beyond latin-1 only when replaced
     rng = random.Random(5)
     for _ in range(200):
         args: list[object] = ["EVALSHA", "ab" * 20, 1, f"dlock:{{k{rng.random()}}}"]
         for _ in range(rng.randint(0, 12)):
+            text = "".join(chr(rng.randint(32, top)) for _ in range(rng.randint(1, 40)))
+            raw = bytes(rng.randint(0, 255) for _ in range(rng.randint(0, 40)))
             args.append(rng.choice([
-                rng.randint(-10**15, 10**15), rng.random() * 1e6, "",
-                "".join(chr(rng.randint(32, 255)) for _ in range(rng.randint(1, 40))),
-                bytes(rng.randint(0, 255) for _ in range(rng.randint(0, 40))),
+                rng.randint(-10**15, 10**15), rng.random() * 1e6, "", text,
+                Text(text), raw, bytearray(raw), memoryview(raw),
                 "x" * rng.randint(6000, 7000)]))
         theirs = b"".join(bytes(part) for part in conn.pack_command(*args))
-        assert _packed(conn.encoder.encode, args) == theirs, args
+        assert _packed(conn.encoder, args) == theirs, args
+
+
+def test_a_connection_with_an_encoder_of_its_own_packs_with_it():
+    """Arguments reach the server as the connection's own encoder (a subclass of
+    redis-py's) makes them, also the strings the packer encodes itself for a stock
+    encoder."""
+    from redis.connection import Encoder
+
+    class Upper(Encoder):
+        def encode(self, value):
+            return super().encode(value.upper() if isinstance(value, str) else value)
+
+    conn = redis.Connection()
+    conn.encoder = Upper(conn.encoder.encoding, conn.encoder.encoding_errors, False)
+    assert _packed(conn.encoder, ["EVALSHA", "ab", 1, "k", 7]) == \
+        b"*5\r\n$7\r\nEVALSHA\r\n$2\r\nAB\r\n$1\r\n1\r\n$1\r\nK\r\n$1\r\n7\r\n"
 
 
 def test_a_value_the_client_cannot_send_is_refused_before_anything_is_sent(

@@ -33,6 +33,7 @@ from typing import Any
 
 import redis
 from redis import ConnectionPool, Redis
+from redis.connection import Encoder
 
 __all__ = ["plain", "run"]
 
@@ -63,13 +64,20 @@ def _get_connection(pool: ConnectionPool) -> Any:
         return pool.get_connection("EVALSHA")
 
 
-def _packed(encode: Any, args: Sequence[Any]) -> bytes:
+def _packed(encoder: Any, args: Sequence[Any]) -> bytes:
+    # A str (every argument the lock's scripts are given but the numbers) is encoded
+    # here as redis-py's own Encoder does it, with the connection's encoding and
+    # errors setting, without the type checks that come first there; anything else,
+    # and every argument of another encoder class, goes through ``encoder.encode``.
+    direct = type(encoder) is Encoder
+    encoding, errors = encoder.encoding, encoder.encoding_errors
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
-        data = encode(arg)
-        parts.append(b"$%d\r\n" % len(data))
-        parts.append(bytes(data))
-        parts.append(b"\r\n")
+        if direct and type(arg) is str:
+            data = arg.encode(encoding, errors)
+        else:
+            data = bytes(encoder.encode(arg))
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
     return b"".join(parts)
 
 
@@ -81,7 +89,7 @@ def run(client: Any, *args: Any) -> Any:
     pool = client.connection_pool
     conn = _get_connection(pool)
     try:
-        packed = [_packed(conn.encoder.encode, args)]
+        packed = [_packed(conn.encoder, args)]
 
         def attempt() -> Any:
             conn.send_packed_command(packed)
