@@ -210,6 +210,9 @@ class LockedTask(Task):  # type: ignore[misc]
     def lock_name(self, args: tuple[Any, ...] = (),
                   kwargs: Mapping[str, Any] | None = None) -> str:
         """The lock name (without prefix) a call with these arguments takes."""
+        return self._key_function()(tuple(args), kwargs or {})
+
+    def _key_function(self) -> KeyFunction:
         key_fn: KeyFunction | None = self.__dict__.get("_dlock_key_fn")
         if key_fn is None:
             # From this task's class as bound (annotations applied), most derived first.
@@ -217,7 +220,7 @@ class LockedTask(Task):  # type: ignore[misc]
             if key_fn is None:
                 raise InvalidLockConfig(f"task {self.name!r} has no run() to key")
             self.__dict__["_dlock_key_fn"] = key_fn
-        return key_fn(tuple(args), kwargs or {})
+        return key_fn
 
     def dlock_settings(self, request: Any = None) -> Mapping[str, Any]:
         """This task's resolved settings, read once per task instance and process;
@@ -266,8 +269,7 @@ class LockedTask(Task):  # type: ignore[misc]
                        kwargs: Mapping[str, Any] | None = None) -> str | None:
         """The arguments that made a call's hashed lock name, as a person reads them
         (``user_id=29``); None when the name is readable itself (a template)."""
-        self.lock_name(args, kwargs)  # makes the key function
-        return arguments_text(self.__dict__["_dlock_key_fn"], tuple(args), kwargs or {})
+        return arguments_text(self._key_function(), tuple(args), kwargs or {})
 
     def _new_lock(self, key: str, settings: Mapping[str, Any],
                   request: Any, args: tuple[Any, ...],
