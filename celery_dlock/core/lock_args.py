@@ -22,6 +22,8 @@ RESERVED_INFO = frozenset({"owner", "count", "fence", "acquired_at", "ttl", "pid
 
 
 def _encodable(text: str) -> bool:
+    if text.isascii():  # (known without encoding it: most names and metadata)
+        return True
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
