@@ -28,6 +28,11 @@ FOREIGN: dict[str, Callable[[Any, str], object]] = {
                                                                "since": "monday"}),
     "hash-with-part-of-a-hold": lambda c, k: c.hset(k, mapping={
         "owner": "bob", "count": "1", "fence": "12", "extra": "x"}),
+    # every field of a hold, one number in a form Python's float reads and Lua's
+    # tonumber does not
+    "hash-with-a-number-only-python-reads": lambda c, k: c.hset(k, mapping={
+        "owner": "bob", "count": "1", "fence": "1_2", "acquired_at": "1", "ttl": "30",
+        "ops": "|ab=1"}),
     "string": lambda c, k: c.set(k, "someone else's"),
     "list": lambda c, k: c.rpush(k, "a", "b"),
 }

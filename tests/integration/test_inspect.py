@@ -220,6 +220,27 @@ def test_force_release_of_an_ended_hold_is_refused_whatever_its_operation_id(
     assert get_lock(r, prefix, name) is not None
 
 
+def test_a_hold_is_told_from_foreign_data_by_numbers_as_the_scripts_lua_reads_them(r):
+    # The read's early HoldChanged is for a hold only: what the scripts' Lua takes for
+    # a number (tonumber) must be what the read takes for one, else foreign data gets
+    # HoldChanged instead of the scripts' refusal (or a hold the refusal).
+    import random
+    import string
+
+    rng = random.Random(7)
+    alphabet = "0123456789xXeEpP.+- _aAfFnNiI()\t\v" + string.ascii_letters[:6]
+    corpus = ["0x10", "1_0", "nan", "inf", "-0x1p3", "nan(x_1)", " 12 ", "\u0661\u0662",
+              "1e", "0x", "++1", "-+0x1"]
+    corpus += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7)))
+               for _ in range(1500)]
+    wrong = []
+    for text in corpus:
+        lua = r.eval("return tonumber(ARGV[1]) ~= nil and 1 or 0", 0, text) == 1
+        if inspect_module._lua_number(text) != lua:
+            wrong.append((text, lua))
+    assert wrong == []
+
+
 def test_waiting_counts_only_live_waiters(r, prefix, name):
     hold(r, prefix, name)
     leases = LockKeys.for_name(prefix, name).leases

@@ -28,6 +28,7 @@ are right whatever the clock of the machine that asks.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -345,17 +346,41 @@ def force_release(client: Any, prefix: str, name: str, *,
 
 
 def _is_hold(fields: Mapping[str, str]) -> bool:
-    """Whether ``fields`` have every field of a hold, its numbers numbers (what the
-    scripts check before they touch a hash; anything else they refuse as foreign)."""
+    """Whether ``fields`` have every field of a hold, its numbers numbers as the
+    scripts' Lua reads them (what the scripts check before they touch a hash; anything
+    else they refuse as foreign)."""
     for f in HOLD_FIELDS:
         value = fields.get(f)
         if value is None:
             return False
-        if f not in ("owner", "ops"):
-            try:
-                float(value)
-            except ValueError:
-                return False
+        if f not in ("owner", "ops") and not _lua_number(value):
+            return False
+    return True
+
+
+#: The white space Lua's ``tonumber`` skips around a number (C's isspace).
+_LUA_SPACE = " \t\n\v\f\r"
+_NAN_CHARS = re.compile(r"[+-]?nan\([0-9A-Za-z_]*\)", re.IGNORECASE)
+
+
+def _lua_number(text: str) -> bool:
+    """Whether Lua's ``tonumber`` (Redis's Lua 5.1: C's strtod, then a hex integer)
+    reads ``text`` as a number.  Python's ``float`` alone differs both ways: it
+    takes ``1_0`` and digits of other scripts, and refuses ``0x10``."""
+    s = text.strip(_LUA_SPACE)
+    if _NAN_CHARS.fullmatch(s):  # strtod's nan(chars)
+        return True
+    if not s or not s.isascii() or "_" in s or any(c in _LUA_SPACE for c in s):
+        return False
+    try:
+        float(s)
+    except ValueError:
+        if s.lstrip("+-")[:2] not in ("0x", "0X") or s[:2] in ("+-", "-+", "--", "++"):
+            return False
+        try:
+            float.fromhex(s)  # 0x10, 0x1p3: strtod reads hex
+        except ValueError:
+            return False
     return True
 
 
