@@ -33,7 +33,7 @@ from typing import Any
 
 import redis
 from redis import ConnectionPool, Redis
-from redis.connection import Encoder
+from redis.connection import Encoder  # type: ignore[attr-defined]  # (4.x to 8.x)
 
 __all__ = ["plain", "run"]
 
