@@ -121,6 +121,20 @@ def recording_enabled(app: Any) -> bool:
     return bool(conf_value(app, "dlock_record_events", False))
 
 
+def _recording(sender: Any) -> bool:
+    """Whether the app of ``sender`` (a task) records events: read once per task and
+    process, as the task's other settings are (:meth:`LockedTask.dlock_settings`),
+    since every acquisition asks."""
+    cache = getattr(sender, "__dict__", None)
+    if cache is None:
+        return recording_enabled(getattr(sender, "app", None))
+    found: bool | None = cache.get("_dlock_record_events")
+    if found is None:
+        found = recording_enabled(getattr(sender, "app", None))
+        cache["_dlock_record_events"] = found
+    return found
+
+
 def push_event(pipe: Any, prefix: str, event: Event) -> None:
     """Queue on ``pipe`` the recording of ``event`` under ``prefix``: the history
     list, capped, and its minute's count (:mod:`.event_counts`)."""
@@ -143,7 +157,7 @@ def _record(task: Any, event: Event) -> None:
 
 def _on_acquired(sender: Any = None, name: str = "?", **_: Any) -> None:
     """An acquisition is counted (its minute's count), not kept in the history."""
-    if not recording_enabled(getattr(sender, "app", None)):
+    if not _recording(sender):
         return
     try:
         pipe = get_client(sender.app).pipeline(transaction=False)
@@ -156,7 +170,7 @@ def _on_acquired(sender: Any = None, name: str = "?", **_: Any) -> None:
 def _on_contended(sender: Any = None, name: str = "?", policy: str | None = None,
                   holder: Any = None, task_id: str | None = None, error: Any = None,
                   **_: Any) -> None:
-    if not recording_enabled(getattr(sender, "app", None)):
+    if not _recording(sender):
         return
     if isinstance(error, BackendUnavailable):
         return
@@ -173,7 +187,7 @@ def _on_contended(sender: Any = None, name: str = "?", policy: str | None = None
 
 def _on_lost(sender: Any = None, name: str = "?", task_id: str | None = None,
              reason: str | None = None, **_: Any) -> None:
-    if not recording_enabled(getattr(sender, "app", None)):
+    if not _recording(sender):
         return
     # Sent from the scheduler thread: the task's request context is not ours to read.
     _record(sender, Event(at=time.time(), kind="lost", key=name,
@@ -184,7 +198,7 @@ def _on_lost(sender: Any = None, name: str = "?", task_id: str | None = None,
 def _on_duplicate(sender: Any = None, name: str = "?", task_id: str | None = None,
                   existing: str | None = None, mode: str | None = None,
                   policy: str | None = None, **_: Any) -> None:
-    if not recording_enabled(getattr(sender, "app", None)):
+    if not _recording(sender):
         return
     _record(sender, Event(at=time.time(), kind="duplicate", key=name,
                           task_name=getattr(sender, "name", None), task_id=task_id,
@@ -194,7 +208,7 @@ def _on_duplicate(sender: Any = None, name: str = "?", task_id: str | None = Non
 
 def _on_parked(sender: Any = None, name: str = "?", task_id: str | None = None,
                delay: float | None = None, rate: str | None = None, **_: Any) -> None:
-    if not recording_enabled(getattr(sender, "app", None)):
+    if not _recording(sender):
         return
     request = getattr(sender, "request", None)
     slot = "" if delay is None else f", its slot in {delay:.2f}s"
