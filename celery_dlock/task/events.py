@@ -126,7 +126,7 @@ def _recording(sender: Any) -> bool:
     process, as the task's other settings are (:meth:`LockedTask.dlock_settings`),
     since every acquisition asks."""
     cache = getattr(sender, "__dict__", None)
-    if cache is None:
+    if not isinstance(cache, dict):  # (a class's is read-only)
         return recording_enabled(getattr(sender, "app", None))
     found: bool | None = cache.get("_dlock_record_events")
     if found is None:
