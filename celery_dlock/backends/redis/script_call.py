@@ -69,12 +69,12 @@ def _packed(encoder: Any, args: Sequence[Any]) -> bytes:
     # here as redis-py's own Encoder does it, with the connection's encoding and
     # errors setting, without the type checks that come first there; anything else,
     # and every argument of another encoder class, goes through ``encoder.encode``.
-    direct = type(encoder) is Encoder
-    encoding, errors = encoder.encoding, encoder.encoding_errors
+    text = ((encoder.encoding, encoder.encoding_errors) if type(encoder) is Encoder
+            else None)
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
-        if direct and type(arg) is str:
-            data = arg.encode(encoding, errors)
+        if text is not None and type(arg) is str:
+            data = arg.encode(*text)
         else:
             data = bytes(encoder.encode(arg))
         parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
