@@ -228,7 +228,7 @@ def test_a_hold_is_told_from_foreign_data_by_numbers_as_the_scripts_lua_reads_th
     import string
 
     rng = random.Random(7)
-    alphabet = "0123456789xXeEpP.+- _aAfFnNiI()\t\v" + string.ascii_letters[:6]
+    alphabet = "0123456789xXeEpP.+- _aAfFnNiI()\t\v\x1c" + string.ascii_letters[:6]
     corpus = ["0x10", "1_0", "nan", "inf", "-0x1p3", "nan(x_1)", " 12 ", "\u0661\u0662",
               "1e", "0x", "++1", "-+0x1"]
     corpus += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7)))

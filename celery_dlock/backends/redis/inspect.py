@@ -43,7 +43,7 @@ from ...core.protocol import new_op_id
 from .cluster import node_clients
 from .hashtag import name_of_key
 from .hashtag import scan_pattern as _scan_pattern
-from .keyspace import HOLD_FIELDS, LockKeys, decode
+from .keyspace import HOLD_FIELDS, HOLD_NUMBERS, LockKeys, decode
 from .refusals import refusal
 from .released import clean_text
 from .scripts import FORCE_RELEASE, READ_HOLD
@@ -349,13 +349,8 @@ def _is_hold(fields: Mapping[str, str]) -> bool:
     """Whether ``fields`` have every field of a hold, its numbers numbers as the
     scripts' Lua reads them (what the scripts check before they touch a hash; anything
     else they refuse as foreign)."""
-    for f in HOLD_FIELDS:
-        value = fields.get(f)
-        if value is None:
-            return False
-        if f not in ("owner", "ops") and not _lua_number(value):
-            return False
-    return True
+    return (all(fields.get(f) is not None for f in HOLD_FIELDS)
+            and all(_lua_number(fields[f]) for f in HOLD_NUMBERS))
 
 
 #: The white space Lua's ``tonumber`` skips around a number (C's isspace).
@@ -370,12 +365,12 @@ def _lua_number(text: str) -> bool:
     s = text.strip(_LUA_SPACE)
     if _NAN_CHARS.fullmatch(s):  # strtod's nan(chars)
         return True
-    if not s or not s.isascii() or "_" in s or any(c in _LUA_SPACE for c in s):
+    if not s.isascii() or "_" in s:
         return False
     try:
         float(s)
     except ValueError:
-        if s.lstrip("+-")[:2] not in ("0x", "0X") or s[:2] in ("+-", "-+", "--", "++"):
+        if s.lstrip("+-")[:2].lower() != "0x":  # fromhex also reads 1e as 0x1e
             return False
         try:
             float.fromhex(s)  # 0x10, 0x1p3: strtod reads hex

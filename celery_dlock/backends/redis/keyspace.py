@@ -16,7 +16,7 @@ from ...core.errors import Holder, InvalidLockConfig
 from .hashtag import lock_key
 from .waiters import doorbell_suffix
 
-__all__ = ["FENCE_SUFFIX", "HOLD_FIELDS", "LINE_FIELD", "MARKER_SUFFIX",
+__all__ = ["FENCE_SUFFIX", "HOLD_FIELDS", "HOLD_NUMBERS", "LINE_FIELD", "MARKER_SUFFIX",
            "RELEASED_SUFFIX", "SUFFIXES", "UNTOUCHED", "LockKeys", "check_client",
            "decode", "foreign_keys", "parse_holder"]
 
@@ -27,6 +27,8 @@ _KEY_TYPES = {"lock": "hash", "fence": "string", "queue": "zset", "leases": "zse
 #: as a whole): a hash at a lock's key without one of them is another application's.
 #: A hold's other fields are metadata, free-form (``info=``): they tell nothing.
 HOLD_FIELDS = ("owner", "count", "fence", "acquired_at", "ttl", "ops")
+#: Those of :data:`HOLD_FIELDS` whose values are numbers (the scripts read them so).
+HOLD_NUMBERS = tuple(f for f in HOLD_FIELDS if f not in ("owner", "ops"))
 #: The field a hold's hash gets when a waiter joins the line during the hold (or the
 #: line is not empty when it is granted): its final release rings the first in line
 #: only then, so that a release of a lock nobody waited for reads no line.

@@ -12,7 +12,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from ...core.lock_options import DEFAULT_FENCE_TTL
-from .keyspace import HOLD_FIELDS, LINE_FIELD, SUFFIXES
+from .keyspace import HOLD_NUMBERS, LINE_FIELD, SUFFIXES
 from .refusals import NOT_A_FENCE, NOT_A_HOLD, REFUSED
 from .script_call import plain, run
 from .waiters import DOORBELL_TTL_MS, LINE_TTL_MS, WAKE_GRACE_MS
@@ -88,8 +88,7 @@ end
 # Whether the key of a lock is one of its holds, pasted in front of the scripts that
 # write to it.
 HOLD_SHAPE = CALL + f"""
-local HOLD_NUMBERS = {{{", ".join(repr(f) for f in HOLD_FIELDS
-                                  if f not in ("owner", "ops"))}}}
+local HOLD_NUMBERS = {{{", ".join(repr(f) for f in HOLD_NUMBERS)}}}
 """ + """
 -- The field of a hold that ``get`` (a field's name -> its value or nil/false) lacks,
 -- or nil when it has them all: every hold has an owner, ops and HOLD_NUMBERS as
