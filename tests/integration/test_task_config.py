@@ -9,6 +9,7 @@ default.  The lock a task takes is observed in the real Redis while the body run
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from celery_helpers import QUICK_POLLING, close_app, needs_inprocess_eta, test_a
 from celery_dlock import InvalidLockConfig, LockedTask, LockNotAcquired, RedisLock
 from celery_dlock.task import config
 from celery_dlock.task.config import get_client, resolve_url
+from celery_dlock.task.event_counts import minute_counts
 
 RESULT_TIMEOUT = 30
 
@@ -426,3 +428,35 @@ def test_lock_options_and_celery_options_as_keywords_are_sent(typo_app, r, route
                           "expires": 600, "shadow": "report(d1)",
                           "retry_policy": {"max_retries": 1}})
     assert r.llen(queue) == 1
+
+
+def test_dlock_record_events_is_read_once_per_task_and_process(redis_url):
+    """docs/cli.md: a task reads ``dlock_record_events`` the first time it records or
+    counts something; a change made afterwards is not seen by that task, and is by a
+    task that had not read it yet."""
+    tag = uuid.uuid4().hex[:8]
+    app = _conf_app(redis_url, tag, dlock_record_events=False)
+    r = redis.Redis.from_url(redis_url)
+
+    @app.task(base=LockedTask, name=f"cfg{tag}.first", lock_key="rec1:{x}")
+    def first(x: str) -> str:
+        return x
+
+    @app.task(base=LockedTask, name=f"cfg{tag}.second", lock_key="rec2:{x}")
+    def second(x: str) -> str:
+        return x
+
+    def acquisitions() -> int:
+        counts = minute_counts(r, f"dlt{tag}", time.time(), 5)
+        return sum(counts.get("acquired", []))
+
+    try:
+        assert first.apply(("a",)).get() == "a"
+        app.conf.dlock_record_events = True
+        assert first.apply(("b",)).get() == "b"
+        assert acquisitions() == 0
+        assert second.apply(("c",)).get() == "c"
+        assert acquisitions() == 1
+    finally:
+        close_app(app)
+        r.close()
